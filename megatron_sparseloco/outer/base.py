@@ -1,0 +1,262 @@
+"""Common machinery of every outer strategy: the anchor θ_outer, bucketing, the non-finite guard.
+
+A strategy is handed the fp32 tensors this rank owns (for Megatron: the distributed optimizer's
+main-param shards) and the process group that joins this rank to the ranks holding the same
+shard in every other worker. Between outer steps the inner optimizer moves those tensors; at an
+outer step the strategy computes the pseudo-gradient
+
+    Δ = θ_outer − θ_local                       (a descent direction, like a gradient)
+
+bucket by bucket, communicates, updates θ_outer and writes it back into the tensors in place
+(θ_local ← θ_outer). The anchor is one flat fp32 buffer the size of this rank's shard; buckets
+are flat ranges of it, so the extra memory of one step is bounded by the bucket, not the model.
+
+Non-finite guard: before anything is sent, each rank checks its tensors; one tiny all-reduce
+(MAX of a flag) makes every worker agree. With ``nonfinite_policy="skip"`` all workers skip the
+step consistently and reset θ_local ← θ_outer (the local progress of this round is discarded,
+θ_outer is untouched); with ``"abort"`` every worker raises ``NonFiniteError`` naming the tensor
+(on the worker that saw it) or the worker (on the others).
+"""
+from __future__ import annotations
+
+import abc
+import math
+import time
+from dataclasses import dataclass, field, fields
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparseloco.comm.collectives import CommCounter, all_reduce_
+
+NONFINITE_POLICIES = ("skip", "abort")
+
+
+class NonFiniteError(RuntimeError):
+    """A worker's pseudo-gradient holds NaN or Inf."""
+
+
+class ConfigError(ValueError):
+    """An invalid outer-strategy configuration; the message names the field and the fix."""
+
+
+@dataclass
+class OuterConfig:
+    """Fields every strategy shares. Subclasses add theirs and extend ``validate``."""
+
+    bucket_numel: int = 1 << 24  # elements per bucket (64 MiB of fp32)
+    nonfinite_policy: str = "skip"
+
+    def validate(self) -> "OuterConfig":
+        if not isinstance(self.bucket_numel, int) or self.bucket_numel < 1:
+            raise ConfigError(f"bucket_numel must be a positive integer, got {self.bucket_numel!r}")
+        if self.nonfinite_policy not in NONFINITE_POLICIES:
+            raise ConfigError(
+                f"nonfinite_policy must be one of {NONFINITE_POLICIES}, got {self.nonfinite_policy!r}")
+        return self
+
+    @staticmethod
+    def _check_range(name: str, value, lo: float, hi: float, lo_open=False, hi_open=False) -> None:
+        ok_lo = value > lo if lo_open else value >= lo
+        ok_hi = value < hi if hi_open else value <= hi
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and ok_lo and ok_hi):
+            lb = "(" if lo_open else "["
+            rb = ")" if hi_open else "]"
+            raise ConfigError(f"{name} must be in {lb}{lo}, {hi}{rb}, got {value!r}")
+
+
+@dataclass
+class OuterStepStats:
+    """What one outer step did on this rank."""
+
+    step: int = 0
+    numel: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    collectives: int = 0
+    time_compress_s: float = 0.0
+    time_communicate_s: float = 0.0
+    time_apply_s: float = 0.0
+    delta_norm: float = 0.0
+    error_norm: float = 0.0
+    update_norm: float = 0.0
+    skipped: bool = False
+    extra: Dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        d.update(self.extra)
+        return d
+
+
+class _Timer:
+    def __init__(self, stats: OuterStepStats, attr: str, device: torch.device):
+        self.stats, self.attr, self.device = stats, attr, device
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        setattr(self.stats, self.attr, getattr(self.stats, self.attr) + time.perf_counter() - self.t0)
+
+
+class FlatShards:
+    """A list of tensors seen as one flat vector, without copying them into one.
+
+    ``read(start, end, out)`` gathers elements [start, end) of the concatenation into ``out``;
+    ``write(start, end, src)`` scatters them back. Used so that buckets may span tensors.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.tensors = [t for t in tensors]
+        self.sizes = [t.numel() for t in self.tensors]
+        self.offsets = [0]
+        for n in self.sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = self.offsets[-1]
+
+    def _segments(self, start: int, end: int) -> Iterator[Tuple[int, int, int]]:
+        """(tensor index, offset in tensor, offset in range, length) for each overlap."""
+        for i, (lo, n) in enumerate(zip(self.offsets, self.sizes)):
+            hi = lo + n
+            if hi <= start or lo >= end or n == 0:
+                continue
+            s, e = max(lo, start), min(hi, end)
+            yield i, s - lo, s - start, e - s
+
+    def read(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
+        for i, t_off, r_off, n in self._segments(start, end):
+            out[r_off:r_off + n].copy_(self.tensors[i].reshape(-1)[t_off:t_off + n])
+        return out
+
+    def write(self, start: int, end: int, src: torch.Tensor) -> None:
+        for i, t_off, r_off, n in self._segments(start, end):
+            flat = self.tensors[i].view(-1)
+            flat[t_off:t_off + n].copy_(src[r_off:r_off + n])
+
+    def name_of(self, flat_index: int, names: Sequence[str]) -> str:
+        for i, lo in enumerate(self.offsets[1:]):
+            if flat_index < lo:
+                return names[i]
+        return names[-1]
+
+
+class OuterStrategy(abc.ABC):
+    """Base of all outer strategies: anchor, buckets, guard, stats, state dict.
+
+    Subclasses implement ``_outer_step(stats)`` and may add state through ``_extra_state``.
+    """
+
+    #: a short name used in logs and checkpoints
+    name: str = "base"
+
+    def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
+                 config: OuterConfig, names: Optional[Sequence[str]] = None):
+        self.config = config.validate()
+        if len(params) == 0:
+            raise ConfigError("an outer strategy needs at least one parameter tensor")
+        for i, p in enumerate(params):
+            if p.dtype != torch.float32:
+                raise ConfigError(f"outer strategies work on fp32 tensors (main params); tensor {i} is {p.dtype}")
+        self.params = FlatShards(params)
+        self.names = list(names) if names is not None else [f"param{i}" for i in range(len(params))]
+        self.group = group
+        self.device = params[0].device
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.counter = CommCounter()
+        self.outer_steps = 0
+        self.anchor = torch.empty(self.params.numel, dtype=torch.float32, device=self.device)
+        self.reset_anchor()
+
+    # ------------------------------------------------------------------ anchor and buckets
+    def reset_anchor(self) -> None:
+        """θ_outer ← θ_local (at start, and after loading params from elsewhere)."""
+        self.params.read(0, self.params.numel, self.anchor)
+
+    def buckets(self) -> Iterator[Tuple[int, int]]:
+        n, b = self.params.numel, self.config.bucket_numel
+        for s in range(0, n, b):
+            yield s, min(n, s + b)
+
+    def pseudo_gradient(self, start: int, end: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Δ[start:end] = θ_outer − θ_local for one bucket (fresh buffer unless ``out``)."""
+        if out is None:
+            out = torch.empty(end - start, dtype=torch.float32, device=self.device)
+        self.params.read(start, end, out)
+        return torch.sub(self.anchor[start:end], out, out=out)
+
+    def write_back(self, start: int, end: int) -> None:
+        """θ_local ← θ_outer on one bucket."""
+        self.params.write(start, end, self.anchor[start:end])
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> OuterStepStats:
+        """One outer step, in place on the params. Every worker must call it together."""
+        stats = OuterStepStats(step=self.outer_steps + 1, numel=self.params.numel)
+        before = (self.counter.bytes_sent, self.counter.bytes_received, self.counter.collectives)
+        if self._agree_nonfinite(stats):
+            self._outer_step(stats)
+        self.outer_steps += 1
+        stats.bytes_sent = self.counter.bytes_sent - before[0]
+        stats.bytes_received = self.counter.bytes_received - before[1]
+        stats.collectives = self.counter.collectives - before[2]
+        return stats
+
+    def _agree_nonfinite(self, stats: OuterStepStats) -> bool:
+        """True when every worker's params are finite; otherwise apply the policy."""
+        bad_name = None
+        for i, t in enumerate(self.params.tensors):
+            if not torch.isfinite(t).all():
+                bad_name = self.names[i]
+                break
+        flag = torch.tensor([0.0 if bad_name is None else float(self.rank + 1)], device=self.device)
+        all_reduce_(flag, self.group, self.counter, op=dist.ReduceOp.MAX)
+        if flag.item() == 0:
+            return True
+        culprit = int(flag.item()) - 1
+        if self.config.nonfinite_policy == "abort":
+            where = f"tensor {bad_name!r} on this worker" if bad_name is not None else f"worker {culprit}"
+            raise NonFiniteError(
+                f"{self.name} outer step {self.outer_steps + 1}: non-finite pseudo-gradient in {where}; "
+                "θ_outer left untouched (policy 'abort'; use nonfinite_policy='skip' to skip such rounds)")
+        for s, e in self.buckets():
+            self.write_back(s, e)
+        stats.skipped = True
+        return False
+
+    @abc.abstractmethod
+    def _outer_step(self, stats: OuterStepStats) -> None:
+        """Compute Δ, communicate, update ``self.anchor`` and write it back (all buckets)."""
+
+    def _timer(self, stats: OuterStepStats, attr: str) -> _Timer:
+        return _Timer(stats, attr, self.device)
+
+    # ------------------------------------------------------------------ state
+    def _extra_state(self) -> Dict[str, torch.Tensor]:
+        """Strategy-specific tensors (momentum, error feedback) by name."""
+        return {}
+
+    def state_dict(self) -> dict:
+        sd = {"name": self.name, "outer_steps": self.outer_steps, "numel": self.params.numel,
+              "anchor": self.anchor.clone()}
+        for k, v in self._extra_state().items():
+            sd[k] = v.clone()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("name") != self.name:
+            raise ValueError(f"state dict is for outer strategy {sd.get('name')!r}, not {self.name!r}")
+        if int(sd["numel"]) != self.params.numel:
+            raise ValueError(f"state dict covers {sd['numel']} elements, this rank owns {self.params.numel}")
+        self.outer_steps = int(sd["outer_steps"])
+        self.anchor.copy_(sd["anchor"])
+        for k, v in self._extra_state().items():
+            if k not in sd:
+                raise ValueError(f"state dict lacks {k!r} for outer strategy {self.name!r}")
+            v.copy_(sd[k])

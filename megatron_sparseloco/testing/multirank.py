@@ -1,0 +1,123 @@
+"""Run a function on N gloo ranks on loopback, with a hard timeout that reports the ranks' stacks.
+
+    results = run_ranks(fn, world_size=4, args=(...,), timeout=120)
+
+``fn(rank, world_size, *args)`` runs in a fresh process (spawn) after
+``torch.distributed.init_process_group("gloo")`` on a free 127.0.0.1 port; its return value
+(picklable) comes back in ``results[rank]``. An exception in any rank fails the call with that
+rank's traceback. A rank still running ``timeout`` seconds after start dumps all its threads'
+stacks (faulthandler) and is killed, and the call raises ``RankTimeout`` carrying every rank's
+captured output, so a hung collective fails a test instead of hanging CI.
+"""
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, List, Optional, Sequence
+
+
+class RankFailure(RuntimeError):
+    """A rank raised; the message holds its traceback and output."""
+
+
+class RankTimeout(RuntimeError):
+    """Ranks did not finish within the timeout; the message holds their stacks and output."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, args, out_dir, timeout, env):
+    log_path = os.path.join(out_dir, f"rank{rank}.log")
+    log = open(log_path, "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    # Dump every thread's stack shortly before the parent gives up on us.
+    faulthandler.dump_traceback_later(max(1.0, timeout - 2.0), exit=True, file=log)
+    os.environ.update(env)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
+    result_path = os.path.join(out_dir, f"rank{rank}.pkl")
+    try:
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        from datetime import timedelta
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=timeout))
+        value = fn(rank, world_size, *args)
+        payload = ("ok", value)
+    except BaseException as exc:  # report everything, including SystemExit from a bad rank
+        payload = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    try:
+        with open(result_path, "wb") as f:
+            pickle.dump(payload, f)
+    except Exception as exc:  # unpicklable result
+        with open(result_path, "wb") as f:
+            pickle.dump(("error", f"result of rank {rank} could not be pickled: {exc}"), f)
+    log.flush()
+    os._exit(0)  # skip atexit/destroy_process_group, which can block when a peer died
+
+
+def _tail(path: str, n: int = 6000) -> str:
+    try:
+        with open(path, "r", errors="replace") as f:
+            data = f.read()
+        return data[-n:]
+    except OSError:
+        return "<no output>"
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 120.0,
+              env: Optional[dict] = None) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; see the module docstring."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    env = dict(env or {})
+    with tempfile.TemporaryDirectory(prefix="sparseloco-ranks-") as out_dir:
+        procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, tuple(args), out_dir, timeout, env),
+                             daemon=True) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout + 5.0
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        logs = {r: _tail(os.path.join(out_dir, f"rank{r}.log")) for r in range(world_size)}
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                results.append(None)
+                errors.append((r, f"rank {r} produced no result (exit code {procs[r].exitcode})"))
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "ok":
+                results.append(value)
+            else:
+                results.append(None)
+                errors.append((r, value))
+        if hung:
+            report = "\n".join(f"----- rank {r} output (stacks at timeout) -----\n{logs[r]}" for r in range(world_size))
+            raise RankTimeout(f"ranks {hung} still running after {timeout:.0f} s\n{report}")
+        if errors:
+            report = "\n".join(f"----- rank {r} -----\n{msg}\n----- rank {r} output -----\n{logs[r]}" for r, msg in errors)
+            raise RankFailure(f"{len(errors)} rank(s) failed\n{report}")
+        return results
