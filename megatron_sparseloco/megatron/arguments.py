@@ -1,0 +1,283 @@
+"""The ``--sparseloco-*`` flags: an argparse group in Megatron's style, and their validation.
+
+Usage with megatron.training (what ``python -m megatron_sparseloco.run`` does for an unmodified
+pretrain script)::
+
+    args = parse_and_validate_args(extra_args_provider=add_sparseloco_args)
+    validate_sparseloco_args(args)           # after Megatron's validate_args (needs world size)
+
+``validate_sparseloco_args`` runs before any model is built. Every bad value or combination raises
+``SparseLoCoArgumentError`` whose message names the flag and the fix. It also resolves the
+algorithm-dependent defaults (outer lr / momentum / Nesterov) in place and maps
+``--sparseloco-workers W`` onto Megatron's ``--num-distributed-optimizer-instances W``: a DiLoCo
+worker *is* a distributed-optimizer instance (see ``megatron_sparseloco.megatron.optimizer``).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+ALGORITHMS = ("sparseloco", "diloco", "gasloc", "average")
+VALUE_BITS = (2, 4, 8, 16, 32)
+REDUCE_MODES = ("contributors", "all")
+INDEX_CODINGS = ("packed", "entropy")
+TOPOLOGIES = ("ring", "exponential", "random1", "random2", "complete")
+NONFINITE_POLICIES = ("skip", "abort")
+COMM_DTYPES = ("fp32", "bf16")
+
+#: algorithm → (outer lr, outer momentum, nesterov); from the papers (DESIGN.md §1).
+ALGORITHM_DEFAULTS = {
+    "sparseloco": (1.0, 0.0, False),   # EF plays momentum's role; reference α = 1
+    "diloco": (0.7, 0.9, True),        # DiLoCo paper
+    "gasloc": (1.0, 0.9, False),       # heavy-ball on the gossip-mixed increment
+    "average": (1.0, 0.0, False),      # plain model averaging
+}
+
+
+class SparseLoCoArgumentError(ValueError):
+    """A bad ``--sparseloco-*`` value or combination; the message names the flag and the fix."""
+
+
+def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--sparseloco-*`` group to a Megatron argument parser (an ``extra_args_provider``)."""
+    g = parser.add_argument_group(title="sparseloco", description="DiLoCo / SparseLoCo / GASLoC outer steps across data-parallel workers")
+    g.add_argument("--sparseloco-algorithm", choices=ALGORITHMS, default=None,
+                   help="Outer algorithm. Unset: the plugin is off and Megatron trains as usual.")
+    g.add_argument("--sparseloco-workers", type=int, default=None,
+                   help="Number of DiLoCo workers W; each worker is one distributed-optimizer instance "
+                        "(sets --num-distributed-optimizer-instances). Default: that flag's value.")
+    g.add_argument("--sparseloco-inner-steps", type=int, default=15,
+                   help="Inner optimizer steps H between outer steps (reference: 15; Covenant-72B: 30).")
+    g.add_argument("--sparseloco-inner-steps-per-worker", type=str, default=None,
+                   help="GASLoC only: comma-separated H per worker (slower workers do fewer steps).")
+    g.add_argument("--sparseloco-outer-lr", type=float, default=None,
+                   help="Outer learning rate. Default by algorithm: sparseloco 1.0, diloco 0.7, gasloc 1.0, average 1.0.")
+    g.add_argument("--sparseloco-outer-momentum", type=float, default=None,
+                   help="Outer momentum. Default by algorithm: diloco 0.9, gasloc 0.9, sparseloco 0, average 0.")
+    g.add_argument("--sparseloco-outer-nesterov", action=argparse.BooleanOptionalAction, default=None,
+                   help="Nesterov outer momentum (default: on for diloco, off otherwise).")
+    g.add_argument("--sparseloco-topk", type=int, default=64, help="Values kept per chunk (k).")
+    g.add_argument("--sparseloco-chunk-size", type=int, default=4096, help="Chunk size C (density k/C).")
+    g.add_argument("--sparseloco-value-bits", type=int, choices=VALUE_BITS, default=2,
+                   help="Bits per kept value: 2/4/8 quantised, 16 bf16, 32 fp32.")
+    g.add_argument("--sparseloco-ef-decay", type=float, default=0.95, help="Error-feedback decay β in [0, 1).")
+    g.add_argument("--sparseloco-reduce", choices=REDUCE_MODES, default="contributors",
+                   help="Aggregate: mean over the workers that sent a coordinate (reference) or over all workers.")
+    g.add_argument("--sparseloco-index-coding", choices=INDEX_CODINGS, default="packed",
+                   help="Index wire format: packed ceil(log2 C)-bit, or entropy-coded (Golomb-Rice).")
+    g.add_argument("--sparseloco-bucket-size", type=int, default=1 << 24,
+                   help="Elements per outer-step bucket (bounds the outer step's extra memory).")
+    g.add_argument("--sparseloco-diloco-comm-dtype", choices=COMM_DTYPES, default="fp32",
+                   help="DiLoCo / average: dtype of the pseudo-gradient all-reduce.")
+    g.add_argument("--sparseloco-nonfinite-policy", choices=NONFINITE_POLICIES, default="skip",
+                   help="NaN/Inf pseudo-gradient on any worker: skip the outer step on all workers, or abort.")
+    g.add_argument("--sparseloco-consistency-check-interval", type=int, default=0,
+                   help="Every N outer steps compare a hash of θ_outer across workers (0: off).")
+    g.add_argument("--sparseloco-outer-timeout", type=float, default=600.0,
+                   help="Seconds an outer step may wait for the other workers before failing.")
+    g.add_argument("--sparseloco-gossip-topology", choices=TOPOLOGIES, default=None,
+                   help="GASLoC only: gossip graph (default ring).")
+    g.add_argument("--sparseloco-gossip-seed", type=int, default=None,
+                   help="GASLoC only: seed shared by all workers for random matchings (default 0).")
+    g.add_argument("--sparseloco-gossip-proposal-lr", type=float, default=None,
+                   help="GASLoC only: proposal step η in y = θ0 − η·Δ (default 1.0).")
+    g.add_argument("--sparseloco-gossip-compress", action="store_true", default=False,
+                   help="GASLoC only: send proposals SparseLoCo-compressed with per-neighbour error feedback.")
+    return parser
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _fail(dest: str, problem: str, fix: str) -> None:
+    raise SparseLoCoArgumentError(f"{_flag(dest)}: {problem}. Fix: {fix}")
+
+
+def _explicitly_set(args: argparse.Namespace, dest: str) -> bool:
+    """True when a flag differs from its parser default (used to refuse silently ignored flags)."""
+    defaults = _parser_defaults()
+    return getattr(args, dest, None) != defaults.get(dest)
+
+
+_DEFAULTS_CACHE: Optional[dict] = None
+
+
+def _parser_defaults() -> dict:
+    global _DEFAULTS_CACHE
+    if _DEFAULTS_CACHE is None:
+        p = add_sparseloco_args(argparse.ArgumentParser(add_help=False))
+        _DEFAULTS_CACHE = {a.dest: a.default for a in p._actions if a.dest.startswith("sparseloco_")}
+    return _DEFAULTS_CACHE
+
+
+def parse_per_worker_steps(text: str, workers: int) -> List[int]:
+    try:
+        steps = [int(x) for x in text.split(",") if x.strip() != ""]
+    except ValueError:
+        _fail("sparseloco_inner_steps_per_worker", f"{text!r} is not a comma-separated list of integers",
+              "give one integer per worker, e.g. 30,30,15,30")
+    if len(steps) != workers:
+        _fail("sparseloco_inner_steps_per_worker", f"has {len(steps)} entries for {workers} workers",
+              f"give exactly {workers} comma-separated values")
+    if any(s < 1 for s in steps):
+        _fail("sparseloco_inner_steps_per_worker", f"{steps} has a value < 1", "every worker needs at least one inner step")
+    return steps
+
+
+def resolve_workers(args: argparse.Namespace) -> None:
+    """Map ``--sparseloco-workers`` onto ``--num-distributed-optimizer-instances`` (before Megatron's validation)."""
+    if getattr(args, "sparseloco_algorithm", None) is None:
+        return
+    instances = getattr(args, "num_distributed_optimizer_instances", 1)
+    if args.sparseloco_workers is None:
+        args.sparseloco_workers = instances
+    elif instances not in (1, args.sparseloco_workers):
+        _fail("sparseloco_workers",
+              f"{args.sparseloco_workers} disagrees with --num-distributed-optimizer-instances {instances}",
+              "give only one of them, or the same value to both")
+    if args.sparseloco_workers < 1:
+        _fail("sparseloco_workers", f"must be >= 1, got {args.sparseloco_workers}", "use a positive number of workers")
+    args.num_distributed_optimizer_instances = args.sparseloco_workers
+
+
+def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
+    """Check every ``--sparseloco-*`` value and combination; resolve defaults in place.
+
+    ``world_size`` defaults to ``args.world_size`` (set by Megatron's ``validate_args``).
+    """
+    algo = getattr(args, "sparseloco_algorithm", None)
+    if algo is None:
+        stray = [d for d in _parser_defaults() if d != "sparseloco_algorithm" and _explicitly_set(args, d)]
+        if stray:
+            raise SparseLoCoArgumentError(
+                f"{', '.join(_flag(d) for d in stray)} given without --sparseloco-algorithm, so it would be ignored. "
+                f"Fix: add --sparseloco-algorithm {{{','.join(ALGORITHMS)}}} or drop those flags")
+        return args
+
+    resolve_workers(args)
+    W = args.sparseloco_workers
+
+    # --- world layout -------------------------------------------------------------------
+    world_size = world_size if world_size is not None else getattr(args, "world_size", None)
+    if world_size is not None:
+        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+        cp = getattr(args, "context_parallel_size", 1) or 1
+        mp = tp * pp * cp
+        if world_size % mp != 0:
+            raise SparseLoCoArgumentError(
+                f"world size {world_size} is not divisible by TP×PP×CP = {mp}. Fix: launch a multiple of {mp} ranks")
+        dp = world_size // mp
+        if dp % W != 0:
+            _fail("sparseloco_workers", f"{W} workers do not divide the data-parallel size {dp} "
+                  f"(world {world_size} / TP×PP×CP {mp})", f"choose W among the divisors of {dp}")
+        ep = getattr(args, "expert_model_parallel_size", 1) or 1
+        etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+        if getattr(args, "num_experts", None) and ((world_size // W) % (ep * etp * pp) != 0):
+            _fail("sparseloco_workers", f"a worker of {world_size // W} ranks cannot hold whole expert-parallel "
+                  f"groups (EP {ep} × expert-TP {etp} × PP {pp})", "choose W so that each worker holds whole EP groups")
+    if W > 1 and not getattr(args, "use_distributed_optimizer", False):
+        _fail("sparseloco_workers", f"{W} workers need Megatron's distributed optimizer (a worker is a "
+              "distributed-optimizer instance)", "add --use-distributed-optimizer")
+    if algo == "gasloc" and W < 2:
+        _fail("sparseloco_workers", f"gasloc gossips between workers and needs W >= 2, got {W}",
+              "use --sparseloco-workers 2 or more, or another --sparseloco-algorithm")
+
+    # --- Megatron options we cannot combine with --------------------------------------------
+    for dest, why in (
+        ("use_megatron_fsdp", "Megatron-FSDP shards parameters differently from the distributed optimizer"),
+        ("use_torch_fsdp2", "torch FSDP2 is not the distributed optimizer the outer step works on"),
+        ("overlap_param_gather_with_optimizer_step", "the outer step rewrites params after the optimizer step"),
+        ("calculate_per_token_loss", "per-token loss normalisation all-reduces token counts across all workers"),
+        ("moe_router_enable_expert_bias", "the expert-bias update all-reduces token counts across all workers every step"),
+    ):
+        if getattr(args, dest, False):
+            raise SparseLoCoArgumentError(f"--{dest.replace('_', '-')} cannot be combined with --sparseloco-algorithm "
+                                          f"({why}). Fix: drop --{dest.replace('_', '-')}")
+
+    # --- inner loop -----------------------------------------------------------------------
+    if args.sparseloco_inner_steps < 1:
+        _fail("sparseloco_inner_steps", f"must be >= 1, got {args.sparseloco_inner_steps}", "use H >= 1 (e.g. 15)")
+    if args.sparseloco_inner_steps_per_worker is not None:
+        if algo != "gasloc":
+            _fail("sparseloco_inner_steps_per_worker", f"only gasloc supports per-worker step counts, not {algo}",
+                  "drop the flag or use --sparseloco-algorithm gasloc")
+        args.sparseloco_inner_steps_per_worker = parse_per_worker_steps(args.sparseloco_inner_steps_per_worker, W)
+
+    # --- outer optimiser ---------------------------------------------------------------------
+    lr0, mom0, nest0 = ALGORITHM_DEFAULTS[algo]
+    if args.sparseloco_outer_lr is None:
+        args.sparseloco_outer_lr = lr0
+    if args.sparseloco_outer_momentum is None:
+        args.sparseloco_outer_momentum = mom0
+    if args.sparseloco_outer_nesterov is None:
+        args.sparseloco_outer_nesterov = nest0
+    if not (args.sparseloco_outer_lr > 0):
+        _fail("sparseloco_outer_lr", f"must be > 0, got {args.sparseloco_outer_lr}", f"use a positive value (default {lr0})")
+    if not (0.0 <= args.sparseloco_outer_momentum < 1.0):
+        _fail("sparseloco_outer_momentum", f"must be in [0, 1), got {args.sparseloco_outer_momentum}", "use e.g. 0.9")
+    if algo == "average" and (args.sparseloco_outer_momentum != 0.0 or args.sparseloco_outer_lr != 1.0):
+        raise SparseLoCoArgumentError(
+            "--sparseloco-algorithm average is plain averaging and takes no --sparseloco-outer-lr/--sparseloco-outer-momentum. "
+            "Fix: drop them, or use --sparseloco-algorithm diloco for an outer optimiser")
+    if args.sparseloco_outer_nesterov and args.sparseloco_outer_momentum == 0.0:
+        _fail("sparseloco_outer_nesterov", "Nesterov needs a non-zero momentum",
+              "add --sparseloco-outer-momentum 0.9 or --no-sparseloco-outer-nesterov")
+
+    # --- codec (sparseloco, compressed gossip) -----------------------------------------------
+    uses_codec = algo == "sparseloco" or (algo == "gasloc" and args.sparseloco_gossip_compress)
+    codec_flags = ("sparseloco_topk", "sparseloco_chunk_size", "sparseloco_value_bits", "sparseloco_ef_decay",
+                   "sparseloco_index_coding")
+    if not uses_codec:
+        stray = [d for d in codec_flags if _explicitly_set(args, d)]
+        if stray:
+            raise SparseLoCoArgumentError(
+                f"{', '.join(_flag(d) for d in stray)} only apply to the sparseloco codec, which {algo} "
+                f"does not use here. Fix: drop them" + (" or add --sparseloco-gossip-compress" if algo == "gasloc" else ""))
+    if algo != "sparseloco" and _explicitly_set(args, "sparseloco_reduce"):
+        _fail("sparseloco_reduce", f"only applies to sparseloco, not {algo}", "drop it")
+    if args.sparseloco_chunk_size < 1:
+        _fail("sparseloco_chunk_size", f"must be >= 1, got {args.sparseloco_chunk_size}", "use e.g. 4096")
+    if not (1 <= args.sparseloco_topk <= args.sparseloco_chunk_size):
+        _fail("sparseloco_topk", f"must be in [1, chunk size {args.sparseloco_chunk_size}], got {args.sparseloco_topk}",
+              "use e.g. 64 of 4096 (1.56 %% density)".replace("%%", "%"))
+    if not (0.0 <= args.sparseloco_ef_decay < 1.0):
+        _fail("sparseloco_ef_decay", f"must be in [0, 1), got {args.sparseloco_ef_decay}", "use e.g. 0.95")
+    if args.sparseloco_bucket_size < args.sparseloco_chunk_size:
+        _fail("sparseloco_bucket_size", f"{args.sparseloco_bucket_size} is smaller than one chunk "
+              f"({args.sparseloco_chunk_size})", "use a multiple of the chunk size, e.g. 16777216")
+    if algo not in ("diloco", "average") and _explicitly_set(args, "sparseloco_diloco_comm_dtype"):
+        _fail("sparseloco_diloco_comm_dtype", f"only applies to diloco/average, not {algo}", "drop it")
+
+    # --- reliability ------------------------------------------------------------------------
+    if args.sparseloco_consistency_check_interval < 0:
+        _fail("sparseloco_consistency_check_interval", f"must be >= 0, got {args.sparseloco_consistency_check_interval}",
+              "use 0 (off) or a number of outer steps")
+    if algo == "gasloc" and args.sparseloco_consistency_check_interval > 0:
+        _fail("sparseloco_consistency_check_interval", "gasloc workers legitimately differ between rounds, "
+              "so θ_outer hashes never agree", "use 0 with gasloc")
+    if not (args.sparseloco_outer_timeout > 0):
+        _fail("sparseloco_outer_timeout", f"must be > 0 seconds, got {args.sparseloco_outer_timeout}", "use e.g. 600")
+
+    # --- gossip -----------------------------------------------------------------------------
+    gossip = ("sparseloco_gossip_topology", "sparseloco_gossip_seed", "sparseloco_gossip_proposal_lr",
+              "sparseloco_gossip_compress")
+    if algo != "gasloc":
+        stray = [d for d in gossip if _explicitly_set(args, d)]
+        if stray:
+            raise SparseLoCoArgumentError(f"{', '.join(_flag(d) for d in stray)} only apply to gasloc, not {algo}. "
+                                          "Fix: drop them or use --sparseloco-algorithm gasloc")
+    else:
+        if args.sparseloco_gossip_topology is None:
+            args.sparseloco_gossip_topology = "ring"
+        if args.sparseloco_gossip_seed is None:
+            args.sparseloco_gossip_seed = 0
+        if args.sparseloco_gossip_proposal_lr is None:
+            args.sparseloco_gossip_proposal_lr = 1.0
+        if not (args.sparseloco_gossip_proposal_lr > 0):
+            _fail("sparseloco_gossip_proposal_lr", f"must be > 0, got {args.sparseloco_gossip_proposal_lr}", "use e.g. 1.0")
+        if args.sparseloco_gossip_topology == "exponential" and W & (W - 1):
+            _fail("sparseloco_gossip_topology", f"exponential graph needs a power-of-two number of workers, got {W}",
+                  "use ring or random1/random2, or a power-of-two W")
+    return args

@@ -1,0 +1,75 @@
+"""Find the fp32 main parameters this rank owns in a megatron-core optimizer.
+
+The outer step works on the optimizer's fp32 master copy (the inner optimizer's truth), then the
+usual main → model copy and in-worker param all-gather spread it:
+
+- ``DistributedOptimizer``: ``shard_fp32_from_float16_groups`` (fp32 copies of bf16/fp16 shards)
+  and ``shard_fp32_groups`` (views of fp32 model params): the shard this rank owns.
+- ``Float16OptimizerWithFloat16Params``: ``fp32_from_float16_groups`` and ``fp32_from_fp32_groups``.
+- ``FP32Optimizer``: the params of its torch optimizer.
+- ``ChainedOptimizer`` (dense + expert, or per model chunk): each member separately.
+
+The same shard index in every worker covers the same parameter elements (the layouts are
+identical), which is what makes a shard-wise outer step correct.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+
+@dataclass
+class MainParamShards:
+    optimizer: object              # the megatron-core optimizer owning the tensors
+    tensors: List[torch.Tensor]    # fp32, this rank's elements
+    names: List[str]
+
+
+def _param_names(optimizer) -> dict:
+    names = {}
+    for chunk in getattr(optimizer, "model_chunks", None) or []:
+        for n, p in chunk.named_parameters():
+            names[id(p)] = n
+    return names
+
+
+def member_optimizers(optimizer) -> list:
+    """The non-chained optimizers inside ``optimizer`` (itself when not chained)."""
+    if hasattr(optimizer, "chained_optimizers"):
+        out = []
+        for o in optimizer.chained_optimizers:
+            out.extend(member_optimizers(o))
+        return out
+    return [optimizer]
+
+
+def main_param_shards(optimizer) -> MainParamShards:
+    """The fp32 tensors ``optimizer`` (not chained) updates on this rank, with readable names."""
+    names = _param_names(optimizer)
+    tensors: List[torch.Tensor] = []
+    labels: List[str] = []
+
+    def add(model_groups, main_groups):
+        for model_group, main_group in zip(model_groups, main_groups):
+            for model_param, main in zip(model_group, main_group):
+                if main is None or main.numel() == 0:
+                    continue
+                if main.dtype != torch.float32:
+                    raise TypeError(f"main param of {names.get(id(model_param), '?')} is {main.dtype}, expected fp32")
+                tensors.append(main)
+                labels.append(names.get(id(model_param), f"param{len(labels)}"))
+
+    if hasattr(optimizer, "shard_fp32_from_float16_groups"):          # DistributedOptimizer
+        add(optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups)
+        add(optimizer.model_fp32_groups, optimizer.shard_fp32_groups)
+    elif hasattr(optimizer, "fp32_from_float16_groups"):              # Float16OptimizerWithFloat16Params
+        add(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
+        add(optimizer.fp32_from_fp32_groups, optimizer.fp32_from_fp32_groups)
+    elif hasattr(optimizer, "optimizer"):                              # FP32Optimizer
+        groups = [g["params"] for g in optimizer.optimizer.param_groups]
+        add(groups, groups)
+    else:
+        raise TypeError(f"cannot find main params in {type(optimizer).__name__}")
+    return MainParamShards(optimizer=optimizer, tensors=tensors, names=labels)

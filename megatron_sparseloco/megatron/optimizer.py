@@ -1,0 +1,172 @@
+"""``OuterLoopOptimizer``: a megatron-core optimizer wrapper that adds the DiLoCo outer loop.
+
+Megatron's training loop calls ``optimizer.step()`` once per iteration. The wrapper runs the
+wrapped optimizer's step (the inner AdamW step, worker-local) every call, and after every H-th
+call the outer step of the chosen strategy:
+
+    for each member optimizer m (dense / expert DistributedOptimizer ...):
+        strategy_m.step()                      # Δ = θ_outer − θ_local, communicate, update θ_outer,
+                                               # θ_local ← θ_outer on m's fp32 main-param shards
+    m._copy_main_params_to_model_params()      # fp32 main → bf16/fp32 model params (param buffer)
+    all-gather params inside the worker        # DDP start_param_sync(force_sync=True)
+
+The inner optimizer state (Adam moments) is kept across outer steps, as in DiLoCo.
+
+Everything else Megatron's loop, checkpointing and logging use (``zero_grad``, ``scale_loss``,
+``get_loss_scale``, ``param_groups``, ``sharded_state_dict`` ...) is forwarded to the wrapped
+optimizer; ``state_dict`` / ``sharded_state_dict`` add the outer state (see ``checkpointing``).
+
+On construction it makes inner steps worker-local (``worker_isolation.isolate_workers``) and
+asserts that all workers start from identical parameters (θ_outer is initialised from them).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparseloco.megatron.consistency import DivergenceError, check_identical_across_workers
+from megatron_sparseloco.megatron.main_params import main_param_shards, member_optimizers
+from megatron_sparseloco.megatron.worker_isolation import (
+    cross_worker_group,
+    isolate_workers,
+    start_param_sync_all,
+)
+from megatron_sparseloco.outer.base import OuterStepStats, OuterStrategy
+
+logger = logging.getLogger(__name__)
+
+#: (params, group, names) -> OuterStrategy
+StrategyFactory = Callable[[List[torch.Tensor], Optional[dist.ProcessGroup], List[str]], OuterStrategy]
+
+
+@dataclass
+class OuterLoopConfig:
+    inner_steps: int = 15                       # H (this worker's)
+    consistency_check_interval: int = 0         # outer steps between θ_outer hash checks (0: off)
+    check_identical_start: bool = True          # assert identical params across workers at start
+    identical_across_workers: bool = True       # False for gossip (workers legitimately differ)
+
+    def validate(self) -> "OuterLoopConfig":
+        if self.inner_steps < 1:
+            raise ValueError(f"inner_steps must be >= 1, got {self.inner_steps}")
+        if self.consistency_check_interval < 0:
+            raise ValueError(f"consistency_check_interval must be >= 0, got {self.consistency_check_interval}")
+        return self
+
+
+@dataclass
+class OuterLog:
+    """Cumulative counters for logging (per rank)."""
+
+    outer_steps: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    numel: int = 0
+    last: Dict[str, float] = field(default_factory=dict)
+
+
+class OuterLoopOptimizer:
+    """Wraps a megatron-core optimizer (Distributed / Float16 / FP32 / Chained) with an outer loop."""
+
+    def __init__(self, optimizer, model_chunks: Sequence, strategy_factory: StrategyFactory,
+                 config: OuterLoopConfig, group: Optional[dist.ProcessGroup] = None):
+        self.optimizer = optimizer
+        self.model_chunks = list(model_chunks)
+        self.config = config.validate()
+        self.num_workers = isolate_workers(self.model_chunks)
+        self.group = group if group is not None else cross_worker_group(self.model_chunks)
+        self.inner_calls = 0
+        self.log = OuterLog()
+        self.members = [m for m in member_optimizers(optimizer) if not getattr(m, "is_stub_optimizer", False)]
+        self.shards = [main_param_shards(m) for m in self.members]
+        if self.config.check_identical_start and self.num_workers > 1:
+            for shards in self.shards:
+                check_identical_across_workers(shards.tensors, self.group, what="initial parameters",
+                                               fix="initialise every worker from the same seed / checkpoint")
+        self.strategies: List[OuterStrategy] = [
+            strategy_factory(s.tensors, self.group, s.names) for s in self.shards if s.tensors]
+
+    # ------------------------------------------------------------------ the loop
+    def is_outer_step_due(self) -> bool:
+        return self.inner_calls % self.config.inner_steps == 0
+
+    @torch.no_grad()
+    def step(self):
+        """Inner step; then, every H calls, the outer step. Returns the inner step's result."""
+        result = self.optimizer.step()
+        self.inner_calls += 1
+        if self.is_outer_step_due():
+            self.outer_step()
+        return result
+
+    @torch.no_grad()
+    def outer_step(self) -> List[OuterStepStats]:
+        stats = [s.step() for s in self.strategies]
+        for m in self.members:
+            if hasattr(m, "_copy_main_params_to_model_params"):
+                m._copy_main_params_to_model_params()
+        start_param_sync_all(self.model_chunks)
+        self._record(stats)
+        interval = self.config.consistency_check_interval
+        if interval and self.config.identical_across_workers and self.log.outer_steps % interval == 0:
+            self.check_consistency()
+        return stats
+
+    def check_consistency(self) -> None:
+        """Raise ``DivergenceError`` when θ_outer differs between workers."""
+        for s in self.strategies:
+            check_identical_across_workers([s.anchor], self.group, what=f"θ_outer ({s.name})",
+                                           fix="restart from the last checkpoint; a worker's params were altered")
+
+    def _record(self, stats: List[OuterStepStats]) -> None:
+        self.log.outer_steps += 1
+        self.log.bytes_sent += sum(s.bytes_sent for s in stats)
+        self.log.bytes_received += sum(s.bytes_received for s in stats)
+        self.log.numel = sum(s.numel for s in stats)
+        merged: Dict[str, float] = {}
+        for key in ("bytes_sent", "bytes_received", "time_compress_s", "time_communicate_s", "time_apply_s"):
+            merged[key] = float(sum(getattr(s, key) for s in stats))
+        for key in ("delta_norm", "error_norm", "update_norm"):
+            merged[key] = float(sum(getattr(s, key) ** 2 for s in stats) ** 0.5)
+        merged["skipped"] = float(any(s.skipped for s in stats))
+        self.log.last = merged
+
+    # ------------------------------------------------------------------ state
+    def outer_state_dict(self) -> dict:
+        return {"inner_calls": self.inner_calls, "outer_steps": self.log.outer_steps,
+                "bytes_sent": self.log.bytes_sent, "bytes_received": self.log.bytes_received,
+                "strategies": [s.state_dict() for s in self.strategies]}
+
+    def load_outer_state_dict(self, sd: dict) -> None:
+        if len(sd["strategies"]) != len(self.strategies):
+            raise ValueError(f"checkpoint has {len(sd['strategies'])} outer strategies, this run {len(self.strategies)}")
+        self.inner_calls = int(sd["inner_calls"])
+        self.log.outer_steps = int(sd["outer_steps"])
+        self.log.bytes_sent = int(sd["bytes_sent"])
+        self.log.bytes_received = int(sd["bytes_received"])
+        for s, ssd in zip(self.strategies, sd["strategies"]):
+            s.load_state_dict(ssd)
+
+    def state_dict(self):
+        sd = self.optimizer.state_dict()
+        return {"inner": sd, "sparseloco": self.outer_state_dict()}
+
+    def load_state_dict(self, state_dict):
+        if "sparseloco" not in state_dict:
+            raise ValueError("optimizer state dict has no 'sparseloco' outer state; it was not saved by OuterLoopOptimizer")
+        self.optimizer.load_state_dict(state_dict["inner"])
+        self.load_outer_state_dict(state_dict["sparseloco"])
+
+    # ------------------------------------------------------------------ forwarding
+    def __getattr__(self, name):
+        # Only called for attributes not found on the wrapper: forward to the wrapped optimizer.
+        if name in ("optimizer",):
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+
+__all__ = ["OuterLoopOptimizer", "OuterLoopConfig", "DivergenceError"]
