@@ -34,6 +34,24 @@ ALGORITHM_DEFAULTS = {
 }
 
 
+#: value of every flag left unset (None on the parser, so "given" and "default" can be told apart).
+FLAG_DEFAULTS = {
+    "sparseloco_inner_steps": 15,             # reference code; Covenant-72B used 30
+    "sparseloco_topk": 64,
+    "sparseloco_chunk_size": 4096,
+    "sparseloco_value_bits": 2,
+    "sparseloco_ef_decay": 0.95,
+    "sparseloco_reduce": "contributors",
+    "sparseloco_index_coding": "packed",
+    "sparseloco_bucket_size": 1 << 24,
+    "sparseloco_diloco_comm_dtype": "fp32",
+    "sparseloco_nonfinite_policy": "skip",
+    "sparseloco_consistency_check_interval": 0,
+    "sparseloco_outer_timeout": 600.0,
+    "sparseloco_gossip_compress": False,
+}
+
+
 class SparseLoCoArgumentError(ValueError):
     """A bad ``--sparseloco-*`` value or combination; the message names the flag and the fix."""
 
@@ -46,7 +64,7 @@ def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--sparseloco-workers", type=int, default=None,
                    help="Number of DiLoCo workers W; each worker is one distributed-optimizer instance "
                         "(sets --num-distributed-optimizer-instances). Default: that flag's value.")
-    g.add_argument("--sparseloco-inner-steps", type=int, default=15,
+    g.add_argument("--sparseloco-inner-steps", type=int, default=None,
                    help="Inner optimizer steps H between outer steps (reference: 15; Covenant-72B: 30).")
     g.add_argument("--sparseloco-inner-steps-per-worker", type=str, default=None,
                    help="GASLoC only: comma-separated H per worker (slower workers do fewer steps).")
@@ -56,24 +74,24 @@ def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="Outer momentum. Default by algorithm: diloco 0.9, gasloc 0.9, sparseloco 0, average 0.")
     g.add_argument("--sparseloco-outer-nesterov", action=argparse.BooleanOptionalAction, default=None,
                    help="Nesterov outer momentum (default: on for diloco, off otherwise).")
-    g.add_argument("--sparseloco-topk", type=int, default=64, help="Values kept per chunk (k).")
-    g.add_argument("--sparseloco-chunk-size", type=int, default=4096, help="Chunk size C (density k/C).")
-    g.add_argument("--sparseloco-value-bits", type=int, choices=VALUE_BITS, default=2,
+    g.add_argument("--sparseloco-topk", type=int, default=None, help="Values kept per chunk (k).")
+    g.add_argument("--sparseloco-chunk-size", type=int, default=None, help="Chunk size C (density k/C).")
+    g.add_argument("--sparseloco-value-bits", type=int, choices=VALUE_BITS, default=None,
                    help="Bits per kept value: 2/4/8 quantised, 16 bf16, 32 fp32.")
-    g.add_argument("--sparseloco-ef-decay", type=float, default=0.95, help="Error-feedback decay β in [0, 1).")
-    g.add_argument("--sparseloco-reduce", choices=REDUCE_MODES, default="contributors",
+    g.add_argument("--sparseloco-ef-decay", type=float, default=None, help="Error-feedback decay β in [0, 1).")
+    g.add_argument("--sparseloco-reduce", choices=REDUCE_MODES, default=None,
                    help="Aggregate: mean over the workers that sent a coordinate (reference) or over all workers.")
-    g.add_argument("--sparseloco-index-coding", choices=INDEX_CODINGS, default="packed",
+    g.add_argument("--sparseloco-index-coding", choices=INDEX_CODINGS, default=None,
                    help="Index wire format: packed ceil(log2 C)-bit, or entropy-coded (Golomb-Rice).")
-    g.add_argument("--sparseloco-bucket-size", type=int, default=1 << 24,
+    g.add_argument("--sparseloco-bucket-size", type=int, default=None,
                    help="Elements per outer-step bucket (bounds the outer step's extra memory).")
-    g.add_argument("--sparseloco-diloco-comm-dtype", choices=COMM_DTYPES, default="fp32",
+    g.add_argument("--sparseloco-diloco-comm-dtype", choices=COMM_DTYPES, default=None,
                    help="DiLoCo / average: dtype of the pseudo-gradient all-reduce.")
-    g.add_argument("--sparseloco-nonfinite-policy", choices=NONFINITE_POLICIES, default="skip",
+    g.add_argument("--sparseloco-nonfinite-policy", choices=NONFINITE_POLICIES, default=None,
                    help="NaN/Inf pseudo-gradient on any worker: skip the outer step on all workers, or abort.")
-    g.add_argument("--sparseloco-consistency-check-interval", type=int, default=0,
+    g.add_argument("--sparseloco-consistency-check-interval", type=int, default=None,
                    help="Every N outer steps compare a hash of θ_outer across workers (0: off).")
-    g.add_argument("--sparseloco-outer-timeout", type=float, default=600.0,
+    g.add_argument("--sparseloco-outer-timeout", type=float, default=None,
                    help="Seconds an outer step may wait for the other workers before failing.")
     g.add_argument("--sparseloco-gossip-topology", choices=TOPOLOGIES, default=None,
                    help="GASLoC only: gossip graph (default ring).")
@@ -81,7 +99,7 @@ def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="GASLoC only: seed shared by all workers for random matchings (default 0).")
     g.add_argument("--sparseloco-gossip-proposal-lr", type=float, default=None,
                    help="GASLoC only: proposal step η in y = θ0 − η·Δ (default 1.0).")
-    g.add_argument("--sparseloco-gossip-compress", action="store_true", default=False,
+    g.add_argument("--sparseloco-gossip-compress", action="store_true", default=None,
                    help="GASLoC only: send proposals SparseLoCo-compressed with per-neighbour error feedback.")
     return parser
 
@@ -95,20 +113,13 @@ def _fail(dest: str, problem: str, fix: str) -> None:
 
 
 def _explicitly_set(args: argparse.Namespace, dest: str) -> bool:
-    """True when a flag differs from its parser default (used to refuse silently ignored flags)."""
-    defaults = _parser_defaults()
-    return getattr(args, dest, None) != defaults.get(dest)
+    """True when the user gave the flag (every flag but the algorithm defaults to None on the parser)."""
+    return getattr(args, dest, None) is not None
 
 
-_DEFAULTS_CACHE: Optional[dict] = None
-
-
-def _parser_defaults() -> dict:
-    global _DEFAULTS_CACHE
-    if _DEFAULTS_CACHE is None:
-        p = add_sparseloco_args(argparse.ArgumentParser(add_help=False))
-        _DEFAULTS_CACHE = {a.dest: a.default for a in p._actions if a.dest.startswith("sparseloco_")}
-    return _DEFAULTS_CACHE
+def _all_flags() -> List[str]:
+    p = add_sparseloco_args(argparse.ArgumentParser(add_help=False))
+    return [a.dest for a in p._actions if a.dest.startswith("sparseloco_")]
 
 
 def parse_per_worker_steps(text: str, workers: int) -> List[int]:
@@ -148,7 +159,7 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
     """
     algo = getattr(args, "sparseloco_algorithm", None)
     if algo is None:
-        stray = [d for d in _parser_defaults() if d != "sparseloco_algorithm" and _explicitly_set(args, d)]
+        stray = [d for d in _all_flags() if d != "sparseloco_algorithm" and _explicitly_set(args, d)]
         if stray:
             raise SparseLoCoArgumentError(
                 f"{', '.join(_flag(d) for d in stray)} given without --sparseloco-algorithm, so it would be ignored. "
@@ -157,6 +168,10 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
 
     resolve_workers(args)
     W = args.sparseloco_workers
+    given = {d for d in _all_flags() if _explicitly_set(args, d)}
+    for dest, value in FLAG_DEFAULTS.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, value)
 
     # --- world layout -------------------------------------------------------------------
     world_size = world_size if world_size is not None else getattr(args, "world_size", None)
@@ -196,6 +211,12 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
             raise SparseLoCoArgumentError(f"--{dest.replace('_', '-')} cannot be combined with --sparseloco-algorithm "
                                           f"({why}). Fix: drop --{dest.replace('_', '-')}")
 
+    fmt = getattr(args, "ckpt_format", "torch_dist")
+    if (getattr(args, "save", None) or getattr(args, "load", None)) and fmt != "torch_dist":
+        raise SparseLoCoArgumentError(
+            f"--ckpt-format {fmt} cannot hold the per-worker outer state (Megatron saves that format's optimizer "
+            "only from data-parallel rank 0, losing the other workers' error feedback). Fix: --ckpt-format torch_dist")
+
     # --- inner loop -----------------------------------------------------------------------
     if args.sparseloco_inner_steps < 1:
         _fail("sparseloco_inner_steps", f"must be >= 1, got {args.sparseloco_inner_steps}", "use H >= 1 (e.g. 15)")
@@ -230,12 +251,12 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
     codec_flags = ("sparseloco_topk", "sparseloco_chunk_size", "sparseloco_value_bits", "sparseloco_ef_decay",
                    "sparseloco_index_coding")
     if not uses_codec:
-        stray = [d for d in codec_flags if _explicitly_set(args, d)]
+        stray = [d for d in codec_flags if d in given]
         if stray:
             raise SparseLoCoArgumentError(
                 f"{', '.join(_flag(d) for d in stray)} only apply to the sparseloco codec, which {algo} "
                 f"does not use here. Fix: drop them" + (" or add --sparseloco-gossip-compress" if algo == "gasloc" else ""))
-    if algo != "sparseloco" and _explicitly_set(args, "sparseloco_reduce"):
+    if algo != "sparseloco" and "sparseloco_reduce" in given:
         _fail("sparseloco_reduce", f"only applies to sparseloco, not {algo}", "drop it")
     if args.sparseloco_chunk_size < 1:
         _fail("sparseloco_chunk_size", f"must be >= 1, got {args.sparseloco_chunk_size}", "use e.g. 4096")
@@ -247,7 +268,7 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
     if args.sparseloco_bucket_size < args.sparseloco_chunk_size:
         _fail("sparseloco_bucket_size", f"{args.sparseloco_bucket_size} is smaller than one chunk "
               f"({args.sparseloco_chunk_size})", "use a multiple of the chunk size, e.g. 16777216")
-    if algo not in ("diloco", "average") and _explicitly_set(args, "sparseloco_diloco_comm_dtype"):
+    if algo not in ("diloco", "average") and "sparseloco_diloco_comm_dtype" in given:
         _fail("sparseloco_diloco_comm_dtype", f"only applies to diloco/average, not {algo}", "drop it")
 
     # --- reliability ------------------------------------------------------------------------
@@ -264,7 +285,7 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
     gossip = ("sparseloco_gossip_topology", "sparseloco_gossip_seed", "sparseloco_gossip_proposal_lr",
               "sparseloco_gossip_compress")
     if algo != "gasloc":
-        stray = [d for d in gossip if _explicitly_set(args, d)]
+        stray = [d for d in gossip if d in given]
         if stray:
             raise SparseLoCoArgumentError(f"{', '.join(_flag(d) for d in stray)} only apply to gasloc, not {algo}. "
                                           "Fix: drop them or use --sparseloco-algorithm gasloc")

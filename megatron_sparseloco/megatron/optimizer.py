@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_sparseloco.megatron.checkpointing import OUTER_KEY, check_layout, outer_sharded_object
 from megatron_sparseloco.megatron.consistency import DivergenceError, check_identical_across_workers
 from megatron_sparseloco.megatron.main_params import main_param_shards, member_optimizers
 from megatron_sparseloco.megatron.worker_isolation import (
@@ -152,14 +153,30 @@ class OuterLoopOptimizer:
             s.load_state_dict(ssd)
 
     def state_dict(self):
-        sd = self.optimizer.state_dict()
-        return {"inner": sd, "sparseloco": self.outer_state_dict()}
+        raise RuntimeError(
+            "OuterLoopOptimizer.state_dict: Megatron's 'torch' checkpoint format saves the optimizer only from "
+            "data-parallel rank 0 and would lose the other workers' outer state (error feedback). "
+            "Fix: use --ckpt-format torch_dist")
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        sd = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        if not isinstance(sd, dict):
+            raise TypeError(f"expected a dict from {type(self.optimizer).__name__}.sharded_state_dict, got {type(sd)}")
+        sd[OUTER_KEY] = outer_sharded_object(self.outer_state_dict())
+        return sd
 
     def load_state_dict(self, state_dict):
-        if "sparseloco" not in state_dict:
-            raise ValueError("optimizer state dict has no 'sparseloco' outer state; it was not saved by OuterLoopOptimizer")
-        self.optimizer.load_state_dict(state_dict["inner"])
-        self.load_outer_state_dict(state_dict["sparseloco"])
+        outer = state_dict.pop(OUTER_KEY, None) if isinstance(state_dict, dict) else None
+        self.optimizer.load_state_dict(state_dict)
+        if outer is None:
+            # A checkpoint without outer state: continue from its params with fresh outer state.
+            for s in self.strategies:
+                s.reset_anchor()
+            logger.warning("checkpoint has no sparseloco outer state: θ_outer re-anchored on the loaded params, "
+                           "error feedback / outer momentum start from zero")
+            return
+        check_layout(outer, self.strategies)
+        self.load_outer_state_dict(outer)
 
     # ------------------------------------------------------------------ forwarding
     def __getattr__(self, name):

@@ -1,0 +1,84 @@
+"""Install the plugin into megatron.training without editing Megatron.
+
+``install()`` wraps three module attributes that megatron.training looks up at call time:
+
+- ``megatron.training.arguments.add_megatron_arguments``: also adds the ``--sparseloco-*`` group,
+  so any pretrain script's ``parse_args`` / ``parse_and_validate_args`` accepts our flags;
+- ``megatron.training.arguments.validate_args``: maps ``--sparseloco-workers`` onto
+  ``--num-distributed-optimizer-instances`` before Megatron validates, and runs
+  ``validate_sparseloco_args`` right after — before any model is built;
+- ``megatron.training.training.get_megatron_optimizer``: wraps the optimizer in
+  ``OuterLoopOptimizer`` when ``--sparseloco-algorithm`` is set.
+
+With ``--sparseloco-algorithm`` unset the plugin changes nothing.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+logger = logging.getLogger(__name__)
+
+_INSTALLED = False
+
+
+def wrap_optimizer_from_args(optimizer, model_chunks, args):
+    """The OuterLoopOptimizer for validated ``args`` (or ``optimizer`` itself when the plugin is off)."""
+    if getattr(args, "sparseloco_algorithm", None) is None:
+        return optimizer
+    import torch.distributed as dist
+
+    from megatron_sparseloco.megatron.optimizer import OuterLoopConfig, OuterLoopOptimizer
+    from megatron_sparseloco.megatron.strategy_from_args import inner_steps_for_worker, strategy_factory_from_args
+    from megatron_sparseloco.megatron.worker_isolation import cross_worker_group
+
+    group = cross_worker_group(model_chunks)
+    worker = dist.get_rank(group) if group is not None else 0
+    config = OuterLoopConfig(
+        inner_steps=inner_steps_for_worker(args, worker),
+        consistency_check_interval=args.sparseloco_consistency_check_interval,
+        identical_across_workers=args.sparseloco_algorithm != "gasloc",
+    )
+    return OuterLoopOptimizer(optimizer, model_chunks, strategy_factory_from_args(args), config, group=group)
+
+
+def install() -> None:
+    """Idempotently patch megatron.training (see module docstring)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    import megatron.training.arguments as margs
+    import megatron.training.training as mtrain
+
+    from megatron_sparseloco.megatron.arguments import add_sparseloco_args, resolve_workers, validate_sparseloco_args
+
+    orig_add = margs.add_megatron_arguments
+
+    @functools.wraps(orig_add)
+    def add_megatron_arguments(parser):
+        parser = orig_add(parser)
+        if not any(a.dest == "sparseloco_algorithm" for a in parser._actions):
+            parser = add_sparseloco_args(parser)
+        return parser
+
+    orig_validate = margs.validate_args
+
+    @functools.wraps(orig_validate)
+    def validate_args(args, defaults={}):
+        resolve_workers(args)
+        out = orig_validate(args, defaults)
+        validate_sparseloco_args(args)
+        return out
+
+    orig_get_opt = mtrain.get_megatron_optimizer
+
+    @functools.wraps(orig_get_opt)
+    def get_megatron_optimizer(config, model_chunks, *a, **kw):
+        optimizer = orig_get_opt(config, model_chunks, *a, **kw)
+        from megatron.training.global_vars import get_args
+        return wrap_optimizer_from_args(optimizer, model_chunks, get_args())
+
+    margs.add_megatron_arguments = add_megatron_arguments
+    margs.validate_args = validate_args
+    mtrain.get_megatron_optimizer = get_megatron_optimizer
+    _INSTALLED = True

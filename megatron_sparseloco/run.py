@@ -1,0 +1,36 @@
+"""Run an unmodified Megatron pretrain script with the plugin installed.
+
+    torchrun ... -m megatron_sparseloco.run pretrain_gpt.py <megatron args> --sparseloco-algorithm sparseloco ...
+
+Installs the plugin (``megatron_sparseloco.megatron.plugin.install``) and executes the script as
+``__main__``. On a machine without CUDA (tests, the CPU demo) it first applies the testing-only
+CPU bridges for megatron-core; with CUDA they are never imported.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if argv else 2)
+    script, rest = argv[0], argv[1:]
+    if not os.path.isfile(script):
+        sys.exit(f"megatron_sparseloco.run: pretrain script {script!r} not found")
+    import torch
+    if not torch.cuda.is_available():
+        from megatron_sparseloco.testing.cpu_bridges import apply_cpu_bridges
+        apply_cpu_bridges()
+    from megatron_sparseloco.megatron.plugin import install
+    install()
+    sys.argv = [script] + rest
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

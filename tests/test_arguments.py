@@ -1,0 +1,110 @@
+"""--sparseloco-* flags through Megatron's real argument parser: defaults, and one clear error per bad input."""
+import sys
+
+import pytest
+
+from megatron.training.arguments import parse_args
+
+from megatron_sparseloco.megatron.arguments import (
+    SparseLoCoArgumentError,
+    add_sparseloco_args,
+    validate_sparseloco_args,
+)
+
+BASE = ["--use-distributed-optimizer"]
+
+
+def parse(argv, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    return parse_args(add_sparseloco_args)
+
+
+@pytest.mark.parametrize("algo,lr,mom,nesterov", [
+    ("sparseloco", 1.0, 0.0, False), ("diloco", 0.7, 0.9, True), ("gasloc", 1.0, 0.9, False), ("average", 1.0, 0.0, False),
+])
+def test_algorithm_defaults_resolved(algo, lr, mom, nesterov, monkeypatch):
+    args = parse(BASE + ["--sparseloco-algorithm", algo, "--sparseloco-workers", "2"], monkeypatch)
+    validate_sparseloco_args(args, world_size=4)
+    assert (args.sparseloco_outer_lr, args.sparseloco_outer_momentum, args.sparseloco_outer_nesterov) == (lr, mom, nesterov)
+    assert args.num_distributed_optimizer_instances == 2
+
+
+def test_workers_default_to_megatron_instances(monkeypatch):
+    args = parse(BASE + ["--sparseloco-algorithm", "diloco", "--num-distributed-optimizer-instances", "4"], monkeypatch)
+    validate_sparseloco_args(args, world_size=8)
+    assert args.sparseloco_workers == 4
+
+
+def test_plugin_off_changes_nothing(monkeypatch):
+    args = parse([], monkeypatch)
+    before = vars(args).copy()
+    validate_sparseloco_args(args, world_size=4)
+    assert vars(args) == before
+
+
+def test_per_worker_steps_parsed(monkeypatch):
+    args = parse(BASE + ["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "4",
+                         "--sparseloco-inner-steps-per-worker", "30,30,15,30"], monkeypatch)
+    validate_sparseloco_args(args, world_size=4)
+    assert args.sparseloco_inner_steps_per_worker == [30, 30, 15, 30]
+    assert args.sparseloco_gossip_topology == "ring"
+
+
+# (argv, world size, the flag the error must name)
+BAD = [
+    (["--sparseloco-topk", "64"], 4, "--sparseloco-topk"),                                       # no algorithm
+    (["--sparseloco-algorithm", "sparseloco", "--sparseloco-topk", "5000"], 4, "--sparseloco-topk"),
+    (["--sparseloco-algorithm", "sparseloco", "--sparseloco-topk", "0"], 4, "--sparseloco-topk"),
+    (["--sparseloco-algorithm", "sparseloco", "--sparseloco-chunk-size", "0"], 4, "--sparseloco-chunk-size"),
+    (["--sparseloco-algorithm", "sparseloco", "--sparseloco-inner-steps", "0"], 4, "--sparseloco-inner-steps"),
+    (["--sparseloco-algorithm", "sparseloco", "--sparseloco-ef-decay", "1.0"], 4, "--sparseloco-ef-decay"),
+    (["--sparseloco-algorithm", "sparseloco", "--sparseloco-ef-decay", "-0.1"], 4, "--sparseloco-ef-decay"),
+    (["--sparseloco-algorithm", "diloco", "--sparseloco-outer-lr", "0"], 4, "--sparseloco-outer-lr"),
+    (["--sparseloco-algorithm", "diloco", "--sparseloco-outer-momentum", "1.0"], 4, "--sparseloco-outer-momentum"),
+    (["--sparseloco-algorithm", "sparseloco", "--sparseloco-outer-nesterov"], 4, "--sparseloco-outer-nesterov"),
+    (["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "3"], 4, "--sparseloco-workers"),  # 3 ∤ 4
+    (["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "0"], 4, "--sparseloco-workers"),
+    (["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "2", "--num-distributed-optimizer-instances", "4"], 8, "--sparseloco-workers"),
+    (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "1"], 4, "--sparseloco-workers"),
+    (["--sparseloco-algorithm", "diloco", "--sparseloco-topk", "32"], 4, "--sparseloco-topk"),        # codec flag w/o codec
+    (["--sparseloco-algorithm", "diloco", "--sparseloco-gossip-topology", "ring"], 4, "--sparseloco-gossip-topology"),
+    (["--sparseloco-algorithm", "sparseloco", "--sparseloco-diloco-comm-dtype", "bf16"], 4, "--sparseloco-diloco-comm-dtype"),
+    (["--sparseloco-algorithm", "diloco", "--sparseloco-reduce", "all"], 4, "--sparseloco-reduce"),
+    (["--sparseloco-algorithm", "average", "--sparseloco-outer-lr", "0.5"], 4, "--sparseloco-outer-lr"),
+    (["--sparseloco-algorithm", "sparseloco", "--sparseloco-bucket-size", "100"], 4, "--sparseloco-bucket-size"),
+    (["--sparseloco-algorithm", "sparseloco", "--sparseloco-consistency-check-interval", "-1"], 4, "--sparseloco-consistency-check-interval"),
+    (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "2", "--sparseloco-consistency-check-interval", "5"], 4, "--sparseloco-consistency-check-interval"),
+    (["--sparseloco-algorithm", "sparseloco", "--sparseloco-outer-timeout", "0"], 4, "--sparseloco-outer-timeout"),
+    (["--sparseloco-algorithm", "diloco", "--sparseloco-inner-steps-per-worker", "1,2"], 4, "--sparseloco-inner-steps-per-worker"),
+    (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "2", "--sparseloco-inner-steps-per-worker", "1,2,3"], 4, "--sparseloco-inner-steps-per-worker"),
+    (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "2", "--sparseloco-inner-steps-per-worker", "4,x"], 4, "--sparseloco-inner-steps-per-worker"),
+    (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "2", "--sparseloco-inner-steps-per-worker", "4,0"], 4, "--sparseloco-inner-steps-per-worker"),
+    (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "3", "--sparseloco-gossip-topology", "exponential"], 3, "--sparseloco-gossip-topology"),
+    (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "2", "--sparseloco-gossip-proposal-lr", "0"], 4, "--sparseloco-gossip-proposal-lr"),
+    (["--sparseloco-algorithm", "sparseloco", "--calculate-per-token-loss"], 4, "--calculate-per-token-loss"),
+    (["--sparseloco-algorithm", "sparseloco", "--overlap-param-gather-with-optimizer-step"], 4, "--overlap-param-gather-with-optimizer-step"),
+    (["--sparseloco-algorithm", "sparseloco", "--save", "/tmp/x", "--ckpt-format", "torch"], 4, "--ckpt-format"),
+    (["--sparseloco-algorithm", "sparseloco", "--tensor-model-parallel-size", "3"], 4, "TP×PP×CP"),
+]
+
+
+@pytest.mark.parametrize("argv,world,flag", BAD, ids=[" ".join(c[0][-2:]) for c in BAD])
+def test_bad_input_names_flag_and_fix(argv, world, flag, monkeypatch):
+    args = parse(BASE + argv, monkeypatch)
+    with pytest.raises(SparseLoCoArgumentError) as err:
+        validate_sparseloco_args(args, world_size=world)
+    msg = str(err.value)
+    assert flag in msg and "Fix:" in msg, msg
+
+
+def test_workers_need_distributed_optimizer(monkeypatch):
+    args = parse(["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "2"], monkeypatch)
+    with pytest.raises(SparseLoCoArgumentError, match="--use-distributed-optimizer"):
+        validate_sparseloco_args(args, world_size=4)
+
+
+def test_moe_worker_must_hold_whole_ep_groups(monkeypatch):
+    args = parse(BASE + ["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "4", "--num-experts", "4",
+                         "--expert-model-parallel-size", "2"], monkeypatch)
+    with pytest.raises(SparseLoCoArgumentError, match="--sparseloco-workers.*expert"):
+        validate_sparseloco_args(args, world_size=4)
