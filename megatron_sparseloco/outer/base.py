@@ -174,6 +174,25 @@ class OuterStrategy(abc.ABC):
         self.anchor = torch.empty(self.params.numel, dtype=torch.float32, device=self.device)
         self.reset_anchor()
 
+    def check_group_layout(self) -> None:
+        """Fail early unless every rank of ``group`` owns the same number of elements.
+
+        The ranks of the outer group must hold the same shard (same parameters, same flat order)
+        in their worker; a different element count means the shards do not line up and every
+        collective would silently mix unrelated values. One tiny all-reduce (MAX of (n, −n)),
+        counted in ``self.counter`` like every collective, but outside any step's stats.
+        """
+        if self.world_size == 1:
+            return
+        n = self.params.numel
+        t = torch.tensor([n, -n], dtype=torch.int64, device=self.device)
+        all_reduce_(t, self.group, self.counter, op=dist.ReduceOp.MAX)
+        hi, lo = int(t[0].item()), -int(t[1].item())
+        if hi != n or lo != n:
+            raise ConfigError(
+                f"{self.name}: the ranks of the outer group own between {lo} and {hi} elements, this rank "
+                f"{n}; the group must join ranks holding the same shard in every worker (same params, same order)")
+
     # ------------------------------------------------------------------ anchor and buckets
     def reset_anchor(self) -> None:
         """θ_outer ← θ_local (at start, and after loading params from elsewhere)."""

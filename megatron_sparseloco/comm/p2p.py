@@ -1,0 +1,98 @@
+"""Point-to-point exchange with a few peers: the only communication of a gossip round.
+
+``exchange(tensor, peers, group, counter)`` sends ``tensor`` to every peer and receives one
+tensor of the same shape and dtype from each of them, all in one
+``torch.distributed.batch_isend_irecv`` (an isend and an irecv per peer), then waits. Every peer
+must call ``exchange`` in the same round with this rank in its own ``peers`` list and a tensor of
+the same shape (the gossip topology guarantees the symmetry: it is computed from a shared seed).
+Nothing else in the group takes part: there is no global collective, and a rank with no peers
+this round returns at once without touching the network.
+
+``peers`` are ranks *in ``group``* (worker indices in the cross-worker group); they are translated
+with ``group_peer=`` so the group may be any subgroup (Megatron's data-parallel-replica group).
+
+Backends [measured, torch 2.14.1 CPU]: ``batch_isend_irecv`` works on gloo (loopback, 2 and 4
+ranks, in subgroups too), so no isend/irecv fallback is needed. With NCCL, PyTorch documents that
+if this is the first collective on the group, all ranks of the group must take part; a gossip
+round where some worker idles would then be undefined, so the caller should have issued any
+collective on the group before (Megatron does at setup).
+
+Byte accounting (kind ``"p2p"``): for an N-byte tensor and P peers, N·P sent and N·P received;
+one call counts as one collective. ``exchange_payloads`` sends 1-D uint8 payloads whose sizes
+may differ: it first exchanges the sizes (one int64 per peer, kind ``"p2p_sizes"``), then the
+payloads at their exact sizes (p2p has no need of padding).
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparseloco.comm.collectives import CommCounter
+
+
+def _check_peers(peers: Sequence[int], group: Optional[dist.ProcessGroup]) -> list:
+    peers = [int(p) for p in peers]
+    if len(set(peers)) != len(peers):
+        raise ValueError(f"exchange peers must be distinct, got {peers}")
+    if not peers:
+        return peers
+    if not dist.is_initialized():
+        raise RuntimeError("exchange with peers needs torch.distributed to be initialised")
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    for p in peers:
+        if not 0 <= p < world:
+            raise ValueError(f"peer {p} is not a rank of the group (size {world})")
+        if p == me:
+            raise ValueError(f"rank {me} listed itself as a peer; the self-weight is applied locally")
+    return peers
+
+
+def _p2p(tensors_out: Dict[int, torch.Tensor], tensors_in: Dict[int, torch.Tensor],
+         group: Optional[dist.ProcessGroup]) -> None:
+    """One batch of an isend and an irecv per peer; empty tensors are neither sent nor received
+    (both sides know the size, so they skip the same message)."""
+    ops = []
+    for p in sorted(tensors_out):
+        if tensors_out[p].numel() > 0:
+            ops.append(dist.P2POp(dist.isend, tensors_out[p], group=group, group_peer=p))
+        if tensors_in[p].numel() > 0:
+            ops.append(dist.P2POp(dist.irecv, tensors_in[p], group=group, group_peer=p))
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def exchange(tensor: torch.Tensor, peers: Sequence[int], group: Optional[dist.ProcessGroup],
+             counter: CommCounter) -> Dict[int, torch.Tensor]:
+    """Send ``tensor`` to each peer, receive a same-shaped tensor from each: ``{peer: received}``."""
+    peers = _check_peers(peers, group)
+    if not peers:
+        return {}
+    send = tensor.contiguous()
+    received = {p: torch.empty_like(send) for p in peers}
+    _p2p({p: send for p in peers}, received, group)
+    n = send.numel() * send.element_size()
+    counter.add("p2p", n * len(peers), n * len(peers))
+    return received
+
+
+def exchange_payloads(payload: torch.Tensor, peers: Sequence[int], group: Optional[dist.ProcessGroup],
+                      counter: CommCounter) -> Dict[int, torch.Tensor]:
+    """Like ``exchange`` for 1-D uint8 payloads of any size: sizes first, then the exact bytes."""
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise ValueError(f"exchange_payloads expects a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
+    peers = _check_peers(peers, group)
+    if not peers:
+        return {}
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
+    sizes = {p: torch.empty_like(size) for p in peers}
+    _p2p({p: size for p in peers}, sizes, group)
+    counter.add("p2p_sizes", 8 * len(peers), 8 * len(peers))
+    send = payload.contiguous()
+    received = {p: torch.empty(int(sizes[p].item()), dtype=torch.uint8, device=payload.device) for p in peers}
+    _p2p({p: send for p in peers}, received, group)
+    counter.add("p2p", send.numel() * len(peers), sum(r.numel() for r in received.values()))
+    return received

@@ -1,0 +1,92 @@
+"""Model averaging: θ ← mean over workers of θ_local.
+
+Computed through the pseudo-gradient, bucket by bucket:
+
+    Δ_r = θ_outer − θ_r ;   Δ̄ = (1/W)·Σ_r Δ_r   (one all-reduce SUM, then ÷W) ;   θ_outer ← θ_outer − Δ̄
+
+which equals mean_r θ_r mathematically (θ_outer − (1/W)Σ(θ_outer − θ_r) = (1/W)Σ θ_r) and differs
+from all-reducing θ itself only by fp32 rounding. We pick the Δ form because (a) it is exactly
+DiLoCo with lr = 1 and no momentum, so the two strategies share the communication code, and (b)
+Δ is small compared with θ, so a bf16 wire format (``comm_dtype="bf16"``) loses far less than
+sending θ in bf16 would. No state besides the anchor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparseloco.comm.collectives import all_reduce_
+from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterStepStats, OuterStrategy
+from megatron_sparseloco.outer.registry import register_outer_strategy
+
+#: wire formats of the dense all-reduce: name → torch dtype
+COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def check_comm_dtype(value: str) -> None:
+    if value not in COMM_DTYPES:
+        raise ConfigError(f"comm_dtype must be one of {tuple(COMM_DTYPES)}, got {value!r}")
+
+
+def mean_pseudo_gradient_(strategy: OuterStrategy, start: int, end: int, work: torch.Tensor,
+                          comm_dtype: str, stats: OuterStepStats, delta_sq: torch.Tensor) -> torch.Tensor:
+    """Fill ``work`` (length end − start) with Δ̄ = (1/W)·Σ_r Δ_r for one bucket.
+
+    Δ is computed in fp32, cast to ``comm_dtype`` for the all-reduce (SUM; gloo and NCCL have no
+    portable AVG), cast back to fp32 and divided by W. ``delta_sq`` accumulates ‖Δ_local‖².
+    Timings: Δ and the cast count as compress, the all-reduce as communicate.
+    """
+    with strategy._timer(stats, "time_compress_s"):
+        strategy.pseudo_gradient(start, end, out=work)
+        delta_sq += torch.linalg.vector_norm(work, dtype=torch.float64).square()
+        wire = work if COMM_DTYPES[comm_dtype] == torch.float32 else work.to(COMM_DTYPES[comm_dtype])
+    with strategy._timer(stats, "time_communicate_s"):
+        all_reduce_(wire, strategy.group, strategy.counter, op=dist.ReduceOp.SUM)
+    with strategy._timer(stats, "time_apply_s"):
+        if wire is not work:
+            work.copy_(wire)
+        if strategy.world_size > 1:
+            work.div_(strategy.world_size)
+    return work
+
+
+@dataclass
+class AveragingConfig(OuterConfig):
+    """``comm_dtype``: wire format of Δ, "fp32" (exact up to summation order) or "bf16"."""
+
+    comm_dtype: str = "fp32"
+
+    def validate(self) -> "AveragingConfig":
+        super().validate()
+        check_comm_dtype(self.comm_dtype)
+        return self
+
+
+@register_outer_strategy("average")
+class ModelAveraging(OuterStrategy):
+    """θ_outer ← θ_outer − mean_r Δ_r = mean_r θ_r, written back to every worker."""
+
+    name = "average"
+    config_class = AveragingConfig
+
+    def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
+                 config: Optional[AveragingConfig] = None, names: Optional[Sequence[str]] = None):
+        super().__init__(params, group, config if config is not None else AveragingConfig(), names)
+        self.check_group_layout()
+
+    def _outer_step(self, stats: OuterStepStats) -> None:
+        cfg: AveragingConfig = self.config
+        work = torch.empty(min(cfg.bucket_numel, self.params.numel), dtype=torch.float32, device=self.device)
+        delta_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        upd_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for s, e in self.buckets():
+            mean_delta = mean_pseudo_gradient_(self, s, e, work[: e - s], cfg.comm_dtype, stats, delta_sq)
+            with self._timer(stats, "time_apply_s"):
+                self.anchor[s:e].sub_(mean_delta)
+                upd_sq += torch.linalg.vector_norm(mean_delta, dtype=torch.float64).square()
+                self.write_back(s, e)
+        stats.delta_norm = float(delta_sq.sqrt().item())
+        stats.update_norm = float(upd_sq.sqrt().item())

@@ -1,0 +1,86 @@
+"""DiLoCo (arXiv 2311.08105): dense mean pseudo-gradient, outer SGD with Nesterov momentum.
+
+Per outer step, bucket by bucket:
+
+    Δ_r = θ_outer − θ_r
+    Δ̄   = (1/W)·Σ_r Δ_r                  all-reduce SUM in fp32 or bf16 (``comm_dtype``), then ÷W in fp32
+    m   ← μ·m + Δ̄
+    u   = Δ̄ + μ·m  (nesterov)   or   m  (heavy ball)
+    θ_outer ← θ_outer − lr·u ;   θ_r ← θ_outer
+
+exactly ``torch.optim.SGD(lr, momentum=μ, dampening=0, nesterov=...)`` applied to θ_outer with
+gradient Δ̄ (see ``outer/sgd.py``). Defaults lr 0.7, μ 0.9, Nesterov (the paper's setting).
+State: the anchor and one shard-sized fp32 momentum buffer (none when μ = 0).
+Bytes per step and rank: 4·numel (fp32) or 2·numel (bf16) sent and received, plus the 4-byte
+non-finite flag.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparseloco.outer.averaging import check_comm_dtype, mean_pseudo_gradient_
+from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterStepStats, OuterStrategy
+from megatron_sparseloco.outer.registry import register_outer_strategy
+from megatron_sparseloco.outer.sgd import outer_sgd_
+
+
+def check_outer_sgd(lr: float, momentum: float, nesterov: bool) -> None:
+    """Shared validation of the outer SGD fields (lr, momentum, nesterov)."""
+    OuterConfig._check_range("lr", lr, 0.0, float("inf"), lo_open=True, hi_open=True)
+    OuterConfig._check_range("momentum", momentum, 0.0, 1.0, hi_open=True)
+    if not isinstance(nesterov, bool):
+        raise ConfigError(f"nesterov must be True or False, got {nesterov!r}")
+
+
+@dataclass
+class DiLoCoConfig(OuterConfig):
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    comm_dtype: str = "fp32"
+
+    def validate(self) -> "DiLoCoConfig":
+        super().validate()
+        check_outer_sgd(self.lr, self.momentum, self.nesterov)
+        check_comm_dtype(self.comm_dtype)
+        return self
+
+
+@register_outer_strategy("diloco")
+class DiLoCo(OuterStrategy):
+    """Dense all-reduce of Δ, then Nesterov (or heavy-ball) SGD on θ_outer."""
+
+    name = "diloco"
+    config_class = DiLoCoConfig
+
+    def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
+                 config: Optional[DiLoCoConfig] = None, names: Optional[Sequence[str]] = None):
+        super().__init__(params, group, config if config is not None else DiLoCoConfig(), names)
+        self.momentum_buf: Optional[torch.Tensor] = None
+        if self.config.momentum != 0.0:
+            self.momentum_buf = torch.zeros(self.params.numel, dtype=torch.float32, device=self.device)
+        self.check_group_layout()
+
+    def _extra_state(self) -> Dict[str, torch.Tensor]:
+        return {} if self.momentum_buf is None else {"momentum": self.momentum_buf}
+
+    def _outer_step(self, stats: OuterStepStats) -> None:
+        cfg: DiLoCoConfig = self.config
+        work = torch.empty(min(cfg.bucket_numel, self.params.numel), dtype=torch.float32, device=self.device)
+        delta_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        upd_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for s, e in self.buckets():
+            mean_delta = mean_pseudo_gradient_(self, s, e, work[: e - s], cfg.comm_dtype, stats, delta_sq)
+            with self._timer(stats, "time_apply_s"):
+                mom = None if self.momentum_buf is None else self.momentum_buf[s:e]
+                update = outer_sgd_(self.anchor[s:e], mean_delta, mom, cfg.lr, cfg.momentum, cfg.nesterov)
+                upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
+                self.write_back(s, e)
+        stats.delta_norm = float(delta_sq.sqrt().item())
+        stats.update_norm = cfg.lr * float(upd_sq.sqrt().item())
+        if self.momentum_buf is not None:
+            stats.extra["momentum_norm"] = float(torch.linalg.vector_norm(self.momentum_buf).item())

@@ -1,0 +1,215 @@
+"""GASLoC: a decentralised gossip outer step with outer momentum (arXiv 2606.11081, grounded form).
+
+No public code or pseudocode of GASLoC exists; this is the implementable form of DESIGN.md §1.3,
+built from the paper's summary (gossip outer step, momentum on the gossip-mixed increment, one- or
+two-peer randomised matchings, reduces to DiLoCo on the complete graph). docs/gasloc.md lists which
+parts are read and which are our assumptions.
+
+Per worker i (worker index = rank in the cross-worker ``group``), per outer round r, per bucket:
+
+    θ0_i  = θ_outer,i                          # this worker's OWN anchor (θ at the round's start)
+    Δ_i   = θ0_i − θ_i                         # pseudo-gradient of the H_i local steps
+    y_i   = θ0_i − η Δ_i                       # proposal (η = proposal_lr)
+    exchange y with this round's neighbours    # point-to-point only (comm/p2p.py)
+    m_i   = Σ_j M_r[i, j] y_j                  # M_r from comm/topology.py; sum in worker order
+    d_i  ← γ d_i + (m_i − θ0_i)                # momentum on the gossip-mixed increment (γ = momentum)
+    θ_i  ← θ0_i + d_i ;  θ_outer,i ← θ_i
+
+Workers are *not* identical after a round on a sparse graph: each keeps its own anchor and
+momentum. Nothing assumes equal H_i: Δ_i is whatever worker i did since its last outer step, so
+workers that ran different numbers of inner steps (heterogeneous speed) mix the same way; choosing
+H_i is the Megatron wrapper's job.
+
+Properties (tested in tests/test_gasloc.py):
+
+* Mean preservation. M_r is doubly stochastic, so (1/W) Σ_i m_i = (1/W) Σ_i y_i: with γ = 0 the
+  workers' mean after the round equals the mean proposal.
+* Consensus. With η = 1 and no local steps (θ_i = θ0_i, so y_i = θ0_i) and γ = 0 the round is
+  θ ← M_r θ: the disagreement Σ_i ||θ_i − θ̄||² shrinks by at least λ₂(M_r²).
+* Complete graph = DiLoCo with heavy-ball outer momentum. With M = 11ᵀ/W and identical anchors θ0
+  (true at the start and kept by induction): m = θ0 − η Δ̄ with Δ̄ = (1/W) Σ_j Δ_j, so
+          d ← γ d − η Δ̄ ,   θ ← θ0 + d.
+  DiLoCo's outer ``torch.optim.SGD(lr=η, momentum=γ, nesterov=False, dampening=0)`` on grad Δ̄ does
+          b ← γ b + Δ̄ (b = Δ̄ at the first step) ,   θ ← θ0 − η b.
+  By induction d = −η b (both start at 0 and, for constant η, d' = γ(−η b) − η Δ̄ = −η(γ b + Δ̄)),
+  so the two produce the same θ at every round, and all workers stay identical. (With a schedule
+  η_t the identity becomes d_t = −Σ_s γ^{t−s} η_s Δ̄_s, the "lr inside the buffer" convention.)
+  DiLoCo's default Nesterov variant is *not* reproduced; that needs d's look-ahead, not part of
+  the §1.3 form.
+
+Non-finite guard (replaces the base class's global one): the base guard all-reduces a flag over
+the whole group, a global collective, which GASLoC must not issue. Here each worker checks only
+its own tensors, and one extra fp32 element (the flag) travels with every bucket's proposal to
+this round's neighbours (4 bytes per peer per bucket, counted). ``"skip"``: a worker with
+non-finite params discards its local progress (θ_i ← θ0_i, so y_i = θ0_i) and still mixes; its
+neighbours mix normally (its proposal is finite); the skip is local, not all workers'.
+``"abort"``: after the first bucket's exchange, the worker that saw it and every neighbour that
+received its flag raise ``NonFiniteError`` with θ_outer untouched; workers further away learn of
+it only when their next exchange with an aborted worker fails (the job is going down anyway).
+
+Compressed proposals (``compress=True``, CHOCO-style public copies with per-neighbour error
+feedback) are validated but not implemented: the config raises ``NotImplementedError``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparseloco.comm.p2p import exchange
+from megatron_sparseloco.comm.topology import TOPOLOGIES, check_topology, neighbours
+from megatron_sparseloco.outer.base import (ConfigError, NonFiniteError, OuterConfig, OuterStepStats,
+                                            OuterStrategy)
+from megatron_sparseloco.outer.registry import register_outer_strategy
+
+VALUE_BITS = (2, 4, 8, 32)
+
+
+@dataclass
+class GASLoCConfig(OuterConfig):
+    """Configuration of the GASLoC outer step (see the module docstring for the math).
+
+    topology       one of comm.topology.TOPOLOGIES: ring, exponential, random1, random2, complete
+    seed           shared by all workers; random matchings are drawn from (seed, round)
+    proposal_lr    η, the step on Δ inside the proposal y = θ0 − ηΔ (outer lr of DiLoCo on K_W)
+    momentum       γ, heavy-ball momentum on the mixed increment (0 disables it)
+    mixing_weight  edge weight of the mixing matrix; None = the topology's default
+                   (ring / random2: 1/3, exponential / random1: 1/2); must be None for complete
+    compress       send proposals SparseLoCo-compressed with CHOCO copies (not implemented yet)
+    chunk, k, value_bits, ef_beta   codec of the compressed mode: top-k of each chunk of
+                   ``chunk`` elements, values quantised to ``value_bits``, error-feedback decay
+    """
+
+    topology: str = "ring"
+    seed: int = 0
+    proposal_lr: float = 1.0
+    momentum: float = 0.9
+    mixing_weight: Optional[float] = None
+    compress: bool = False
+    chunk: int = 4096
+    k: int = 64
+    value_bits: int = 2
+    ef_beta: float = 0.95
+
+    def validate(self) -> "GASLoCConfig":
+        super().validate()
+        if self.topology not in TOPOLOGIES:
+            raise ConfigError(f"topology must be one of {TOPOLOGIES}, got {self.topology!r}")
+        try:
+            check_topology(self.topology, 1, self.mixing_weight)
+        except ValueError as exc:
+            raise ConfigError(f"mixing_weight: {exc}") from None
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ConfigError(f"seed must be a nonnegative integer shared by all workers, got {self.seed!r}")
+        self._check_range("proposal_lr", self.proposal_lr, 0.0, math.inf, lo_open=True)
+        self._check_range("momentum", self.momentum, 0.0, 1.0, hi_open=True)
+        if not isinstance(self.compress, bool):
+            raise ConfigError(f"compress must be a bool, got {self.compress!r}")
+        if not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ConfigError(f"chunk must be a positive integer, got {self.chunk!r}")
+        if not isinstance(self.k, int) or not 1 <= self.k <= self.chunk:
+            raise ConfigError(f"k must be an integer in [1, chunk={self.chunk}], got {self.k!r}")
+        if self.value_bits not in VALUE_BITS:
+            raise ConfigError(f"value_bits must be one of {VALUE_BITS}, got {self.value_bits!r}")
+        self._check_range("ef_beta", self.ef_beta, 0.0, 1.0)
+        if self.compress:
+            raise NotImplementedError(
+                "GASLoCConfig.compress=True: SparseLoCo-compressed proposals with CHOCO public copies are not "
+                "implemented yet; set compress=False (dense fp32 proposals to this round's neighbours)")
+        return self
+
+
+@register_outer_strategy("gasloc")
+class GASLoC(OuterStrategy):
+    """Gossip outer step with momentum; see the module docstring. Extra state: ``momentum`` (d)."""
+
+    name = "gasloc"
+    config_class = GASLoCConfig
+
+    def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
+                 config: GASLoCConfig, names: Optional[Sequence[str]] = None):
+        if not isinstance(config, GASLoCConfig):
+            raise ConfigError(f"GASLoC needs a GASLoCConfig, got {type(config).__name__}")
+        super().__init__(params, group, config, names)
+        self.momentum = torch.zeros_like(self.anchor)
+        self._bad_name: Optional[str] = None
+
+    # ------------------------------------------------------------------ topology
+    def round_neighbours(self, round: Optional[int] = None) -> List[Tuple[int, float]]:
+        """``[(peer, M[me, peer])]`` for outer round ``round`` (default: the next step's round)."""
+        r = self.outer_steps if round is None else round
+        c: GASLoCConfig = self.config  # type: ignore[assignment]
+        return neighbours(c.topology, self.world_size, r, c.seed, self.rank, c.mixing_weight)
+
+    # ------------------------------------------------------------------ guard
+    def _agree_nonfinite(self, stats: OuterStepStats) -> bool:
+        """Local check only (no collective); the verdict travels with the proposals."""
+        self._bad_name = None
+        for i, t in enumerate(self.params.tensors):
+            if not torch.isfinite(t).all():
+                self._bad_name = self.names[i]
+                break
+        return True
+
+    def _raise_nonfinite(self, bad_peers: List[int]) -> None:
+        where = (f"tensor {self._bad_name!r} on this worker (rank {self.rank})" if self._bad_name is not None
+                 else f"neighbour worker(s) {bad_peers}")
+        raise NonFiniteError(
+            f"{self.name} outer step {self.outer_steps + 1}: non-finite pseudo-gradient in {where}; θ_outer left "
+            "untouched (policy 'abort'; use nonfinite_policy='skip' to let that worker discard its local progress)")
+
+    # ------------------------------------------------------------------ the step
+    def _outer_step(self, stats: OuterStepStats) -> None:
+        c: GASLoCConfig = self.config  # type: ignore[assignment]
+        nbrs = self.round_neighbours()
+        peers = [p for p, _ in nbrs]
+        self_weight = 1.0 - sum(w for _, w in nbrs)
+        abort = c.nonfinite_policy == "abort"
+        bad = self._bad_name is not None
+        sq_delta = sq_update = sq_shift = 0.0
+        peers_nonfinite: set = set()
+        for s, e in self.buckets():
+            n = e - s
+            theta0 = self.anchor[s:e]
+            with self._timer(stats, "time_compress_s"):
+                send = torch.empty(n + 1, dtype=torch.float32, device=self.device)
+                y = send[:n]
+                if bad and not abort:
+                    y.copy_(theta0)  # skip: discard this worker's local progress, Δ = 0
+                else:
+                    self.pseudo_gradient(s, e, out=y)
+                    if not bad:
+                        sq_delta += float(torch.dot(y, y))
+                    y.mul_(-c.proposal_lr).add_(theta0)  # y = θ0 − ηΔ
+                send[n] = 1.0 if bad else 0.0
+            with self._timer(stats, "time_communicate_s"):
+                received = exchange(send, peers, self.group, self.counter)
+            bad_peers = sorted(p for p, buf in received.items() if buf[n].item() != 0.0)
+            peers_nonfinite.update(bad_peers)
+            if abort and (bad or bad_peers):  # always at bucket 0: the flag rides on every bucket
+                self._raise_nonfinite(bad_peers)
+            with self._timer(stats, "time_apply_s"):
+                terms = sorted([(self.rank, self_weight, y)] + [(p, w, received[p][:n]) for p, w in nbrs],
+                               key=lambda t: t[0])
+                mix = torch.zeros(n, dtype=torch.float32, device=self.device)
+                for _, w, v in terms:  # same order on every worker: identical sums on the complete graph
+                    mix.add_(v, alpha=w)
+                sq_shift += float(torch.sum((mix - y) ** 2))
+                d = self.momentum[s:e]
+                d.mul_(c.momentum).add_(mix.sub_(theta0))  # d ← γd + (m − θ0)
+                sq_update += float(torch.dot(d, d))
+                theta0.add_(d)  # θ_outer ← θ0 + d (in place on the anchor)
+                self.write_back(s, e)
+        stats.delta_norm = math.sqrt(sq_delta)
+        stats.update_norm = math.sqrt(sq_update)
+        stats.skipped = bad
+        stats.extra.update({"gossip_peers": float(len(peers)), "self_weight": self_weight,
+                            "mix_shift_norm": math.sqrt(sq_shift), "peers_nonfinite": float(len(peers_nonfinite))})
+        self._bad_name = None
+
+    # ------------------------------------------------------------------ state
+    def _extra_state(self) -> Dict[str, torch.Tensor]:
+        return {"momentum": self.momentum}

@@ -1,0 +1,210 @@
+"""SparseLoCo (arXiv 2508.15706): Top-k + 2-bit pseudo-gradients with error feedback, all-gathered.
+
+Per outer step, per bucket B (a flat range of this rank's shard), on worker r:
+
+    Δ_r   = θ_outer − θ_r
+    e_r   ← β·e_r + Δ_r                              error feedback (β = ``ef_beta``)
+    P_r   = encode(e_r)                             Top-k per chunk of ``chunk`` elements, quantised values
+    e_r   ← e_r − decode(P_r)                       remove exactly what was sent
+    {P_w} = all_gather(P_r)                         packed uint8 payloads, equal sizes for "packed" indices
+    S[i]  = Σ_{w : i ∈ idx_w} v_w[i] ,  c[i] = #{w : i ∈ idx_w}
+    agg   = S / max(c, 1)    (reduce="contributors": mean over the workers that chose i; the
+                              public reference code's scatter_reduce "mean", include_self=False)
+          = S / W            (reduce="all": the (1/W)·Σ written in the paper)
+    θ_outer ← θ_outer − lr·u,   u = agg, or with ``momentum`` μ > 0 the SGD momentum direction
+                                 (heavy ball or Nesterov, ``outer/sgd.py``)
+    θ_r   ← θ_outer
+
+Following production Templar, Δ enters the error feedback unscaled and lr is applied once, in the
+SGD step (the reference code multiplies by lr twice). Defaults: chunk 4096, k 64 (1.56 %), 2-bit
+values, β 0.95, contributors mean, lr 1, no momentum.
+
+``peer_norm_clip``: before summing, worker w's decoded values in a bucket are scaled by
+min(1, median_w' ‖v_w'‖ / ‖v_w‖) (the lower median, ``torch.median``, of the W peers' norms in
+that bucket): an outlier peer cannot dominate the aggregate. Off by default. Note it is applied
+per bucket, so its effect depends on ``bucket_numel``.
+
+Buckets: ``bucket_numel`` is rounded down to a multiple of ``chunk`` (at least one chunk), so the
+chunks of every bucket are exactly the chunks of the whole flat shard and only the shard's last
+chunk is ragged. Peak extra memory of a step: one dense fp32 bucket buffer, a uint8 (int32 when
+W > 255) count per bucket element, the W gathered payloads, and the decoded (index, value) lists
+of one worker (of all W when ``peer_norm_clip``) — never W × shard.
+
+Every rank decodes every payload (its own was decoded by the EF step; decoding is deterministic)
+and sums them in group-rank order with the same operations, so the aggregate — and θ_outer — are
+bitwise identical on all workers.
+
+State: the anchor, the error-feedback buffer (shard-sized fp32, different on every worker: it
+must not be deduplicated as a data-parallel replica when checkpointing), and the momentum buffer
+when μ > 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparseloco.comm.collectives import all_gather_payloads
+from megatron_sparseloco.compress import (
+    CodecConfig,
+    CodecConfigError,
+    decode,
+    error_feedback_step,
+    payload_nbytes,
+)
+from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterStepStats, OuterStrategy
+from megatron_sparseloco.outer.diloco import check_outer_sgd
+from megatron_sparseloco.outer.registry import register_outer_strategy
+from megatron_sparseloco.outer.sgd import outer_sgd_
+
+REDUCE_MODES = ("contributors", "all")
+
+
+@dataclass
+class SparseLoCoConfig(OuterConfig):
+    chunk: int = 4096
+    k: int = 64
+    value_bits: int = 2
+    index_coding: str = "packed"
+    quant_group_chunks: int = 0  # 0: one quantiser per bucket; g > 0: one per g chunks
+    ef_beta: float = 0.95
+    reduce: str = "contributors"
+    lr: float = 1.0
+    momentum: float = 0.0
+    nesterov: bool = False
+    peer_norm_clip: bool = False
+
+    def codec(self) -> CodecConfig:
+        return CodecConfig(chunk=self.chunk, k=self.k, value_bits=self.value_bits, index_coding=self.index_coding,
+                           chunk_mode="flat", quant_group_chunks=self.quant_group_chunks)
+
+    def validate(self) -> "SparseLoCoConfig":
+        super().validate()
+        try:
+            self.codec().validate()
+        except CodecConfigError as exc:  # same field names here: keep the codec's message
+            raise ConfigError(f"SparseLoCoConfig: {exc}") from exc
+        self._check_range("ef_beta", self.ef_beta, 0.0, 1.0, hi_open=True)
+        if self.reduce not in REDUCE_MODES:
+            raise ConfigError(f"reduce must be one of {REDUCE_MODES}, got {self.reduce!r}")
+        check_outer_sgd(self.lr, self.momentum, self.nesterov)
+        if not isinstance(self.peer_norm_clip, bool):
+            raise ConfigError(f"peer_norm_clip must be True or False, got {self.peer_norm_clip!r}")
+        return self
+
+    @property
+    def effective_bucket_numel(self) -> int:
+        """``bucket_numel`` rounded down to a whole number of chunks (at least one chunk)."""
+        return max(self.chunk, self.bucket_numel - self.bucket_numel % self.chunk)
+
+
+@register_outer_strategy("sparseloco")
+class SparseLoCo(OuterStrategy):
+    """Error-feedback Top-k compression, all-gather of packed payloads, sparse mean, outer SGD."""
+
+    name = "sparseloco"
+    config_class = SparseLoCoConfig
+
+    def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
+                 config: Optional[SparseLoCoConfig] = None, names: Optional[Sequence[str]] = None):
+        super().__init__(params, group, config if config is not None else SparseLoCoConfig(), names)
+        cfg: SparseLoCoConfig = self.config
+        self.codec = cfg.codec()
+        self.error = torch.zeros(self.params.numel, dtype=torch.float32, device=self.device)
+        self.momentum_buf: Optional[torch.Tensor] = None
+        if cfg.momentum != 0.0:
+            self.momentum_buf = torch.zeros(self.params.numel, dtype=torch.float32, device=self.device)
+        self.count_dtype = torch.uint8 if self.world_size <= 255 else torch.int32
+        self.check_group_layout()
+
+    def buckets(self) -> Iterator[Tuple[int, int]]:
+        n, b = self.params.numel, self.config.effective_bucket_numel
+        for s in range(0, n, b):
+            yield s, min(n, s + b)
+
+    def _extra_state(self) -> Dict[str, torch.Tensor]:
+        state = {"error_feedback": self.error}
+        if self.momentum_buf is not None:
+            state["momentum"] = self.momentum_buf
+        return state
+
+    def _bucket_name(self, s: int, e: int) -> str:
+        first, last = self.params.name_of(s, self.names), self.params.name_of(e - 1, self.names)
+        span = first if first == last else f"{first}..{last}"
+        return f"{self.name} bucket [{s}:{e}) ({span})"
+
+    def _outer_step(self, stats: OuterStepStats) -> None:
+        cfg: SparseLoCoConfig = self.config
+        W = self.world_size
+        packed = cfg.index_coding == "packed"
+        work = torch.empty(min(cfg.effective_bucket_numel, self.params.numel), dtype=torch.float32,
+                           device=self.device)
+        counts_buf = torch.empty(work.numel(), dtype=self.count_dtype, device=self.device)
+        f64 = dict(dtype=torch.float64, device=self.device)
+        delta_sq, error_sq, upd_sq = torch.zeros((), **f64), torch.zeros((), **f64), torch.zeros((), **f64)
+        kept_local = kept_union = payload_bytes = 0
+        clip_min = 1.0
+        for s, e in self.buckets():
+            n = e - s
+            delta, err = work[:n], self.error[s:e]
+            # ---- compress: Δ, error feedback, encode
+            with self._timer(stats, "time_compress_s"):
+                self.pseudo_gradient(s, e, out=delta)
+                delta_sq += torch.linalg.vector_norm(delta, dtype=torch.float64).square()
+                payload, local = error_feedback_step(err, delta, cfg.ef_beta, self.codec, self._bucket_name(s, e))
+                if packed and payload.numel() != payload_nbytes(n, self.codec):
+                    raise RuntimeError(f"{self._bucket_name(s, e)}: codec produced {payload.numel()} bytes, "
+                                       f"payload_nbytes promises {payload_nbytes(n, self.codec)}")
+                error_sq += torch.linalg.vector_norm(err, dtype=torch.float64).square()
+                kept_local += int(local.indices.numel())
+                payload_bytes += int(payload.numel())
+            # ---- communicate
+            with self._timer(stats, "time_communicate_s"):
+                payloads = all_gather_payloads(payload, self.group, self.counter, equal_sizes=packed)
+            # ---- apply: decode all, sparse sum, mean, SGD, write back
+            with self._timer(stats, "time_apply_s"):
+                agg, counts = work[:n].zero_(), counts_buf[:n].zero_()
+                # our own payload was decoded by the EF step already (decode is deterministic)
+                decoded = (local if w == self.rank else self._decode(p, n, w, s, e)
+                           for w, p in enumerate(payloads))
+                if cfg.peer_norm_clip:
+                    decoded = list(decoded)
+                    norms = torch.stack([torch.linalg.vector_norm(d.values) for d in decoded])
+                    scales = torch.clamp(norms.median() / norms.clamp_min(torch.finfo(torch.float32).tiny), max=1.0)
+                    clip_min = min(clip_min, float(scales.min().item()))
+                else:
+                    scales = None
+                for w, d in enumerate(decoded):
+                    values = d.values if scales is None else d.values * scales[w]
+                    agg.index_add_(0, d.indices, values)
+                    counts.index_add_(0, d.indices, torch.ones_like(d.indices, dtype=self.count_dtype))
+                kept_union += int(torch.count_nonzero(counts).item())
+                if cfg.reduce == "contributors":
+                    agg.div_(counts.clamp_min(1))
+                elif W > 1:
+                    agg.div_(W)
+                mom = None if self.momentum_buf is None else self.momentum_buf[s:e]
+                update = outer_sgd_(self.anchor[s:e], agg, mom, cfg.lr, cfg.momentum, cfg.nesterov)
+                upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
+                self.write_back(s, e)
+        numel = self.params.numel
+        stats.delta_norm = float(delta_sq.sqrt().item())
+        stats.error_norm = float(error_sq.sqrt().item())
+        stats.update_norm = cfg.lr * float(upd_sq.sqrt().item())
+        stats.extra.update({
+            "density": kept_local / numel,                # share of this rank's elements it sent
+            "aggregate_density": kept_union / numel,      # share chosen by at least one worker
+            "payload_bytes": float(payload_bytes),        # this rank's encoded bytes (all buckets)
+            "bits_per_param": 8.0 * payload_bytes / numel,
+        })
+        if cfg.peer_norm_clip:
+            stats.extra["peer_clip_scale_min"] = clip_min
+
+    def _decode(self, payload: torch.Tensor, n: int, worker: int, s: int, e: int):
+        d = decode(payload, device=self.device)
+        if d.numel != n:
+            raise RuntimeError(f"{self._bucket_name(s, e)}: worker {worker} sent a payload for {d.numel} elements, "
+                               f"expected {n}; the outer group's shards do not line up")
+        return d

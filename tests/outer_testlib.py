@@ -1,0 +1,107 @@
+"""Shared pieces of the outer-strategy tests: parameters, per-rank drift, a rank driver.
+
+Every rank builds the same initial parameters (a few odd-sized fp32 tensors), then before each
+outer step adds a drift that depends on (rank, step) only, so the parent process can replay the
+whole trajectory in a plain single-process reference.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+SHAPES = [(7, 13), (5,), (3, 4, 5), (1,), (33,)]  # 91 + 5 + 60 + 1 + 33 = 190 elements
+
+
+def make_params(seed: int = 0, shapes: Sequence[tuple] = SHAPES) -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g, dtype=torch.float32) for s in shapes]
+
+
+def drift(rank: int, step: int, shapes: Sequence[tuple] = SHAPES, scale: float = 1e-2,
+          seed: int = 0) -> List[torch.Tensor]:
+    """The local progress of worker ``rank`` during round ``step`` (deterministic)."""
+    g = torch.Generator().manual_seed(1_000_003 * (seed + 1) + 7919 * rank + step)
+    # heavy-ish tails and a per-rank bias so that the top-k choices differ between workers
+    return [scale * (torch.randn(*s, generator=g) * (1.0 + rank) + 0.1 * rank) for s in shapes]
+
+
+def flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def outer_group(mode: str) -> Optional[dist.ProcessGroup]:
+    """"world": all ranks are workers of one shard group; "self": each rank is a worker alone."""
+    if mode == "world":
+        return None
+    if mode == "self":
+        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        return groups[dist.get_rank()]
+    raise ValueError(mode)
+
+
+def drive(rank: int, world_size: int, name: str, config: Dict, steps: int, seed: int = 0,
+          group_mode: str = "world", nan_at: Optional[tuple] = None,
+          save_at: Optional[int] = None, reload: bool = False) -> Dict:
+    """Run ``steps`` outer steps of strategy ``name``; return per-step flat params and stats.
+
+    ``nan_at=(rank, step)``: that rank puts a NaN into its first tensor before that step.
+    ``save_at=t``: take the state dict after step t; with ``reload`` build a fresh strategy from
+    it and continue with that one (to compare with the uninterrupted run).
+    """
+    from megatron_sparseloco.outer import NonFiniteError, build_outer_strategy
+
+    torch.manual_seed(1234 + rank)  # anything random in the strategy must not depend on it
+    params = make_params(seed)
+    group = outer_group(group_mode)
+    names = [f"p{i}" for i in range(len(params))]
+    strat = build_outer_strategy(name, params, group, names=names, **config)
+    out = {"params": [], "anchor": [], "stats": [], "errors": [], "state": None}
+    for t in range(1, steps + 1):
+        with torch.no_grad():
+            for p, d in zip(params, drift(rank, t, seed=seed)):
+                p.add_(d)
+            if nan_at is not None and nan_at == (rank, t):
+                params[0].view(-1)[3] = float("nan")
+        try:
+            stats = strat.step()
+            out["stats"].append(stats.as_dict())
+            out["errors"].append(None)
+        except NonFiniteError as exc:
+            out["stats"].append(None)
+            out["errors"].append(str(exc))
+        out["params"].append(flat(params).clone())
+        out["anchor"].append(strat.anchor.clone())
+        if save_at == t:
+            sd = strat.state_dict()
+            out["state"] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in sd.items()}
+            if reload:
+                strat = build_outer_strategy(name, params, group, names=names, **config)
+                strat.load_state_dict(sd)
+    return out
+
+
+def mismatch(rank: int, world_size: int, name: str, config: Dict) -> str:
+    """Rank 1 owns one element more than the others: construction must fail on every rank."""
+    from megatron_sparseloco.outer import ConfigError, build_outer_strategy
+
+    params = make_params(0)
+    if rank == 1:
+        params.append(torch.zeros(1))
+    try:
+        build_outer_strategy(name, params, None, **config)
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def drive_many(rank: int, world_size: int, jobs: Sequence[Dict]) -> List:
+    """Run several jobs in one process group (spawning ranks is the slow part of these tests)."""
+    fns = {"drive": drive, "mismatch": mismatch}
+    results = []
+    for job in jobs:
+        job = dict(job)
+        fn = fns[job.pop("fn", "drive")]
+        results.append(fn(rank, world_size, **job))
+    return results
