@@ -36,7 +36,10 @@ def _group_of(name, args, kwargs):
         ranks = set()
         for op in ops:
             ranks.add(dist.get_rank())
-            ranks.add(op.peer if getattr(op, "group", None) is None else dist.get_global_rank(op.group, op.peer))
+            peer = getattr(op, "peer", None)  # global rank; torch also accepts a group-local group_peer
+            if peer is None:
+                peer = dist.get_global_rank(op.group, op.group_peer)
+            ranks.add(int(peer))
         return tuple(sorted(ranks))
     if name in ("send", "recv", "isend", "irecv"):
         peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
@@ -61,11 +64,18 @@ class CollectiveSpy:
         return spy
 
     def __enter__(self):
+        import torch.distributed.distributed_c10d as c10d
+
         for name in _FUNCS:
             fn = getattr(dist, name, None)
             if fn is not None:
-                self._saved.append((dist, name, fn))
-                setattr(dist, name, self._wrap(name, fn))
+                # The same wrapper in both modules: P2POp checks ``op in (isend, irecv)`` against
+                # distributed_c10d's globals, so they must stay the same objects as torch.distributed's.
+                spy = self._wrap(name, fn)
+                for mod in (dist, c10d):
+                    if getattr(mod, name, None) is fn:
+                        self._saved.append((mod, name, fn))
+                        setattr(mod, name, spy)
         for module_name, attrs in _ALIASES:
             try:
                 mod = importlib.import_module(module_name)
