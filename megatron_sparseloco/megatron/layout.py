@@ -330,7 +330,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="print nothing on success (exit status only)")
     p.add_argument("--expand-nodelist", metavar="NODELIST", default=None,
                    help="print the host names of a SLURM node list, one per line, and exit")
+    p.add_argument("--megatron-args", nargs=argparse.REMAINDER, default=None,
+                   help="last option: the Megatron pretrain arguments; the parallel sizes and W are read "
+                        "from them (--tensor-model-parallel-size, ..., --sparseloco-workers) instead of "
+                        "--tp/--pp/--cp/--ep/--expert-tp/--workers")
     return p
+
+
+def sizes_from_megatron_args(argv: Sequence[str]) -> dict:
+    """The layout-relevant sizes in a Megatron argument list (the last occurrence wins, as in argparse)."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--context-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    p.add_argument("--num-distributed-optimizer-instances", type=int, default=None)
+    p.add_argument("--sparseloco-workers", type=int, default=None)
+    p.add_argument("--use-tp-pp-dp-mapping", action="store_true")
+    known, _ = p.parse_known_args(list(argv))
+    w, inst = known.sparseloco_workers, known.num_distributed_optimizer_instances
+    if w is not None and inst not in (None, 1, w):
+        raise LayoutError(f"--sparseloco-workers {w} disagrees with --num-distributed-optimizer-instances {inst}: "
+                          f"give only one of them, or the same value to both")
+    return dict(tp=known.tensor_model_parallel_size, pp=known.pipeline_model_parallel_size,
+                cp=known.context_parallel_size, ep=known.expert_model_parallel_size,
+                expert_tp=known.expert_tensor_parallel_size, workers=w or inst or 1,
+                order=TP_PP_DP_ORDER if known.use_tp_pp_dp_mapping else DEFAULT_ORDER)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -341,9 +367,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         if args.nodes is None:
             raise LayoutError("--nodes is required")
-        order = args.order or (TP_PP_DP_ORDER if args.use_tp_pp_dp_mapping else DEFAULT_ORDER)
-        lay = compute_layout(args.nodes, args.gpus_per_node, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                             workers=args.workers, expert_tp=args.expert_tp, order=order, sites=args.sites)
+        if args.megatron_args is not None:
+            kw = sizes_from_megatron_args(args.megatron_args)
+        else:
+            kw = dict(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, expert_tp=args.expert_tp, workers=args.workers,
+                      order=TP_PP_DP_ORDER if args.use_tp_pp_dp_mapping else DEFAULT_ORDER)
+        if args.order:
+            kw["order"] = args.order
+        lay = compute_layout(args.nodes, args.gpus_per_node, sites=args.sites, **kw)
         hosts = expand_nodelist(args.hostnames) if args.hostnames else None
         if hosts is not None and len(hosts) != lay.nodes:
             raise LayoutError(f"--hostnames lists {len(hosts)} hosts but --nodes is {lay.nodes}")

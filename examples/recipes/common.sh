@@ -1,0 +1,107 @@
+# Shared pieces of the recipes in this folder. Sourced, never run.
+#
+# A recipe sets its model/training arrays and WORKERS/TP/PP/CP/EP, then calls
+#   sparseloco_args   -> fills SPARSELOCO_ARGS for ALGO (sparseloco | diloco | gasloc)
+#   sparseloco_launch -> prints or launches:
+#       PRINT_ARGS=1    print the pretrain arguments one per line and exit (no GPU, no torchrun)
+#       PRINT_ARGS=cmd  print the whole launch command on one line (shell-quoted) and exit
+#       otherwise       check the rank layout, then exec torchrun on this node
+#
+# Launcher environment (single node needs none of it):
+#   GPUS_PER_NODE (8), NNODES (1), NODE_RANK (0), MASTER_ADDR (localhost), MASTER_PORT (6000),
+#   SITES (site id per node, "0,0,1,1"; default one site), MEGATRON_LM (Megatron-LM checkout with
+#   pretrain_gpt.py), PYTHON (python), CHECKPOINT_DIR (enables --save/--load: resumes from the
+#   latest checkpoint there), TENSORBOARD_DIR, DATA_PATH (Megatron data prefix; unset = --mock-data).
+
+: "${ALGO:=sparseloco}"
+: "${GPUS_PER_NODE:=8}"
+: "${NNODES:=1}"    # recipes set their own defaults before sourcing this file
+: "${NODE_RANK:=0}"
+: "${MASTER_ADDR:=localhost}"
+: "${MASTER_PORT:=6000}"
+: "${MEGATRON_LM:=/opt/Megatron-LM}"
+: "${PYTHON:=python}"
+
+# Outer-step flags for ALGO. Defaults (DESIGN.md section 1; docs/recipes.md has the sources):
+#   sparseloco: H=15 (reference code; Covenant-72B used 30), top-64 of 4096 (1.56 %), 2-bit values,
+#               error-feedback decay 0.95, outer SGD lr 1.0 without momentum.
+#   diloco:     H=15 here to match the SparseLoCo comparison (the DiLoCo paper used 500),
+#               outer Nesterov SGD lr 0.7, momentum 0.9, fp32 all-reduce.
+#   gasloc:     ring gossip, heavy-ball momentum 0.9 on the mixed increment.
+sparseloco_args() {
+    SPARSELOCO_ARGS=(--sparseloco-algorithm "$ALGO" --sparseloco-workers "$WORKERS")
+    case "$ALGO" in
+        sparseloco)
+            SPARSELOCO_ARGS+=(
+                --sparseloco-inner-steps "${INNER_STEPS:-15}"
+                --sparseloco-outer-lr "${OUTER_LR:-1.0}"
+                --sparseloco-topk "${TOPK:-64}"
+                --sparseloco-chunk-size "${CHUNK_SIZE:-4096}"
+                --sparseloco-value-bits "${VALUE_BITS:-2}"
+                --sparseloco-ef-decay "${EF_DECAY:-0.95}"
+                --sparseloco-reduce "${REDUCE:-contributors}"
+            ) ;;
+        diloco)
+            SPARSELOCO_ARGS+=(
+                --sparseloco-inner-steps "${INNER_STEPS:-15}"
+                --sparseloco-outer-lr "${OUTER_LR:-0.7}"
+                --sparseloco-outer-momentum "${OUTER_MOMENTUM:-0.9}"
+                --sparseloco-outer-nesterov
+                --sparseloco-diloco-comm-dtype "${COMM_DTYPE:-fp32}"
+            ) ;;
+        gasloc)
+            SPARSELOCO_ARGS+=(
+                --sparseloco-inner-steps "${INNER_STEPS:-15}"
+                --sparseloco-outer-lr "${OUTER_LR:-1.0}"
+                --sparseloco-outer-momentum "${OUTER_MOMENTUM:-0.9}"
+                --sparseloco-gossip-topology "${GOSSIP_TOPOLOGY:-ring}"
+            ) ;;
+        *)
+            echo "error: ALGO=$ALGO; use ALGO=sparseloco, ALGO=diloco or ALGO=gasloc" >&2
+            exit 2 ;;
+    esac
+}
+
+# Data: DATA_PATH (Megatron indexed-dataset prefix) with a Hugging Face tokenizer, else mock data.
+sparseloco_data_args() {
+    local vocab=$1
+    if [[ -n "${DATA_PATH:-}" ]]; then
+        DATA_ARGS=(--data-path "$DATA_PATH" --split "${SPLIT:-99,1,0}"
+                   --tokenizer-type HuggingFaceTokenizer --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL (HF name or path) with DATA_PATH}")
+    else
+        DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size "$vocab")
+    fi
+}
+
+# Checkpoints and logs: one shared CHECKPOINT_DIR per run; --load of the same directory resumes
+# from its latest checkpoint (Megatron starts from scratch when the directory holds none).
+sparseloco_output_args() {
+    OUTPUT_ARGS=(--log-interval "${LOG_INTERVAL:-10}" --eval-interval "${EVAL_INTERVAL:-1000}"
+                 --eval-iters "${EVAL_ITERS:-10}" --ckpt-format torch_dist)
+    if [[ -n "${CHECKPOINT_DIR:-}" ]]; then
+        OUTPUT_ARGS+=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "${SAVE_INTERVAL:-1000}")
+    fi
+    if [[ -n "${TENSORBOARD_DIR:-}" ]]; then
+        OUTPUT_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
+    fi
+}
+
+sparseloco_launch() {
+    # ARGS must be set by the recipe; extra command-line arguments of the recipe come last (they win).
+    if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
+        printf '%s\n' "${ARGS[@]}"
+        exit 0
+    fi
+    local launch=(torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
+                  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+                  -m megatron_sparseloco.run "$MEGATRON_LM/pretrain_gpt.py")
+    if [[ "${PRINT_ARGS:-0}" == cmd ]]; then
+        printf '%q ' "${launch[@]}" "${ARGS[@]}"
+        echo
+        exit 0
+    fi
+    # Refuse a layout where a worker spans two sites, W does not divide DP, ... before starting.
+    "$PYTHON" -m megatron_sparseloco.megatron.layout --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
+        ${SITES:+--sites "$SITES"} --quiet --megatron-args "${ARGS[@]}" || exit 2
+    exec "${launch[@]}" "${ARGS[@]}"
+}

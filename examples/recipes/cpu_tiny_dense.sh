@@ -1,0 +1,71 @@
+#!/bin/bash
+# A tiny dense GPT (2 layers, hidden 64) sized for CPUs: 4 gloo ranks on one machine, 2 workers of
+# 2 ranks, mock data. Exercises the whole path (Megatron pretrain loop + outer steps) without a GPU;
+# `megatron_sparseloco.run` applies the CPU bridges for megatron-core when CUDA is absent.
+#
+#   ALGO=sparseloco|diloco|gasloc bash cpu_tiny_dense.sh
+#   PRINT_ARGS=1 bash cpu_tiny_dense.sh
+set -euo pipefail
+: "${NNODES:=1}"
+: "${GPUS_PER_NODE:=4}"     # ranks (processes) on this machine
+: "${WORKERS:=2}"
+: "${TP:=1}" "${PP:=1}" "${CP:=1}" "${EP:=1}"
+: "${TRAIN_ITERS:=60}"
+: "${INNER_STEPS:=5}"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"   # after the defaults above, which it keeps
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+GPT_MODEL_ARGS=(
+    --num-layers 2
+    --hidden-size 64
+    --ffn-hidden-size 256
+    --num-attention-heads 4
+    --seq-length 64
+    --max-position-embeddings 64
+    --position-embedding-type rope
+    --normalization RMSNorm
+    --swiglu
+    --disable-bias-linear
+    --attention-dropout 0.0
+    --hidden-dropout 0.0
+)
+
+TRAINING_ARGS=(
+    --micro-batch-size 2
+    --global-batch-size $((4 * WORKERS))
+    --train-iters "$TRAIN_ITERS"
+    --lr "${INNER_LR:-1e-3}"
+    --min-lr 1e-4
+    --lr-decay-style cosine
+    --lr-warmup-iters 5
+    --weight-decay 0.1
+    --adam-beta1 0.9
+    --adam-beta2 0.95
+    --clip-grad 1.0
+    --use-distributed-optimizer
+    --seed 1234
+)
+
+# What CPU + gloo needs (DESIGN.md section 3): no fused CUDA kernels, CPU initialisation.
+CPU_ARGS=(
+    --distributed-backend gloo
+    --transformer-impl local
+    --use-cpu-initialization
+    --no-persist-layer-norm
+    --no-gradient-accumulation-fusion
+    --no-masked-softmax-fusion
+)
+
+MODEL_PARALLEL_ARGS=(
+    --tensor-model-parallel-size "$TP"
+    --pipeline-model-parallel-size "$PP"
+)
+
+DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 256)
+LOG_INTERVAL=${LOG_INTERVAL:-5} EVAL_INTERVAL=${EVAL_INTERVAL:-30} EVAL_ITERS=${EVAL_ITERS:-2} \
+    SAVE_INTERVAL=${SAVE_INTERVAL:-30} sparseloco_output_args
+sparseloco_args
+
+ARGS=("${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${CPU_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}"
+      "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${SPARSELOCO_ARGS[@]}" "$@")
+sparseloco_launch

@@ -1,0 +1,111 @@
+"""Every recipe's arguments must pass Megatron's real parser plus our flag validation, at its world size."""
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "examples" / "recipes"
+MODELS = ["llama_1b", "llama_8b", "mixtral_8x7b", "cpu_tiny_dense", "cpu_tiny_moe"]
+ALGOS = ["sparseloco", "diloco"]
+
+
+def _recipe(name, mode, **env):
+    e = {k: v for k, v in os.environ.items() if k not in ("NNODES", "WORKERS", "TP", "PP", "EP", "CP", "ALGO",
+                                                           "GPUS_PER_NODE", "DATA_PATH", "CHECKPOINT_DIR")}
+    e.update(PRINT_ARGS=mode, PYTHON=sys.executable, **env)
+    p = subprocess.run(["bash", str(RECIPES / f"{name}.sh")], capture_output=True, text=True, env=e, timeout=60)
+    return p
+
+
+def _world_size(name, **env):
+    """The world size the recipe launches with: torchrun --nnodes x --nproc-per-node of its command."""
+    p = _recipe(name, "cmd", **env)
+    assert p.returncode == 0, p.stderr
+    cmd = shlex.split(p.stdout)
+    assert cmd[0] == "torchrun" and "megatron_sparseloco.run" in cmd and cmd[cmd.index("-m") + 2].endswith("pretrain_gpt.py")
+    return int(cmd[cmd.index("--nnodes") + 1]) * int(cmd[cmd.index("--nproc-per-node") + 1]), cmd
+
+
+def _megatron_parse(argv, world_size, monkeypatch):
+    from megatron.training.arguments import parse_args
+    from megatron_sparseloco.megatron.arguments import add_sparseloco_args, validate_sparseloco_args
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"] + argv)
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    args = parse_args(extra_args_provider=add_sparseloco_args, ignore_unknown_args=False)
+    return validate_sparseloco_args(args, world_size=world_size)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("name", MODELS)
+def test_recipe_args_parse_and_validate(name, algo, monkeypatch):
+    from megatron_sparseloco.megatron.layout import compute_layout, sizes_from_megatron_args
+    p = _recipe(name, "1", ALGO=algo)
+    assert p.returncode == 0, p.stderr
+    argv = p.stdout.splitlines()
+    assert argv and all(a != "" for a in argv)
+    world, cmd = _world_size(name, ALGO=algo)
+    args = _megatron_parse(argv, world, monkeypatch)  # argparse exits (SystemExit) on an unknown flag
+    assert args.sparseloco_algorithm == algo
+    W = args.sparseloco_workers
+    assert W >= 2 and args.num_distributed_optimizer_instances == W
+    assert args.use_distributed_optimizer
+    # Global batch = per-worker batch x W, divisible by micro-batch x data-parallel size (Megatron's rule).
+    dp = world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size)
+    assert args.global_batch_size % (args.micro_batch_size * dp) == 0
+    # The intended layout is accepted by the layout helper, with whole nodes per worker on real recipes.
+    gpn = int(cmd[cmd.index("--nproc-per-node") + 1])
+    lay = compute_layout(world // gpn, gpn, **sizes_from_megatron_args(argv))
+    assert lay.workers == W
+    if not name.startswith("cpu_"):
+        assert all(len(set(n)) * gpn == lay.ranks_per_worker for n in lay.worker_nodes), lay.worker_nodes
+    if args.num_experts:
+        assert world // W % (args.expert_model_parallel_size * (args.expert_tensor_parallel_size or 1)) == 0
+    # Paper defaults (DESIGN.md section 1.2).
+    assert args.clip_grad == 1.0 and args.weight_decay == 0.1 and args.lr_decay_style == "cosine"
+    assert args.sparseloco_inner_steps in (5, 15)
+    if algo == "sparseloco":
+        assert (args.sparseloco_topk, args.sparseloco_chunk_size, args.sparseloco_value_bits) == (64, 4096, 2)
+        assert args.sparseloco_ef_decay == 0.95 and args.sparseloco_outer_lr == 1.0
+        assert args.sparseloco_outer_momentum == 0.0
+        if not name.startswith("cpu_"):
+            assert args.lr == 1e-3 and args.sparseloco_inner_steps == 15
+    else:
+        assert args.sparseloco_outer_nesterov and args.sparseloco_outer_momentum == 0.9
+        assert 0.6 <= args.sparseloco_outer_lr <= 0.7
+        if not name.startswith("cpu_"):
+            assert args.lr == 8e-4
+
+
+def test_cpu_recipes_are_cpu_sized():
+    for name in ("cpu_tiny_dense", "cpu_tiny_moe"):
+        argv = _recipe(name, "1").stdout.splitlines()
+        world, _ = _world_size(name)
+        assert world == 4
+        assert argv[argv.index("--distributed-backend") + 1] == "gloo"
+        assert "--mock-data" in argv and argv[argv.index("--num-layers") + 1] == "2"
+        assert argv[argv.index("--hidden-size") + 1] == "64"
+    assert "--num-experts" in _recipe("cpu_tiny_moe", "1").stdout.splitlines()
+
+
+def test_recipe_overrides_and_errors(monkeypatch):
+    # Extra arguments come last and win; env overrides reach the flags.
+    p = _recipe("llama_1b", "1", WORKERS="4", INNER_STEPS="30")
+    argv = p.stdout.splitlines()
+    assert argv[argv.index("--sparseloco-workers") + 1] == "4"
+    assert argv[argv.index("--sparseloco-inner-steps") + 1] == "30"
+    assert argv[argv.index("--global-batch-size") + 1] == str(256 * 4)
+    p = _recipe("llama_1b", "1", CHECKPOINT_DIR="/shared/ck/run1")
+    argv = p.stdout.splitlines()
+    assert argv[argv.index("--save") + 1] == "/shared/ck/run1" == argv[argv.index("--load") + 1]
+    p = _recipe("llama_1b", "1", ALGO="bogus")
+    assert p.returncode != 0 and "ALGO=sparseloco" in p.stderr
+    # A recipe asked for a worker count the data-parallel size cannot hold is refused by our validation.
+    from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError
+    argv = _recipe("llama_8b", "1", WORKERS="3").stdout.splitlines()
+    with pytest.raises(SparseLoCoArgumentError, match="--sparseloco-workers"):
+        _megatron_parse(argv, 64, monkeypatch)

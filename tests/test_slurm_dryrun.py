@@ -1,0 +1,90 @@
+"""The sbatch script in DRY_RUN=1 mode, driven with fake SLURM variables (no SLURM here)."""
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SBATCH = ROOT / "examples" / "slurm" / "sparseloco.sbatch"
+
+
+def _dry_run(nodelist, nnodes, node_id, **env):
+    e = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in
+         ("NNODES", "WORKERS", "TP", "PP", "EP", "CP", "ALGO", "SITES", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE")}
+    e.update(DRY_RUN="1", PYTHON=sys.executable, OMP_NUM_THREADS="1", SLURM_JOB_NODELIST=nodelist,
+             SLURM_NNODES=str(nnodes), SLURM_NODEID=str(node_id), SLURM_JOB_ID="4242", REPO_DIR=str(ROOT), **env)
+    return subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True, env=e, timeout=120, cwd=str(ROOT))
+
+
+def _parse(p):
+    assert p.returncode == 0, p.stdout + p.stderr
+    info = dict(kv.split("=", 1) for kv in re.search(r"^DRY_RUN (node=.*)$", p.stdout, re.M).group(1).split())
+    cmd = shlex.split(re.search(r"^DRY_RUN command: (.*)$", p.stdout, re.M).group(1))
+    return info, cmd
+
+
+def _opt(cmd, flag):
+    return cmd[cmd.index(flag) + 1]
+
+
+@pytest.mark.parametrize("nodelist,hosts,env", [
+    ("gpu[01-02]", ["gpu01", "gpu02"], dict(RECIPE="examples/recipes/llama_1b.sh", WORKERS="2")),
+    ("a,b,c", ["a", "b", "c"], dict(RECIPE="examples/recipes/llama_1b.sh", WORKERS="3", ALGO="diloco")),
+    ("n[7-10]", ["n7", "n8", "n9", "n10"], dict(RECIPE="examples/recipes/llama_8b.sh", WORKERS="2",
+                                                 SITES="0,0,1,1", CHECKPOINT_ROOT="/shared/ck", RUN_NAME="r8b")),
+])
+def test_dry_run_consistent_across_nodes(nodelist, hosts, env):
+    n = len(hosts)
+    seen, ports = [], set()
+    for node in range(n):
+        info, cmd = _parse(_dry_run(nodelist, n, node, GPUS_PER_NODE="8", **env))
+        assert info["node"] == hosts[node] and int(info["node_rank"]) == node
+        assert int(info["nnodes"]) == n and int(info["world_size"]) == 8 * n
+        assert info["master_addr"] == hosts[0]
+        ports.add(info["master_port"])
+        assert cmd[0] == "torchrun"
+        assert int(_opt(cmd, "--node-rank")) == node and int(_opt(cmd, "--nnodes")) == n
+        assert int(_opt(cmd, "--nproc-per-node")) == 8 and _opt(cmd, "--master-addr") == hosts[0]
+        assert cmd[cmd.index("-m") + 1] == "megatron_sparseloco.run" and cmd[cmd.index("-m") + 2].endswith("pretrain_gpt.py")
+        assert _opt(cmd, "--sparseloco-workers") == env["WORKERS"]
+        assert _opt(cmd, "--sparseloco-algorithm") == env.get("ALGO", "sparseloco")
+        # Everything but the node rank is identical on every node.
+        seen.append([a for i, a in enumerate(cmd) if i != cmd.index("--node-rank") + 1])
+        if "CHECKPOINT_ROOT" in env:
+            assert _opt(cmd, "--save") == _opt(cmd, "--load") == "/shared/ck/r8b"
+        assert _opt(cmd, "--tensorboard-dir").endswith("/logs/4242/tensorboard")
+    assert all(s == seen[0] for s in seen)
+    assert len(ports) == 1
+
+
+def test_dry_run_prints_worker_placement():
+    p = _dry_run("n[1-4]", 4, 0, GPUS_PER_NODE="8", RECIPE="examples/recipes/llama_8b.sh", WORKERS="2", SITES="0,0,1,1")
+    assert p.returncode == 0, p.stderr
+    assert "worker 0: site 0, ranks 0-15, nodes n1, n2" in p.stdout
+    assert "worker 1: site 1, ranks 16-31, nodes n3, n4" in p.stdout
+
+
+@pytest.mark.parametrize("env,msg", [
+    # Sites interleaved: every worker of 2 nodes would cross the slow link.
+    (dict(WORKERS="2", SITES="0,1,0,1"), "spans sites"),
+    # 4 nodes x 8 GPUs / TP2 = DP 16: 3 workers do not divide it.
+    (dict(WORKERS="3"), "--sparseloco-workers 3 does not divide the data-parallel size 16"),
+])
+def test_bad_layout_fails_before_launch(env, msg):
+    p = _dry_run("n[1-4]", 4, 0, GPUS_PER_NODE="8", RECIPE="examples/recipes/llama_8b.sh", **env)
+    assert p.returncode != 0
+    assert msg in p.stderr and "nothing was launched" in p.stderr
+    assert "DRY_RUN command" not in p.stdout
+
+
+def test_bad_slurm_environment():
+    p = _dry_run("n[1-3]", 4, 0, RECIPE="examples/recipes/llama_1b.sh")
+    assert p.returncode != 0 and "has 3 hosts but SLURM_NNODES=4" in p.stderr
+    p = _dry_run("n[1-2]", 2, 5, RECIPE="examples/recipes/llama_1b.sh", WORKERS="2")
+    assert p.returncode != 0 and "SLURM_NODEID=5" in p.stderr
+    p = _dry_run("n[1-2]", 2, 0, RECIPE="examples/recipes/nope.sh")
+    assert p.returncode != 0 and "RECIPE=examples/recipes/nope.sh not found" in p.stderr
