@@ -104,13 +104,23 @@ class OuterLoopOptimizer:
             self.outer_step()
         return result
 
+    def _megatron_timer(self, name: str):
+        """Megatron's timer ``name`` when the training loop set ``config.timers`` (else None)."""
+        timers = getattr(getattr(self.members[0], "config", None), "timers", None) if self.members else None
+        return timers(name, log_level=1) if timers is not None else None
+
     @torch.no_grad()
     def outer_step(self) -> List[OuterStepStats]:
+        timer = self._megatron_timer("sparseloco-outer-sync")
+        if timer is not None:
+            timer.start()
         stats = [s.step() for s in self.strategies]
         for m in self.members:
             if hasattr(m, "_copy_main_params_to_model_params"):
                 m._copy_main_params_to_model_params()
         start_param_sync_all(self.model_chunks)
+        if timer is not None:
+            timer.stop()
         self._record(stats)
         interval = self.config.consistency_check_interval
         if interval and self.config.identical_across_workers and self.log.outer_steps % interval == 0:

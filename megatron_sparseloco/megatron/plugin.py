@@ -8,7 +8,9 @@
   ``--num-distributed-optimizer-instances`` before Megatron validates, and runs
   ``validate_sparseloco_args`` right after — before any model is built;
 - ``megatron.training.training.get_megatron_optimizer``: wraps the optimizer in
-  ``OuterLoopOptimizer`` when ``--sparseloco-algorithm`` is set.
+  ``OuterLoopOptimizer`` when ``--sparseloco-algorithm`` is set;
+- ``megatron.training.training.training_log``: after Megatron's own line, a ``sparseloco |`` line
+  and ``sparseloco/*`` TensorBoard / W&B scalars at every ``--log-interval``.
 
 With ``--sparseloco-algorithm`` unset the plugin changes nothing.
 """
@@ -20,6 +22,8 @@ import logging
 logger = logging.getLogger(__name__)
 
 _INSTALLED = False
+#: the OuterLoopOptimizer of this process (set when the optimizer is wrapped)
+ACTIVE = None
 
 
 def wrap_optimizer_from_args(optimizer, model_chunks, args):
@@ -39,7 +43,27 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
         consistency_check_interval=args.sparseloco_consistency_check_interval,
         identical_across_workers=args.sparseloco_algorithm != "gasloc",
     )
-    return OuterLoopOptimizer(optimizer, model_chunks, strategy_factory_from_args(args), config, group=group)
+    global ACTIVE
+    ACTIVE = OuterLoopOptimizer(optimizer, model_chunks, strategy_factory_from_args(args), config, group=group)
+    return ACTIVE
+
+
+def log_outer_metrics(iteration: int) -> None:
+    """At ``--log-interval`` iterations: the sparseloco log line (last rank) and TensorBoard / W&B scalars."""
+    if ACTIVE is None:
+        return
+    from megatron.core import parallel_state
+    from megatron.training.global_vars import get_args, get_tensorboard_writer, get_wandb_writer
+    from megatron.training.utils import print_rank_last
+
+    from megatron_sparseloco.megatron.outer_logging import format_log_line, worker_totals, write_scalars
+
+    args = get_args()
+    if not args.log_interval or iteration % args.log_interval != 0:
+        return
+    totals = worker_totals(ACTIVE, parallel_state.get_intra_distributed_optimizer_instance_group())
+    print_rank_last(format_log_line(totals))
+    write_scalars(totals, iteration, get_tensorboard_writer(), get_wandb_writer())
 
 
 def install() -> None:
@@ -78,7 +102,17 @@ def install() -> None:
         from megatron.training.global_vars import get_args
         return wrap_optimizer_from_args(optimizer, model_chunks, get_args())
 
+    orig_training_log = mtrain.training_log
+
+    @functools.wraps(orig_training_log)
+    def training_log(*a, **kw):
+        out = orig_training_log(*a, **kw)
+        iteration = kw["iteration"] if "iteration" in kw else a[3]
+        log_outer_metrics(iteration)
+        return out
+
     margs.add_megatron_arguments = add_megatron_arguments
+    mtrain.training_log = training_log
     margs.validate_args = validate_args
     mtrain.get_megatron_optimizer = get_megatron_optimizer
     _INSTALLED = True
