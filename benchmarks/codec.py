@@ -1,0 +1,170 @@
+"""Codec benchmark: real payload sizes and encode / decode throughput against a memcpy of the same buffer.
+
+    python benchmarks/codec.py [--quick] [--json PATH] [--device cpu|cuda] [--numel N] [--threads 1,0]
+
+One row per (threads, k, index coding) with C = 4096 and 2-bit values (plus a tile-mode row):
+payload_bytes (real, header and side info included), bits_per_param, ratio_vs_fp32, bits_per_index
+(index section only), encode/decode/memcpy elements per second (median of several runs).
+``--threads 0`` means torch's default thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_sparseloco.compress import CodecConfig, analytic_bits_per_param, decode, encode, payload_nbytes
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def timed(fn, device: torch.device, repeats: int) -> tuple[float, float]:
+    """Median wall seconds and median process CPU seconds of ``fn()`` over ``repeats`` runs, after a warm-up.
+
+    CPU seconds (all threads of this process) are reported because the benchmark machine is shared:
+    with one thread, CPU time is close to what the wall time would be on an idle core.
+    """
+    fn()
+    wall, cpu = [], []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def log2_binomial(n: int, k: int) -> float:
+    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2)
+
+
+def configurations(quick: bool) -> list[CodecConfig]:
+    cfgs = [CodecConfig(k=k, index_coding=coding) for k in (32, 64, 128) for coding in ("packed", "entropy")]
+    if not quick:
+        cfgs.append(CodecConfig(k=64, chunk_mode="tile"))
+    return cfgs
+
+
+def bench_row(x: torch.Tensor, cfg: CodecConfig, device: torch.device, repeats: int, threads: int) -> dict:
+    numel = x.numel()
+    shape = tuple(x.shape)
+    payload = encode(x, cfg)
+    nbytes = payload.numel()
+    index_bytes = struct.unpack_from("<Q", bytes(payload[56:64].cpu().tolist()))[0]
+    kept = decode(payload).indices.numel()
+    t_enc, cpu_enc = timed(lambda: encode(x, cfg), device, repeats)
+    t_dec, cpu_dec = timed(lambda: decode(payload), device, repeats)
+    t_copy, cpu_copy = timed(lambda: x.clone(), device, repeats)
+    return {
+        "device": device.type,
+        "threads": threads,
+        "numel": numel,
+        "shape": list(shape),
+        "chunk": cfg.chunk,
+        "k": cfg.k,
+        "value_bits": cfg.value_bits,
+        "index_coding": cfg.index_coding,
+        "chunk_mode": cfg.chunk_mode,
+        "payload_bytes": nbytes,
+        "payload_nbytes_formula": payload_nbytes(numel, cfg, shape),
+        "analytic_bits_per_param": analytic_bits_per_param(cfg, numel, shape),
+        "bits_per_param": 8 * nbytes / numel,
+        "ratio_vs_fp32": 32 * numel / (8 * nbytes),
+        "bits_per_index": 8 * index_bytes / kept,
+        "bits_per_index_floor": log2_binomial(cfg.chunk, cfg.k) / cfg.k,
+        "encode_s": t_enc,
+        "decode_s": t_dec,
+        "memcpy_s": t_copy,
+        "encode_elems_per_s": numel / t_enc,
+        "decode_elems_per_s": numel / t_dec,
+        "memcpy_elems_per_s": numel / t_copy,
+        "encode_vs_memcpy": t_copy / t_enc,
+        "encode_cpu_s": cpu_enc,
+        "decode_cpu_s": cpu_dec,
+        "memcpy_cpu_s": cpu_copy,
+        "encode_vs_memcpy_cpu": cpu_copy / cpu_enc if cpu_enc > 0 else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2**22 elements, 2 repeats, main configurations only")
+    parser.add_argument("--json", type=Path, help="write {'meta': ..., 'results': [...]} here")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--numel", type=int, help="buffer size (default 2**24, or 2**22 with --quick)")
+    parser.add_argument("--threads", default="0", help="comma list of torch thread counts; 0 = torch default")
+    parser.add_argument("--repeats", type=int, help="timed runs per measurement (median reported)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    device = torch.device(args.device)
+    numel = args.numel or (2**22 if args.quick else 2**24)
+    repeats = args.repeats or (2 if args.quick else 5)
+    default_threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    x_flat = torch.randn(numel, generator=gen).to(device)
+    rows = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads or default_threads)
+        for cfg in configurations(args.quick):
+            x = x_flat
+            if cfg.chunk_mode == "tile":
+                side = int(math.isqrt(numel))
+                x = x_flat[: side * side].view(side, side)
+            row = bench_row(x, cfg, device, repeats, torch.get_num_threads())
+            rows.append(row)
+            print(
+                f"threads={row['threads']} k={row['k']:4d} {row['index_coding']:8s} {row['chunk_mode']:5s} "
+                f"bytes={row['payload_bytes']:9d} bits/param={row['bits_per_param']:.4f} "
+                f"ratio={row['ratio_vs_fp32']:7.2f}x bits/index={row['bits_per_index']:.3f} "
+                f"enc={row['encode_elems_per_s'] / 1e6:7.1f}M/s dec={row['decode_elems_per_s'] / 1e6:7.1f}M/s "
+                f"memcpy={row['memcpy_elems_per_s'] / 1e6:7.1f}M/s enc/memcpy={row['encode_vs_memcpy']:.3f} "
+                f"(cpu-time enc/memcpy={row['encode_vs_memcpy_cpu'] or float('nan'):.3f})",
+                flush=True,
+            )
+    torch.set_num_threads(default_threads)
+    meta = {
+        "command": " ".join(["python", "benchmarks/codec.py", *(argv if argv is not None else sys.argv[1:])]),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "torch_default_threads": default_threads,
+        "load_average_at_start": list(os.getloadavg()),
+        "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "numel": numel,
+        "repeats": repeats,
+        "input": "torch.randn (seed 0), fp32",
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

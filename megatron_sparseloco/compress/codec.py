@@ -1,0 +1,239 @@
+"""encode / decode: chunked Top-k, quantised values, bit-packed or entropy-coded indices, one uint8 tensor.
+
+Payload = ``header (64 B) | side info | values | indices`` (see :mod:`.header` for the header table):
+
+* side info: ``G x (1 + B)`` fp32 — per quantiser group ``[shift, lookup[0..B-1]]`` (absent for raw values);
+* values:    ``K`` codes of ``value_bits`` bits, packed LSB-first (four 2-bit codes per byte), or ``K``
+             raw bf16 / fp32 words;
+* indices:   the ``K`` compact local indices, chunk-major and ascending inside a chunk — packed with
+             ``W = ceil(log2 space)`` bits each, or entropy-coded (:mod:`.entropy_index`); empty when dense.
+
+The side info comes first so fp32 words sit at 4-byte offsets.  Selection (:mod:`.layout`,
+:mod:`.topk_select`): per chunk the ``k_c`` elements of largest ``|x|``, ties to the lower position, so every
+device picks the same set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_sparseloco.compress import entropy_index
+from megatron_sparseloco.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
+from megatron_sparseloco.compress.config import CodecConfig
+from megatron_sparseloco.compress.errors import NonFiniteInputError, PayloadError
+from megatron_sparseloco.compress.header import DTYPE_IDS, HEADER_BYTES, Header
+from megatron_sparseloco.compress.layout import ChunkLayout
+from megatron_sparseloco.compress.quantizer import dequantise, quantise, side_words
+from megatron_sparseloco.compress.sizing import fixed_sections_nbytes, packed_index_bits, quant_groups
+from megatron_sparseloco.compress.topk_select import select_top_positions
+
+
+@dataclass
+class Decoded:
+    """What a payload carries: values at positions of ``x.reshape(-1)``.
+
+    numel:   elements of the encoded tensor.
+    indices: int64, unique positions in ``x.reshape(-1)``, in wire order (chunk-major; ascending in flat mode).
+    values:  float32 dequantised values at ``indices``.
+    config:  the codec configuration read from the header.
+    """
+
+    numel: int
+    indices: torch.Tensor
+    values: torch.Tensor
+    config: CodecConfig
+
+
+@dataclass(frozen=True)
+class _Selection:
+    chunk_ids: torch.Tensor  # int64 [K]
+    local: torch.Tensor  # compact local index [K]
+    global_index: torch.Tensor  # position in x.reshape(-1) [K]
+
+
+def _layout_for(x: torch.Tensor, cfg: CodecConfig) -> ChunkLayout:
+    return ChunkLayout.for_tensor(x.numel(), cfg, tuple(x.shape))
+
+
+def _select(
+    x_flat: torch.Tensor, layout: ChunkLayout, n_valid: torch.Tensor, width: torch.Tensor, dense: bool
+) -> _Selection:
+    """Per-chunk Top-k by |x| (ties → lower position), sorted by (chunk, local index)."""
+    dev = x_flat.device
+    if dense:
+        chunk_ids, local, global_index = layout.all_positions(dev)
+        return _Selection(chunk_ids, local, global_index)
+    n_chunks, space = layout.n_chunks, layout.space
+    kept = layout.kept_counts(n_valid)
+    padded_pos = select_top_positions(layout.magnitudes(x_flat), layout.k_full, kept)
+    chunk_ids = torch.arange(n_chunks, device=dev)[:, None].expand(n_chunks, layout.k_full)
+    if layout.total_kept < n_chunks * layout.k_full:  # some chunks keep fewer: drop their `space` slots
+        keep = padded_pos < space
+        padded_pos, chunk_ids = padded_pos[keep], chunk_ids[keep]
+    else:
+        padded_pos, chunk_ids = padded_pos.reshape(-1), chunk_ids.reshape(-1)
+    local = layout.padded_to_compact(chunk_ids, padded_pos, width)
+    return _Selection(chunk_ids, local, layout.compact_to_global(chunk_ids, local, width))
+
+
+def _group_ids(chunk_ids: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
+    if cfg.quant_group_chunks == 0:
+        return torch.zeros_like(chunk_ids)
+    return chunk_ids // cfg.quant_group_chunks
+
+
+def encode(x: torch.Tensor, cfg: CodecConfig, name: str = "tensor") -> torch.Tensor:
+    """Sparsify, quantise and serialise ``x`` (any shape; fp32, bf16 or fp16) → 1-D uint8 on ``x.device``.
+
+    Raises :class:`NonFiniteInputError` naming ``name`` if ``x`` holds NaN/Inf (detected for free: a
+    non-finite |x| sorts above every finite value, so each chunk that holds one selects it).
+    """
+    cfg.validate()
+    if not isinstance(x, torch.Tensor) or x.dtype not in DTYPE_IDS:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"encode({name!r}): expected a float32/bfloat16/float16 tensor, got {got}")
+    layout = _layout_for(x, cfg)
+    x_flat = x.reshape(-1)
+    dev = x.device
+    n_valid, width = layout.chunk_valid_and_width(dev)
+    sel = _select(x_flat, layout, n_valid, width, cfg.is_dense)
+    values = x_flat[sel.global_index].to(torch.float32)
+    if not bool(torch.isfinite(values).all()):
+        raise NonFiniteInputError(f"encode: tensor {name!r} holds NaN or Inf; refusing to send it")
+
+    if cfg.is_quantised:
+        groups = quant_groups(cfg, layout.n_chunks)
+        codes, side = quantise(values, _group_ids(sel.chunk_ids, cfg), groups, cfg.n_bins)
+        side_bytes = side.reshape(-1).view(torch.uint8)
+        value_bytes = pack_bits(codes, cfg.value_bits)
+    else:
+        side_bytes = torch.zeros(0, dtype=torch.uint8, device=dev)
+        raw = values.to(torch.bfloat16) if cfg.value_bits == 16 else values
+        value_bytes = raw.contiguous().view(torch.uint8)
+
+    if cfg.is_dense:
+        index_bytes = torch.zeros(0, dtype=torch.uint8, device=dev)
+    elif cfg.index_coding == "packed":
+        index_bytes = pack_bits(sel.local, packed_index_bits(layout))
+    else:
+        kept = layout.kept_counts(n_valid)
+        index_bytes = entropy_index.encode_indices(sel.local, sel.chunk_ids, kept, layout.space)
+
+    header = Header(
+        cfg, layout.kind, x.dtype, cfg.is_dense, layout.numel, layout.rows, layout.cols, index_bytes.numel()
+    ).pack()
+    head = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev)
+    return torch.cat([head, side_bytes, value_bytes, index_bytes])
+
+
+def _as_float32(section: torch.Tensor) -> torch.Tensor:
+    """Reinterpret little-endian bytes as fp32 (copies: the slice may sit at an unaligned offset)."""
+    return section.clone().view(torch.float32)
+
+
+def decode(payload: torch.Tensor, device: torch.device | str | None = None) -> Decoded:
+    """Parse and validate a payload; never reads out of bounds; raises :class:`PayloadError` on any defect."""
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+        if isinstance(payload, torch.Tensor):
+            what = f"{payload.dtype} tensor of shape {tuple(payload.shape)}"
+        else:
+            what = type(payload).__name__
+        raise PayloadError(f"decode: payload must be a 1-D torch.uint8 tensor, got {what}")
+    if device is not None:
+        payload = payload.to(device)
+    dev = payload.device
+    head = Header.unpack(payload[:HEADER_BYTES].cpu().numpy().tobytes())
+    cfg = head.config
+    layout = (
+        ChunkLayout.for_tile2d(head.rows, head.cols, cfg)
+        if head.geometry == "tile2d"
+        else ChunkLayout.for_tensor(head.numel, cfg, (head.numel,) if head.geometry == "tile1d" else None)
+    )
+    side_len, value_len = fixed_sections_nbytes(layout, cfg)
+    if cfg.is_dense and head.index_bytes:
+        raise PayloadError(f"dense payload declares a {head.index_bytes}-byte index section; expected 0")
+    if not cfg.is_dense and cfg.index_coding == "packed":
+        want = packed_nbytes(layout.total_kept, packed_index_bits(layout))
+        if head.index_bytes != want:
+            raise PayloadError(
+                f"packed index section is declared as {head.index_bytes} bytes; {layout.total_kept} indices need {want}"
+            )
+    total = HEADER_BYTES + side_len + value_len + head.index_bytes
+    if payload.numel() != total:
+        raise PayloadError(
+            f"payload has {payload.numel()} bytes but its header describes {total} "
+            f"(header {HEADER_BYTES} + side {side_len} + values {value_len} + indices {head.index_bytes})"
+            + ("; truncated?" if payload.numel() < total else "; trailing bytes?")
+        )
+    side_at, values_at, index_at = HEADER_BYTES, HEADER_BYTES + side_len, HEADER_BYTES + side_len + value_len
+    n_valid, width = layout.chunk_valid_and_width(dev)
+    kept = layout.kept_counts(n_valid)
+    n_kept = layout.total_kept
+
+    # indices
+    if cfg.is_dense:
+        chunk_ids, local, global_index = layout.all_positions(dev)
+    else:
+        chunk_ids = torch.repeat_interleave(torch.arange(layout.n_chunks, device=dev), kept)
+        index_section = payload[index_at:]
+        if cfg.index_coding == "packed":
+            local = unpack_bits(index_section, packed_index_bits(layout), n_kept)
+            _check_strictly_increasing(local, chunk_ids)
+        else:
+            local = entropy_index.decode_indices(index_section, chunk_ids, kept, layout.space)
+        bad = local >= n_valid[chunk_ids]
+        if bool(bad.any()):
+            at = int(torch.nonzero(bad)[0])
+            raise PayloadError(
+                f"payload index {int(local[at])} in chunk {int(chunk_ids[at])} is out of range "
+                f"(that chunk holds {int(n_valid[chunk_ids[at]])} elements)"
+            )
+        global_index = layout.compact_to_global(chunk_ids, local, width)
+
+    # values
+    value_section = payload[values_at:index_at]
+    if cfg.is_quantised:
+        side = _as_float32(payload[side_at:values_at]).view(-1, side_words(cfg.n_bins))
+        if not bool(torch.isfinite(side).all()):
+            raise PayloadError("payload side info (quantiser shift / centroids) holds NaN or Inf")
+        codes = unpack_bits(value_section, cfg.value_bits, n_kept)
+        values = dequantise(codes, _group_ids(chunk_ids, cfg), side)
+    else:
+        raw = value_section.clone().view(torch.bfloat16 if cfg.value_bits == 16 else torch.float32)
+        values = raw.to(torch.float32)
+        if not bool(torch.isfinite(values).all()):
+            raise PayloadError("payload raw values hold NaN or Inf")
+    return Decoded(head.numel, global_index, values, cfg)
+
+
+def _check_strictly_increasing(local: torch.Tensor, chunk_ids: torch.Tensor) -> None:
+    """Packed indices must ascend strictly inside each chunk (this rules out duplicates)."""
+    if local.numel() < 2:
+        return
+    same_chunk = chunk_ids[1:] == chunk_ids[:-1]
+    bad = same_chunk & (local[1:] <= local[:-1])
+    if bool(bad.any()):
+        at = int(torch.nonzero(bad)[0]) + 1
+        kind = "duplicate" if int(local[at]) == int(local[at - 1]) else "unsorted"
+        raise PayloadError(f"payload indices in chunk {int(chunk_ids[at])}: {kind} index {int(local[at])} at position {at}")
+
+
+def decode_dense(payload: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 1-D tensor of ``numel``: the decoded values at their positions, zeros elsewhere.
+
+    ``out`` (optional): fp32 1-D tensor of ``numel`` elements to fill (it is zeroed first).
+    """
+    dec = decode(payload, device=out.device if out is not None else None)
+    if out is None:
+        out = torch.zeros(dec.numel, dtype=torch.float32, device=dec.values.device)
+    else:
+        if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != dec.numel:
+            raise ValueError(
+                f"decode_dense: out must be a 1-D float32 tensor of {dec.numel} elements, "
+                f"got {out.dtype} of shape {tuple(out.shape)}"
+            )
+        out.zero_()
+    out[dec.indices] = dec.values
+    return out
