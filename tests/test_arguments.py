@@ -47,6 +47,7 @@ def test_per_worker_steps_parsed(monkeypatch):
                          "--sparseloco-inner-steps-per-worker", "30,30,15,30"], monkeypatch)
     validate_sparseloco_args(args, world_size=4)
     assert args.sparseloco_inner_steps_per_worker == [30, 30, 15, 30]
+    assert args.sparseloco_inner_steps == 30  # the round length
     assert args.sparseloco_gossip_topology == "ring"
 
 
@@ -79,6 +80,7 @@ BAD = [
     (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "2", "--sparseloco-inner-steps-per-worker", "1,2,3"], 4, "--sparseloco-inner-steps-per-worker"),
     (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "2", "--sparseloco-inner-steps-per-worker", "4,x"], 4, "--sparseloco-inner-steps-per-worker"),
     (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "2", "--sparseloco-inner-steps-per-worker", "4,0"], 4, "--sparseloco-inner-steps-per-worker"),
+    (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "2", "--sparseloco-inner-steps", "5", "--sparseloco-inner-steps-per-worker", "4,2"], 4, "--sparseloco-inner-steps"),
     (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "3", "--sparseloco-gossip-topology", "exponential"], 3, "--sparseloco-gossip-topology"),
     (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "2", "--sparseloco-gossip-proposal-lr", "0"], 4, "--sparseloco-gossip-proposal-lr"),
     (["--sparseloco-algorithm", "sparseloco", "--calculate-per-token-loss"], 4, "--calculate-per-token-loss"),

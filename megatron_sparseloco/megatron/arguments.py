@@ -67,7 +67,9 @@ def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--sparseloco-inner-steps", type=int, default=None,
                    help="Inner optimizer steps H between outer steps (reference: 15; Covenant-72B: 30).")
     g.add_argument("--sparseloco-inner-steps-per-worker", type=str, default=None,
-                   help="GASLoC only: comma-separated H per worker (slower workers do fewer steps).")
+                   help="GASLoC only: comma-separated inner steps H_w per worker. A round lasts max(H_w) "
+                        "iterations for everyone; worker w steps its inner optimizer on the first H_w "
+                        "(a slower worker does fewer local steps instead of stalling the others).")
     g.add_argument("--sparseloco-outer-lr", type=float, default=None,
                    help="Outer learning rate. Default by algorithm: sparseloco 1.0, diloco 0.7, gasloc 1.0, average 1.0.")
     g.add_argument("--sparseloco-outer-momentum", type=float, default=None,
@@ -224,7 +226,11 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
         if algo != "gasloc":
             _fail("sparseloco_inner_steps_per_worker", f"only gasloc supports per-worker step counts, not {algo}",
                   "drop the flag or use --sparseloco-algorithm gasloc")
+        if "sparseloco_inner_steps" in given:
+            _fail("sparseloco_inner_steps", "is replaced by --sparseloco-inner-steps-per-worker when that is given",
+                  "give only one of them")
         args.sparseloco_inner_steps_per_worker = parse_per_worker_steps(args.sparseloco_inner_steps_per_worker, W)
+        args.sparseloco_inner_steps = max(args.sparseloco_inner_steps_per_worker)
 
     # --- outer optimiser ---------------------------------------------------------------------
     lr0, mom0, nest0 = ALGORITHM_DEFAULTS[algo]

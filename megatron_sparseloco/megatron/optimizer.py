@@ -31,12 +31,14 @@ import torch.distributed as dist
 from megatron_sparseloco.megatron.checkpointing import OUTER_KEY, check_layout, outer_sharded_object
 from megatron_sparseloco.megatron.consistency import DivergenceError, check_identical_across_workers
 from megatron_sparseloco.megatron.main_params import main_param_shards, member_optimizers
+from megatron_sparseloco.megatron.outer_group import OuterStepWatch, WorkerLostError, build_outer_group
 from megatron_sparseloco.megatron.worker_isolation import (
     cross_worker_group,
+    intra_worker_group,
     isolate_workers,
     start_param_sync_all,
 )
-from megatron_sparseloco.outer.base import OuterStepStats, OuterStrategy
+from megatron_sparseloco.outer.base import NonFiniteError, OuterStepStats, OuterStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,10 @@ StrategyFactory = Callable[[List[torch.Tensor], Optional[dist.ProcessGroup], Lis
 
 @dataclass
 class OuterLoopConfig:
-    inner_steps: int = 15                       # H (this worker's)
+    inner_steps: int = 15                       # H: iterations per outer round (all workers)
+    active_inner_steps: Optional[int] = None    # this worker's real inner steps per round (<= H;
+                                                # heterogeneous GASLoC workers), None: H
+    outer_timeout_s: Optional[float] = None     # own cross-worker group with this timeout (None: Megatron's)
     consistency_check_interval: int = 0         # outer steps between θ_outer hash checks (0: off)
     check_identical_start: bool = True          # assert identical params across workers at start
     identical_across_workers: bool = True       # False for gossip (workers legitimately differ)
@@ -54,6 +59,10 @@ class OuterLoopConfig:
     def validate(self) -> "OuterLoopConfig":
         if self.inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {self.inner_steps}")
+        if self.active_inner_steps is not None and not (1 <= self.active_inner_steps <= self.inner_steps):
+            raise ValueError(f"active_inner_steps must be in [1, inner_steps={self.inner_steps}], got {self.active_inner_steps}")
+        if self.outer_timeout_s is not None and not self.outer_timeout_s > 0:
+            raise ValueError(f"outer_timeout_s must be > 0, got {self.outer_timeout_s}")
         if self.consistency_check_interval < 0:
             raise ValueError(f"consistency_check_interval must be >= 0, got {self.consistency_check_interval}")
         return self
@@ -79,7 +88,13 @@ class OuterLoopOptimizer:
         self.model_chunks = list(model_chunks)
         self.config = config.validate()
         self.num_workers = isolate_workers(self.model_chunks)
-        self.group = group if group is not None else cross_worker_group(self.model_chunks)
+        base_group = group if group is not None else cross_worker_group(self.model_chunks)
+        if self.config.outer_timeout_s is not None and self.num_workers > 1:
+            self.group = build_outer_group(base_group, self.config.outer_timeout_s)
+        else:
+            self.group = base_group
+        position = dist.get_rank(intra_worker_group()) if self.num_workers > 1 else 0
+        self.watch = OuterStepWatch(self.group if self.num_workers > 1 else None, position)
         self.inner_calls = 0
         self.log = OuterLog()
         self.members = [m for m in member_optimizers(optimizer) if not getattr(m, "is_stub_optimizer", False)]
@@ -95,10 +110,27 @@ class OuterLoopOptimizer:
     def is_outer_step_due(self) -> bool:
         return self.inner_calls % self.config.inner_steps == 0
 
+    def is_inner_step_active(self) -> bool:
+        """False for the iterations a faster-configured round leaves to slower workers (see ``step``)."""
+        active = self.config.active_inner_steps or self.config.inner_steps
+        return self.inner_calls % self.config.inner_steps < active
+
     @torch.no_grad()
     def step(self):
-        """Inner step; then, every H calls, the outer step. Returns the inner step's result."""
-        result = self.optimizer.step()
+        """Inner step; then, every H calls, the outer step. Returns the inner step's result.
+
+        Heterogeneous workers (``active_inner_steps`` = H_w < H): Megatron's loop runs every
+        worker in lockstep iterations, so a round is H iterations for everyone; worker w applies
+        its inner optimizer on the first H_w of them and skips the rest, as a slower worker
+        would have done only H_w steps in the time the others did H. The skipped iterations
+        still compute (and discard) gradients: this emulates slower hardware, it does not save
+        compute.
+        """
+        if self.is_inner_step_active():
+            result = self.optimizer.step()
+        else:
+            self.optimizer.zero_grad()
+            result = (True, None, None)
         self.inner_calls += 1
         if self.is_outer_step_due():
             self.outer_step()
@@ -114,7 +146,14 @@ class OuterLoopOptimizer:
         timer = self._megatron_timer("sparseloco-outer-sync")
         if timer is not None:
             timer.start()
-        stats = [s.step() for s in self.strategies]
+        step_no = self.log.outer_steps + 1
+        self.watch.arrive(step_no)
+        try:
+            stats = [s.step() for s in self.strategies]
+        except (RuntimeError, dist.DistBackendError) as exc:
+            if self.num_workers > 1 and not isinstance(exc, NonFiniteError):
+                raise self.watch.fail(step_no, exc, self.config.outer_timeout_s or 0.0) from exc
+            raise
         for m in self.members:
             if hasattr(m, "_copy_main_params_to_model_params"):
                 m._copy_main_params_to_model_params()
@@ -196,4 +235,4 @@ class OuterLoopOptimizer:
         return getattr(self.optimizer, name)
 
 
-__all__ = ["OuterLoopOptimizer", "OuterLoopConfig", "DivergenceError"]
+__all__ = ["OuterLoopOptimizer", "OuterLoopConfig", "DivergenceError", "WorkerLostError"]

@@ -38,10 +38,13 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
 
     group = cross_worker_group(model_chunks)
     worker = dist.get_rank(group) if group is not None else 0
+    per_worker = args.sparseloco_inner_steps_per_worker
     config = OuterLoopConfig(
-        inner_steps=inner_steps_for_worker(args, worker),
+        inner_steps=max(per_worker) if per_worker else args.sparseloco_inner_steps,
+        active_inner_steps=inner_steps_for_worker(args, worker),
         consistency_check_interval=args.sparseloco_consistency_check_interval,
         identical_across_workers=args.sparseloco_algorithm != "gasloc",
+        outer_timeout_s=args.sparseloco_outer_timeout,
     )
     global ACTIVE
     ACTIVE = OuterLoopOptimizer(optimizer, model_chunks, strategy_factory_from_args(args), config, group=group)

@@ -78,6 +78,12 @@ def cross_worker_group(model_chunks: Sequence):
     return ddp.inter_dist_opt_group
 
 
+def intra_worker_group():
+    """All ranks of this rank's worker (Megatron's intra distributed-optimizer-instance group)."""
+    from megatron.core import parallel_state
+    return parallel_state.get_intra_distributed_optimizer_instance_group()
+
+
 def start_param_sync_all(model_chunks: Sequence) -> None:
     """All-gather updated param shards inside the worker, synchronously, now."""
     for chunk in model_chunks:

@@ -81,8 +81,12 @@ def _tail(path: str, n: int = 6000) -> str:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 120.0,
-              env: Optional[dict] = None) -> List[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; see the module docstring."""
+              env: Optional[dict] = None, expect_dead: Sequence[int] = ()) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; see the module docstring.
+
+    Ranks in ``expect_dead`` are allowed to die without a result (fault-injection tests); their
+    entry in the returned list is ``None``.
+    """
     ctx = mp.get_context("spawn")
     port = free_port()
     env = dict(env or {})
@@ -105,7 +109,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
             path = os.path.join(out_dir, f"rank{r}.pkl")
             if not os.path.exists(path):
                 results.append(None)
-                errors.append((r, f"rank {r} produced no result (exit code {procs[r].exitcode})"))
+                if r not in expect_dead:
+                    errors.append((r, f"rank {r} produced no result (exit code {procs[r].exitcode})"))
                 continue
             with open(path, "rb") as f:
                 status, value = pickle.load(f)
