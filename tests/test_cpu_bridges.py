@@ -1,0 +1,74 @@
+"""Every CPU bridge still answers a real CUDA assumption in the installed megatron, and applying
+the bridges is idempotent. A megatron-core upgrade that fixes or moves what a bridge works around
+fails here with the bridge's name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_sparseloco.testing import cpu_bridges as cb  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+
+@pytest.mark.parametrize("bridge", cb.BRIDGES, ids=[b.name for b in cb.BRIDGES])
+def test_bridge_still_needed(bridge):
+    if not bridge.available():
+        pytest.skip(f"{bridge.needs} not installed")
+    problems = bridge.check()
+    assert not problems, (f"CPU bridge {bridge.name!r} ({bridge.answers}) no longer matches the "
+                          f"installed megatron: " + "; ".join(problems))
+
+
+def test_bridge_names_unique_and_documented():
+    names = cb.bridge_names()
+    assert len(names) == len(set(names))
+    for b in cb.BRIDGES:
+        assert b.answers and b.why and (b.evidence or b.extra_check), b.name
+
+
+def test_check_detects_a_fixed_source():
+    """A bridge whose evidence pattern is absent reports it (the check can fail)."""
+    fake = cb.Bridge(name="fake", answers="x", why="y",
+                     evidence={"megatron.core.tensor_parallel.random:_get_cuda_rng_state": [r"no_such_call\("]},
+                     apply_fn=lambda: None)
+    assert fake.check() and "no_such_call" in fake.check()[0]
+    moved = cb.Bridge(name="moved", answers="x", why="y",
+                      evidence={"megatron.core.tensor_parallel.random:_no_such_function": [r"."]},
+                      apply_fn=lambda: None)
+    assert "cannot read source" in moved.check()[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="bridges are a no-op with CUDA")
+def test_apply_twice_is_harmless():
+    import megatron.core.optimizer.distrib_optimizer as dopt
+    import megatron.core.tensor_parallel.random as rnd
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    first = cb.apply_cpu_bridges()
+    build = dopt.DistributedOptimizer.__dict__["_build_model_and_main_param_groups"].__func__
+    second = cb.apply_cpu_bridges()
+    assert first == second == [b.name for b in cb.BRIDGES if b.available()]
+    # not wrapped twice
+    assert dopt.DistributedOptimizer.__dict__["_build_model_and_main_param_groups"].__func__ is build
+    assert not getattr(build.__wrapped__, cb._MARK, False)
+    # effects: CPU stand-ins in the bridged modules; torch itself untouched
+    assert pgb.torch.cuda.current_device() == "cpu"
+    assert pgb.torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.Tensor.type is cb._REAL_TENSOR_TYPE and torch.Tensor.cuda is cb._REAL_TENSOR_CUDA
+    torch.manual_seed(3)
+    state = rnd._get_cuda_rng_state()
+    a = torch.rand(3)
+    rnd._set_cuda_rng_state(state)
+    assert torch.equal(torch.rand(3), a)
+
+
+def test_cuda_tensor_type_names_only_inside_wrapped_calls():
+    t = torch.zeros(2)
+    with cb._cuda_tensor_methods():
+        assert t.type() == "torch.cuda.FloatTensor"
+        assert t.to(torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+        assert t.cuda() is t
+    assert t.type() == "torch.FloatTensor"
