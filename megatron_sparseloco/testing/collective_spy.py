@@ -42,9 +42,14 @@ def _group_of(name, args, kwargs):
             ranks.add(int(peer))
         return tuple(sorted(ranks))
     if name in ("send", "recv", "isend", "irecv"):
+        grp = kwargs.get("group", args[2] if len(args) > 2 else None)
         peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
-        grp = kwargs.get("group")
-        return tuple(sorted({dist.get_rank(), int(peer)})) if peer is not None else _group_ranks(grp)
+        if peer is None:  # group-local peer (torch >= 2.6: group_dst / group_src / group_peer)
+            local = next((kwargs[k] for k in ("group_dst", "group_src", "group_peer") if kwargs.get(k) is not None), None)
+            if local is None:
+                return ("?",)
+            peer = dist.get_global_rank(grp, local) if grp is not None else local
+        return tuple(sorted({dist.get_rank(), int(peer)}))
     return _group_ranks(kwargs.get("group"))
 
 
