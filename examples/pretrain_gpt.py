@@ -209,10 +209,6 @@ def main():
         config = pretrain_cfg_container_from_args(args)
 
     summary_path = os.environ.get(SUMMARY_ENV)
-    if summary_path:
-        from megatron_sparseloco.demo import capture_optimizer
-        capture_optimizer()
-
     pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
              model_provider=model_provider)
 

@@ -14,16 +14,14 @@
    rank and summed over the worker's ranks), what dense fp32 DiLoCo would have sent (numel × 4
    bytes per outer step), the compression ratio, outer steps, iterations, wall time, command.
 
-How the counters leave the training processes: ``examples/pretrain_gpt.py`` calls
-:func:`capture_optimizer` before ``pretrain`` and :func:`write_outer_summary` after it, only when
-``SPARSELOCO_SUMMARY_PATH`` is set. The first wraps ``megatron.training.training.
-get_megatron_optimizer`` (the attribute the plugin wraps too) to keep a reference to the optimizer
-it returns; the second all-gathers every rank's counters and rank 0 writes them as JSON.
+How the counters leave the training processes: when ``SPARSELOCO_SUMMARY_PATH`` is set,
+``examples/pretrain_gpt.py`` calls :func:`write_outer_summary` after ``pretrain``; it reads the
+``OuterLoopOptimizer`` the plugin built (``megatron_sparseloco.megatron.plugin.ACTIVE``),
+all-gathers every rank's counters, and rank 0 writes them as JSON.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -42,27 +40,6 @@ DEMO_RANKS, DEMO_WORKERS, DEMO_MICRO_BATCH, DEMO_SEQ = 4, 2, 4, 128
 # ------------------------------------------------------------------------------------------
 # In-process part (runs inside each training rank; see module docstring)
 # ------------------------------------------------------------------------------------------
-_CAPTURED: List[object] = []
-
-
-def capture_optimizer() -> None:
-    """Keep a reference to the optimizer megatron.training builds (idempotent)."""
-    import megatron.training.training as mtrain
-
-    orig = mtrain.get_megatron_optimizer
-    if getattr(orig, "_sparseloco_capture", False):
-        return
-
-    @functools.wraps(orig)
-    def get_megatron_optimizer(*args, **kwargs):
-        optimizer = orig(*args, **kwargs)
-        _CAPTURED.append(optimizer)
-        return optimizer
-
-    get_megatron_optimizer._sparseloco_capture = True
-    mtrain.get_megatron_optimizer = get_megatron_optimizer
-
-
 def _rank_counters(optimizer) -> Optional[dict]:
     import torch.distributed as dist
 
@@ -127,7 +104,9 @@ def write_outer_summary(path: str) -> Optional[dict]:
     """Collective over all ranks: gather the outer-loop counters; rank 0 writes ``path``."""
     import torch.distributed as dist
 
-    mine = _rank_counters(_CAPTURED[-1]) if _CAPTURED else None
+    from megatron_sparseloco.megatron import plugin
+
+    mine = _rank_counters(plugin.ACTIVE) if plugin.ACTIVE is not None else None
     gathered: List[Optional[dict]] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:

@@ -83,6 +83,8 @@ BAD = [
     (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "2", "--sparseloco-inner-steps", "5", "--sparseloco-inner-steps-per-worker", "4,2"], 4, "--sparseloco-inner-steps"),
     (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "3", "--sparseloco-gossip-topology", "exponential"], 3, "--sparseloco-gossip-topology"),
     (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "2", "--sparseloco-gossip-proposal-lr", "0"], 4, "--sparseloco-gossip-proposal-lr"),
+    (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "2", "--sparseloco-gossip-step", "0.1"], 4, "--sparseloco-gossip-step"),
+    (["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "2", "--sparseloco-gossip-compress", "--sparseloco-ef-decay", "0.9"], 4, "--sparseloco-ef-decay"),
     (["--sparseloco-algorithm", "sparseloco", "--calculate-per-token-loss"], 4, "--calculate-per-token-loss"),
     (["--sparseloco-algorithm", "sparseloco", "--overlap-param-gather-with-optimizer-step"], 4, "--overlap-param-gather-with-optimizer-step"),
     (["--sparseloco-algorithm", "sparseloco", "--save", "/tmp/x", "--ckpt-format", "torch"], 4, "--ckpt-format"),
@@ -110,3 +112,18 @@ def test_moe_worker_must_hold_whole_ep_groups(monkeypatch):
                          "--expert-model-parallel-size", "2"], monkeypatch)
     with pytest.raises(SparseLoCoArgumentError, match="--sparseloco-workers.*expert"):
         validate_sparseloco_args(args, world_size=4)
+
+
+def test_every_algorithm_builds_its_strategy_from_flags(monkeypatch):
+    """The flag → strategy-config mapping names only fields the strategy accepts."""
+    import torch
+
+    from megatron_sparseloco.megatron.strategy_from_args import strategy_factory_from_args
+    cases = [["--sparseloco-algorithm", a] for a in ("sparseloco", "diloco", "average")]
+    cases.append(["--sparseloco-algorithm", "gasloc", "--sparseloco-gossip-compress", "--sparseloco-topk", "32"])
+    cases.append(["--sparseloco-algorithm", "gasloc"])
+    for argv in cases:
+        args = parse(BASE + argv + ["--sparseloco-workers", "2"], monkeypatch)
+        validate_sparseloco_args(args, world_size=4)
+        strategy = strategy_factory_from_args(args)([torch.zeros(8192)], None, ["w"])
+        assert strategy.name == args.sparseloco_algorithm

@@ -302,11 +302,6 @@ def test_config_errors_name_the_field(kwargs, match):
         GASLoCConfig(**kwargs).validate()
 
 
-def test_compressed_mode_is_not_implemented_yet():
-    with pytest.raises(NotImplementedError, match="compress=False"):
-        GASLoCConfig(compress=True).validate()
-
-
 def test_registered_and_buildable_by_name():
     from megatron_sparseloco.outer.registry import available_outer_strategies, build_outer_strategy
 

@@ -101,6 +101,9 @@ def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="GASLoC only: seed shared by all workers for random matchings (default 0).")
     g.add_argument("--sparseloco-gossip-proposal-lr", type=float, default=None,
                    help="GASLoC only: proposal step η in y = θ0 − η·Δ (default 1.0).")
+    g.add_argument("--sparseloco-gossip-step", type=float, default=None,
+                   help="GASLoC with --sparseloco-gossip-compress: step ξ on the public-copy differences "
+                        "(default 0.05; 1 diverges at k=64/4096, see docs/gasloc.md).")
     g.add_argument("--sparseloco-gossip-compress", action="store_true", default=None,
                    help="GASLoC only: send proposals SparseLoCo-compressed with per-neighbour error feedback.")
     return parser
@@ -256,6 +259,9 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
     uses_codec = algo == "sparseloco" or (algo == "gasloc" and args.sparseloco_gossip_compress)
     codec_flags = ("sparseloco_topk", "sparseloco_chunk_size", "sparseloco_value_bits", "sparseloco_ef_decay",
                    "sparseloco_index_coding")
+    if algo == "gasloc" and "sparseloco_ef_decay" in given:
+        _fail("sparseloco_ef_decay", "compressed gossip keeps the residual in its public copies (CHOCO-style) "
+              "and has no decaying error-feedback buffer", "drop it")
     if not uses_codec:
         stray = [d for d in codec_flags if d in given]
         if stray:
@@ -289,7 +295,7 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
 
     # --- gossip -----------------------------------------------------------------------------
     gossip = ("sparseloco_gossip_topology", "sparseloco_gossip_seed", "sparseloco_gossip_proposal_lr",
-              "sparseloco_gossip_compress")
+              "sparseloco_gossip_compress", "sparseloco_gossip_step")
     if algo != "gasloc":
         stray = [d for d in gossip if d in given]
         if stray:
@@ -304,6 +310,12 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
             args.sparseloco_gossip_proposal_lr = 1.0
         if not (args.sparseloco_gossip_proposal_lr > 0):
             _fail("sparseloco_gossip_proposal_lr", f"must be > 0, got {args.sparseloco_gossip_proposal_lr}", "use e.g. 1.0")
+        if "sparseloco_gossip_step" in given and not args.sparseloco_gossip_compress:
+            _fail("sparseloco_gossip_step", "only applies to compressed gossip", "add --sparseloco-gossip-compress or drop it")
+        if args.sparseloco_gossip_step is None:
+            args.sparseloco_gossip_step = 0.05
+        if not (0 < args.sparseloco_gossip_step <= 1):
+            _fail("sparseloco_gossip_step", f"must be in (0, 1], got {args.sparseloco_gossip_step}", "use e.g. 0.05")
         if args.sparseloco_gossip_topology == "exponential" and W & (W - 1):
             _fail("sparseloco_gossip_topology", f"exponential graph needs a power-of-two number of workers, got {W}",
                   "use ring or random1/random2, or a power-of-two W")

@@ -30,7 +30,8 @@ def outer_config_fields(args: argparse.Namespace, worker_index: int = 0) -> Dict
                   "proposal_lr": args.sparseloco_gossip_proposal_lr, "momentum": args.sparseloco_outer_momentum,
                   "compress": args.sparseloco_gossip_compress}
         if args.sparseloco_gossip_compress:
-            fields.update(codec)
+            fields.update({k: v for k, v in codec.items() if k != "ef_beta"},
+                          index_coding=args.sparseloco_index_coding, gossip_step=args.sparseloco_gossip_step)
         return fields
     raise ValueError(f"unknown --sparseloco-algorithm {algo!r}")
 

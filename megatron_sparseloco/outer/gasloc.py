@@ -47,8 +47,24 @@ neighbours mix normally (its proposal is finite); the skip is local, not all wor
 received its flag raise ``NonFiniteError`` with θ_outer untouched; workers further away learn of
 it only when their next exchange with an aborted worker fails (the job is going down anyway).
 
-Compressed proposals (``compress=True``, CHOCO-style public copies with per-neighbour error
-feedback) are validated but not implemented: the config raises ``NotImplementedError``.
+Compressed proposals (``compress=True``; CHOCO-style public copies, our own code; docs/gasloc.md §7).
+Each ordered pair (i→j) of workers that has met keeps a *public copy* x̂_{i→j}, held bit-identically
+by i (as ``own[j]``) and by j (as ``heard[i]``). Per round, per bucket, worker i sends to each peer j
+
+    q_{i→j} = C(y_i − x̂_{i→j})            SparseLoCo codec (top-k per chunk + quantised values)
+    x̂_{i→j} += decode(q_{i→j})            on both ends (decode is deterministic: identical floats)
+    m_i = y_i + ξ Σ_j M_r[i, j] (x̂_{j→i} − x̂_{i→j})        ξ = gossip_step (CHOCO's consensus step)
+
+then the momentum update as above with m_i. The residual y − x̂ is the error feedback: whatever the
+codec drops stays in it and is offered again next round (β = 1 by construction; ``ef_beta`` is not
+used here, since decaying the residual would keep x̂ away from y for good). The first time a pair
+meets (and after ``load_state_dict``) both send their y densely (raw fp32) and set x̂ := y, so the
+copies never depend on equal initialisation. Invariant: the correction terms of i and j are exact
+negatives of each other in floating point (w·(a − b) = −w·(b − a)), so Σ_i m_i = Σ_i y_i up to the
+rounding of the additions, for any copies, codec, ξ and topology. Static topologies (ring, complete)
+send the same payload to all neighbours, so one own copy serves every peer (ring: 3 shard copies);
+dynamic ones (exponential, random1, random2) keep own[j] and heard[j] per distinct peer met (up to
+2(W − 1) shard copies). Measured: ξ = 1 diverges at k = 64/4096; the default ξ = 0.05 contracts.
 """
 from __future__ import annotations
 
@@ -59,13 +75,18 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.comm.p2p import exchange
+from megatron_sparseloco.comm.collectives import CommCounter
+from megatron_sparseloco.comm.p2p import _check_peers, _p2p, exchange
+from megatron_sparseloco.compress import CodecConfig, CodecConfigError, decode, encode, payload_nbytes
 from megatron_sparseloco.comm.topology import TOPOLOGIES, check_topology, neighbours
 from megatron_sparseloco.outer.base import (ConfigError, NonFiniteError, OuterConfig, OuterStepStats,
                                             OuterStrategy)
 from megatron_sparseloco.outer.registry import register_outer_strategy
 
 VALUE_BITS = (2, 4, 8, 32)
+INDEX_CODINGS = ("packed", "entropy")
+#: topologies whose neighbour set never changes: one own public copy serves every neighbour
+STATIC_TOPOLOGIES = ("ring", "complete")
 
 
 @dataclass
@@ -78,9 +99,14 @@ class GASLoCConfig(OuterConfig):
     momentum       γ, heavy-ball momentum on the mixed increment (0 disables it)
     mixing_weight  edge weight of the mixing matrix; None = the topology's default
                    (ring / random2: 1/3, exponential / random1: 1/2); must be None for complete
-    compress       send proposals SparseLoCo-compressed with CHOCO copies (not implemented yet)
-    chunk, k, value_bits, ef_beta   codec of the compressed mode: top-k of each chunk of
-                   ``chunk`` elements, values quantised to ``value_bits``, error-feedback decay
+    compress       send proposals SparseLoCo-compressed against CHOCO public copies
+    chunk, k, value_bits, index_coding   codec of the compressed mode: top-k of each chunk of
+                   ``chunk`` elements, values quantised to ``value_bits`` (32 = raw fp32),
+                   indices "packed" (fixed payload sizes, no size exchange) or "entropy"
+    ef_beta        accepted for parity with SparseLoCo but NOT used: the residual y − x̂ is the
+                   error feedback (β = 1); see the module docstring
+    gossip_step    ξ, CHOCO's consensus step on the copy differences (compressed mode only);
+                   1 = the uncompressed mixing when the codec is lossless
     """
 
     topology: str = "ring"
@@ -93,6 +119,19 @@ class GASLoCConfig(OuterConfig):
     k: int = 64
     value_bits: int = 2
     ef_beta: float = 0.95
+    index_coding: str = "packed"
+    gossip_step: float = 0.05
+
+    def codec(self) -> CodecConfig:
+        return CodecConfig(chunk=self.chunk, k=self.k, value_bits=self.value_bits, index_coding=self.index_coding,
+                           chunk_mode="flat")
+
+    @property
+    def effective_bucket_numel(self) -> int:
+        """Compressed mode: ``bucket_numel`` rounded down to whole chunks (at least one chunk)."""
+        if not self.compress:
+            return self.bucket_numel
+        return max(self.chunk, self.bucket_numel - self.bucket_numel % self.chunk)
 
     def validate(self) -> "GASLoCConfig":
         super().validate()
@@ -115,11 +154,42 @@ class GASLoCConfig(OuterConfig):
         if self.value_bits not in VALUE_BITS:
             raise ConfigError(f"value_bits must be one of {VALUE_BITS}, got {self.value_bits!r}")
         self._check_range("ef_beta", self.ef_beta, 0.0, 1.0)
+        if self.index_coding not in INDEX_CODINGS:
+            raise ConfigError(f"index_coding must be one of {INDEX_CODINGS}, got {self.index_coding!r}")
+        self._check_range("gossip_step", self.gossip_step, 0.0, 1.0, lo_open=True)
         if self.compress:
-            raise NotImplementedError(
-                "GASLoCConfig.compress=True: SparseLoCo-compressed proposals with CHOCO public copies are not "
-                "implemented yet; set compress=False (dense fp32 proposals to this round's neighbours)")
+            try:
+                self.codec().validate()
+            except CodecConfigError as exc:
+                raise ConfigError(f"GASLoCConfig codec: {exc}") from exc
         return self
+
+
+def exchange_per_peer(payloads: Dict[int, torch.Tensor], recv_nbytes: Optional[Dict[int, int]],
+                      group: Optional[dist.ProcessGroup], counter: CommCounter) -> Dict[int, torch.Tensor]:
+    """``comm.p2p.exchange_payloads`` with one (possibly different) 1-D uint8 payload per peer.
+
+    ``recv_nbytes``: the size each peer's payload will have when both sides know it (packed codec,
+    dense refresh); None exchanges the sizes first (one int64 per peer, kind ``"p2p_sizes"``).
+    Payloads travel in one ``batch_isend_irecv`` (kind ``"p2p"``, exact bytes).
+    """
+    peers = _check_peers(sorted(payloads), group)
+    if not peers:
+        return {}
+    for p in peers:
+        if payloads[p].dtype != torch.uint8 or payloads[p].dim() != 1 or payloads[p].numel() == 0:
+            raise ValueError(f"payload for peer {p} must be a non-empty 1-D uint8 tensor")
+    dev = payloads[peers[0]].device
+    if recv_nbytes is None:
+        out = {p: torch.tensor([payloads[p].numel()], dtype=torch.int64, device=dev) for p in peers}
+        sizes = {p: torch.empty(1, dtype=torch.int64, device=dev) for p in peers}
+        _p2p(out, sizes, group)
+        counter.add("p2p_sizes", 8 * len(peers), 8 * len(peers))
+        recv_nbytes = {p: int(sizes[p].item()) for p in peers}
+    received = {p: torch.empty(recv_nbytes[p], dtype=torch.uint8, device=dev) for p in peers}
+    _p2p({p: payloads[p].contiguous() for p in peers}, received, group)
+    counter.add("p2p", sum(payloads[p].numel() for p in peers), sum(r.numel() for r in received.values()))
+    return received
 
 
 @register_outer_strategy("gasloc")
@@ -136,6 +206,21 @@ class GASLoC(OuterStrategy):
         super().__init__(params, group, config, names)
         self.momentum = torch.zeros_like(self.anchor)
         self._bad_name: Optional[str] = None
+        # compressed mode: CHOCO public copies, allocated the first time a peer is met
+        self.codec: Optional[CodecConfig] = config.codec() if config.compress else None
+        self.static = config.topology in STATIC_TOPOLOGIES
+        self.own_copy: Dict[int, torch.Tensor] = {}    # peer j → x̂_{me→j} (static: one shared tensor)
+        self.heard_copy: Dict[int, torch.Tensor] = {}  # peer j → x̂_{j→me}
+
+    def buckets(self):
+        n, b = self.params.numel, self.config.effective_bucket_numel
+        for s in range(0, n, b):
+            yield s, min(n, s + b)
+
+    def copies_nbytes(self) -> int:
+        """Memory held by the public copies (distinct tensors), in bytes."""
+        seen = {id(t): t for t in list(self.own_copy.values()) + list(self.heard_copy.values())}
+        return sum(t.numel() * t.element_size() for t in seen.values())
 
     # ------------------------------------------------------------------ topology
     def round_neighbours(self, round: Optional[int] = None) -> List[Tuple[int, float]]:
@@ -163,6 +248,8 @@ class GASLoC(OuterStrategy):
 
     # ------------------------------------------------------------------ the step
     def _outer_step(self, stats: OuterStepStats) -> None:
+        if self.codec is not None:
+            return self._compressed_step(stats)
         c: GASLoCConfig = self.config  # type: ignore[assignment]
         nbrs = self.round_neighbours()
         peers = [p for p, _ in nbrs]
@@ -210,6 +297,125 @@ class GASLoC(OuterStrategy):
                             "mix_shift_norm": math.sqrt(sq_shift), "peers_nonfinite": float(len(peers_nonfinite))})
         self._bad_name = None
 
+
+    # ------------------------------------------------------------------ compressed step (CHOCO copies)
+    def _new_copies(self, peers: List[int]) -> List[int]:
+        """Allocate the copies of the peers met for the first time; return those peers (dense refresh)."""
+        fresh = [p for p in peers if p not in self.heard_copy]
+        if self.static and fresh and len(fresh) != len(peers):
+            raise RuntimeError(f"{self.name}: static topology met new and known peers in one round ({peers})")
+        shared = None
+        for p in fresh:
+            self.heard_copy[p] = torch.zeros_like(self.anchor)
+            if self.static:
+                shared = shared if shared is not None else torch.zeros_like(self.anchor)
+                self.own_copy[p] = shared
+            else:
+                self.own_copy[p] = torch.zeros_like(self.anchor)
+        return fresh
+
+    def _compressed_step(self, stats: OuterStepStats) -> None:
+        c: GASLoCConfig = self.config  # type: ignore[assignment]
+        nbrs = self.round_neighbours()
+        peers = [p for p, _ in nbrs]
+        self_weight = 1.0 - sum(w for _, w in nbrs)
+        abort = c.nonfinite_policy == "abort"
+        bad = self._bad_name is not None
+        fresh = set(self._new_copies(peers))
+        packed = c.index_coding == "packed"
+        flag = torch.tensor([1 if bad else 0], dtype=torch.uint8, device=self.device)
+        sq_delta = sq_update = sq_shift = sq_resid = 0.0
+        payload_bytes = 0
+        peers_nonfinite: set = set()
+        for s, e in self.buckets():
+            n = e - s
+            theta0 = self.anchor[s:e]
+            with self._timer(stats, "time_compress_s"):
+                y = torch.empty(n, dtype=torch.float32, device=self.device)
+                if bad and not abort:
+                    y.copy_(theta0)  # skip: discard this worker's local progress
+                else:
+                    self.pseudo_gradient(s, e, out=y)
+                    if not bad:
+                        sq_delta += float(torch.dot(y, y))
+                    y.mul_(-c.proposal_lr).add_(theta0)  # y = θ0 − ηΔ
+                    if bad:  # abort: send something finite, the flag makes everyone raise
+                        y.copy_(theta0)
+                bodies: Dict[int, torch.Tensor] = {}
+                by_copy: Dict[Tuple[int, bool], torch.Tensor] = {}  # (id(own copy), fresh) → body
+                for p in peers:
+                    key = (id(self.own_copy[p]), p in fresh)
+                    if key not in by_copy:
+                        if p in fresh:
+                            by_copy[key] = y.view(torch.uint8)
+                        else:
+                            resid = y - self.own_copy[p][s:e]
+                            sq_resid += float(torch.dot(resid, resid))
+                            by_copy[key] = encode(resid, self.codec, name=f"{self.name} residual to worker {p}")
+                    bodies[p] = by_copy[key]
+                payloads = {p: torch.cat([b, flag]) for p, b in bodies.items()}
+                payload_bytes += sum(int(b.numel()) for b in bodies.values())
+                if packed:
+                    comp_n = payload_nbytes(n, self.codec) + 1
+                    recv_nbytes: Optional[Dict[int, int]] = {p: (4 * n + 1 if p in fresh else comp_n) for p in peers}
+                else:
+                    recv_nbytes = None
+            with self._timer(stats, "time_communicate_s"):
+                received = exchange_per_peer(payloads, recv_nbytes, self.group, self.counter)
+            bad_peers = sorted(p for p, buf in received.items() if int(buf[-1].item()) != 0)
+            peers_nonfinite.update(bad_peers)
+            if abort and (bad or bad_peers):  # at bucket 0, before any copy changed
+                self._raise_nonfinite(bad_peers)
+            with self._timer(stats, "time_apply_s"):
+                done = set()
+                for p in peers:  # own copies: x̂_{me→p} += decode(q) (once per distinct tensor)
+                    own = self.own_copy[p]
+                    if id(own) in done:
+                        continue
+                    done.add(id(own))
+                    self._apply_to_copy(own[s:e], bodies[p], p in fresh, n)
+                for p in peers:  # heard copies: x̂_{p→me} += decode(q_p)
+                    self._apply_to_copy(self.heard_copy[p][s:e], received[p][:-1], p in fresh, n, peer=p)
+                corr = torch.zeros(n, dtype=torch.float32, device=self.device)
+                for p, w in nbrs:  # sorted by peer
+                    corr.add_(self.heard_copy[p][s:e] - self.own_copy[p][s:e], alpha=w)
+                mix = y.add_(corr, alpha=c.gossip_step)  # m = y + ξ Σ_j M_ij (x̂_{j→i} − x̂_{i→j})
+                sq_shift += float(torch.dot(corr, corr)) * c.gossip_step ** 2
+                d = self.momentum[s:e]
+                d.mul_(c.momentum).add_(mix.sub_(theta0))  # d ← γd + (m − θ0)
+                sq_update += float(torch.dot(d, d))
+                theta0.add_(d)
+                self.write_back(s, e)
+        stats.delta_norm = math.sqrt(sq_delta)
+        stats.update_norm = math.sqrt(sq_update)
+        stats.error_norm = math.sqrt(sq_resid)  # ‖y − x̂‖ before sending, over the compressed payloads
+        stats.skipped = bad
+        stats.extra.update({"gossip_peers": float(len(peers)), "self_weight": self_weight,
+                            "mix_shift_norm": math.sqrt(sq_shift), "peers_nonfinite": float(len(peers_nonfinite)),
+                            "dense_refresh_peers": float(len(fresh)), "payload_bytes": float(payload_bytes),
+                            "copies_bytes": float(self.copies_nbytes())})
+        self._bad_name = None
+
+    def _apply_to_copy(self, copy: torch.Tensor, body: torch.Tensor, dense: bool, n: int,
+                       peer: Optional[int] = None) -> None:
+        if dense:
+            if body.numel() != 4 * n:
+                raise RuntimeError(f"{self.name}: dense refresh from worker {peer} has {body.numel()} bytes, "
+                                   f"expected {4 * n}")
+            copy.copy_(body.view(torch.float32))
+            return
+        dec = decode(body, device=copy.device)
+        if dec.numel != n:
+            raise RuntimeError(f"{self.name}: payload from worker {peer} covers {dec.numel} elements, bucket has {n}")
+        copy[dec.indices] += dec.values
+
     # ------------------------------------------------------------------ state
     def _extra_state(self) -> Dict[str, torch.Tensor]:
         return {"momentum": self.momentum}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Public copies are not checkpointed: they are dropped, and every pair refreshes them densely
+        at its next meeting (all workers resume from the same round, so both ends agree)."""
+        super().load_state_dict(sd)
+        self.own_copy.clear()
+        self.heard_copy.clear()
