@@ -51,9 +51,10 @@ from megatron_sparseloco.compress import (
     CodecConfig,
     CodecConfigError,
     decode,
-    error_feedback_step,
     payload_nbytes,
 )
+# Triton kernels on CUDA for the configurations they cover; the torch codec (identical bytes) otherwise.
+from megatron_sparseloco.compress.fast_path import error_feedback_step_fast as error_feedback_step
 from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.diloco import check_outer_sgd
 from megatron_sparseloco.outer.registry import register_outer_strategy
