@@ -43,6 +43,8 @@ DEMO_RANKS, DEMO_WORKERS, DEMO_MICRO_BATCH, DEMO_SEQ = 4, 2, 4, 128
 def _rank_counters(optimizer) -> Optional[dict]:
     import torch.distributed as dist
 
+    from megatron_sparseloco.megatron.consistency import fingerprint
+
     log = getattr(optimizer, "log", None)
     if optimizer is None or log is None or not hasattr(log, "bytes_sent"):
         return None
@@ -58,6 +60,9 @@ def _rank_counters(optimizer) -> Optional[dict]:
         "bytes_received": int(log.bytes_received),
         "numel": int(log.numel),
         "last": dict(log.last),
+        # exact fingerprints (megatron.consistency) of θ_outer and of this rank's fp32 main params
+        "theta_outer_fingerprint": fingerprint([s.anchor for s in optimizer.strategies]),
+        "main_params_fingerprint": fingerprint([t for sh in optimizer.shards for t in sh.tensors]),
     }
 
 

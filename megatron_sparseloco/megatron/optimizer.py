@@ -28,7 +28,14 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.megatron.checkpointing import OUTER_KEY, check_layout, outer_sharded_object
+from megatron_sparseloco.megatron.checkpointing import (
+    OUTER_KEY,
+    capture_worker_local_state,
+    check_layout,
+    restore_worker_local_state,
+    ensure_adam_step_state,
+    outer_sharded_object,
+)
 from megatron_sparseloco.megatron.consistency import DivergenceError, check_identical_across_workers
 from megatron_sparseloco.megatron.main_params import main_param_shards, member_optimizers
 from megatron_sparseloco.megatron.outer_group import OuterStepWatch, WorkerLostError, build_outer_group
@@ -186,10 +193,13 @@ class OuterLoopOptimizer:
         self.log.last = merged
 
     # ------------------------------------------------------------------ state
-    def outer_state_dict(self) -> dict:
-        return {"inner_calls": self.inner_calls, "outer_steps": self.log.outer_steps,
-                "bytes_sent": self.log.bytes_sent, "bytes_received": self.log.bytes_received,
-                "strategies": [s.state_dict() for s in self.strategies]}
+    def outer_state_dict(self, with_worker_local_state: bool = False) -> dict:
+        sd = {"inner_calls": self.inner_calls, "outer_steps": self.log.outer_steps,
+              "bytes_sent": self.log.bytes_sent, "bytes_received": self.log.bytes_received,
+              "strategies": [s.state_dict() for s in self.strategies]}
+        if with_worker_local_state:
+            sd["worker_local"] = capture_worker_local_state(self.shards)
+        return sd
 
     def load_outer_state_dict(self, sd: dict) -> None:
         if len(sd["strategies"]) != len(self.strategies):
@@ -208,15 +218,20 @@ class OuterLoopOptimizer:
             "Fix: use --ckpt-format torch_dist")
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        if is_loading:
+            ensure_adam_step_state(self.members)
         sd = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         if not isinstance(sd, dict):
             raise TypeError(f"expected a dict from {type(self.optimizer).__name__}.sharded_state_dict, got {type(sd)}")
-        sd[OUTER_KEY] = outer_sharded_object(self.outer_state_dict())
+        sd[OUTER_KEY] = outer_sharded_object(self.outer_state_dict(with_worker_local_state=True))
         return sd
 
     def load_state_dict(self, state_dict):
         outer = state_dict.pop(OUTER_KEY, None) if isinstance(state_dict, dict) else None
-        self.optimizer.load_state_dict(state_dict)
+        # no_grad: megatron-core 0.19.2's DistributedOptimizer copies loaded values into fp32
+        # main params that are views of model params (leaves requiring grad) in place.
+        with torch.no_grad():
+            self.optimizer.load_state_dict(state_dict)
         if outer is None:
             # A checkpoint without outer state: continue from its params with fresh outer state.
             for s in self.strategies:
@@ -226,6 +241,13 @@ class OuterLoopOptimizer:
             return
         check_layout(outer, self.strategies)
         self.load_outer_state_dict(outer)
+        if "worker_local" in outer:
+            # Megatron loaded worker 0's params / moments into every worker: put each back.
+            restore_worker_local_state(self.shards, outer["worker_local"])
+            for m in self.members:
+                if hasattr(m, "_copy_main_params_to_model_params"):
+                    m._copy_main_params_to_model_params()
+            start_param_sync_all(self.model_chunks)
 
     # ------------------------------------------------------------------ forwarding
     def __getattr__(self, name):
