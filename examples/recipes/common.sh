@@ -10,7 +10,8 @@
 # Launcher environment (single node needs none of it):
 #   GPUS_PER_NODE (8), NNODES (1), NODE_RANK (0), MASTER_ADDR (localhost), MASTER_PORT (6000),
 #   SITES (site id per node, "0,0,1,1"; default one site), MEGATRON_LM (Megatron-LM checkout with
-#   pretrain_gpt.py), PYTHON (python), CHECKPOINT_DIR (enables --save/--load: resumes from the
+#   pretrain_gpt.py), PRETRAIN_SCRIPT (another pretrain script with Megatron's CLI, e.g. this repo's
+#   examples/pretrain_gpt.py; default $MEGATRON_LM/pretrain_gpt.py), PYTHON (python), CHECKPOINT_DIR (enables --save/--load: resumes from the
 #   latest checkpoint there), TENSORBOARD_DIR, DATA_PATH (Megatron data prefix; unset = --mock-data).
 
 : "${ALGO:=sparseloco}"
@@ -94,7 +95,7 @@ sparseloco_launch() {
     fi
     local launch=(torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
                   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-                  -m megatron_sparseloco.run "$MEGATRON_LM/pretrain_gpt.py")
+                  -m megatron_sparseloco.run "${PRETRAIN_SCRIPT:-$MEGATRON_LM/pretrain_gpt.py}")
     if [[ "${PRINT_ARGS:-0}" == cmd ]]; then
         printf '%q ' "${launch[@]}" "${ARGS[@]}"
         echo

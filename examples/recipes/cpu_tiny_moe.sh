@@ -60,6 +60,9 @@ CPU_ARGS=(
     --no-persist-layer-norm
     --no-gradient-accumulation-fusion
     --no-masked-softmax-fusion
+    --no-rope-fusion
+    --no-bias-swiglu-fusion
+    --no-bias-dropout-fusion
 )
 
 MODEL_PARALLEL_ARGS=(

@@ -585,6 +585,18 @@ BRIDGES: List[Bridge] = [
                               f"{_CORE}.tensor_parallel.layers", f"{_CORE}.transformer.utils"),
     ),
     Bridge(
+        name="rotary_embedding_on_cpu",
+        answers="core/models/common/embeddings/rotary_pos_embedding.py: RotaryEmbedding.get_emb "
+                "(moves inv_freq to torch.cuda.current_device() on first use)",
+        why="RoPE models (--position-embedding-type rope, the Llama-style recipes) move the "
+            "inverse frequencies to the current CUDA device in the forward pass.",
+        evidence={
+            f"{_CORE}.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.get_emb":
+                [r"device=torch\.cuda\.current_device\(\)"],
+        },
+        apply_fn=_proxy_torch(f"{_CORE}.models.common.embeddings.rotary_pos_embedding"),
+    ),
+    Bridge(
         name="pipeline_schedules_on_cpu",
         answers="core/pipeline_parallel/schedules.py: forward_backward_* (total_num_tokens on "
                 "device='cuda'); core/pipeline_parallel/p2p_communication.py: _communicate / "
