@@ -31,6 +31,12 @@ demo: venv
 
 bench: venv
 	$(PY) benchmarks/codec.py --json docs/results/codec.json
+	$(PY) benchmarks/quality.py --json docs/results/quality.json --plots docs/results
+	$(PY) benchmarks/network.py --json docs/results/network.json
+
+bench-smoke: venv
+	$(PY) benchmarks/codec.py --quick --json /tmp/sparseloco-codec-smoke.json
+	$(PY) -m pytest -q tests/test_benchmarks_smoke.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -16,7 +16,7 @@ setup(
     install_requires=["torch>=2.4", "megatron-core>=0.17"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "einops", "psutil", "tensorboard", "numpy", "pybind11"],
-        "bench": ["numpy", "matplotlib", "torchft", "tokenizers"],
+        "bench": ["numpy", "matplotlib", "torchft==0.2.0"],
     },
     entry_points={"console_scripts": [
         "sparseloco-run=megatron_sparseloco.run:main",

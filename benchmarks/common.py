@@ -1,0 +1,383 @@
+"""Shared pieces of benchmarks/quality.py and benchmarks/network.py.
+
+* Data: the offline byte-level corpus of ``megatron_sparseloco.data`` (Python stdlib sources →
+  Megatron indexed dataset, split train / held-out *by file*). The ``.bin`` of a Megatron indexed
+  dataset is the documents' token ids back to back, so it is read here as one uint16 stream.
+* Batches: worker ``w`` reads random windows of ``seq + 1`` tokens from the train stream, drawn
+  from a generator seeded by ``(seed, w)``: every method sees exactly the same tokens per worker.
+* Held-out loss: a fixed set of windows evenly spaced over the held-out stream, the same for
+  every method, evaluated with the bare megatron-core ``GPTModel`` forward (no DDP, no wrapper).
+* Runs: :func:`train_method` trains one method on this rank (Megatron DDP, or Megatron + our
+  ``OuterLoopOptimizer`` with a strategy) and returns its curve; :func:`train_torchft_diloco`
+  trains the same model with PyPI torchft's ``DiLoCo`` (each worker a replica group of one rank).
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+DATA_DIR = os.path.join(REPO, "data", "stdlib-4MB")
+DATA_MAX_BYTES = 4_000_000
+
+
+# ---------------------------------------------------------------------------- data
+def ensure_data(out: str = DATA_DIR) -> Dict[str, str]:
+    """Build (or find up to date) the stdlib byte corpus; returns the .bin path of each split."""
+    from megatron_sparseloco.data.build import build_dataset
+    build_dataset(out, max_bytes=DATA_MAX_BYTES, log=lambda *a, **k: None)
+    return {"train": os.path.join(out, "train_text_document.bin"),
+            "valid": os.path.join(out, "valid_text_document.bin")}
+
+
+def load_tokens(path: str) -> np.ndarray:
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def batches(tokens: np.ndarray, seed: int, worker: int, mbs: int, seq: int) -> Iterator[Dict[str, torch.Tensor]]:
+    """Endless random windows for one worker, in the dict form megatron's GPT forward takes."""
+    gen = np.random.default_rng([int(seed), int(worker), 7919])
+    n = len(tokens) - seq - 1
+    positions = torch.arange(seq).unsqueeze(0).expand(mbs, -1).contiguous()
+    while True:
+        starts = gen.integers(0, n, size=mbs)
+        rows = np.stack([np.asarray(tokens[s:s + seq + 1], dtype=np.int64) for s in starts])
+        t = torch.from_numpy(rows)
+        yield {"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous(),
+               "loss_mask": torch.ones(mbs, seq, dtype=torch.float32), "attention_mask": None,
+               "position_ids": positions}
+
+
+def heldout_windows(tokens: np.ndarray, n: int, seq: int) -> torch.Tensor:
+    """``n`` windows of ``seq + 1`` tokens evenly spaced over the held-out stream (deterministic)."""
+    span = len(tokens) - seq - 1
+    starts = np.linspace(0, span, n).astype(np.int64)
+    return torch.from_numpy(np.stack([np.asarray(tokens[s:s + seq + 1], dtype=np.int64) for s in starts]))
+
+
+@torch.no_grad()
+def heldout_loss(gpt, windows: torch.Tensor, batch: int = 16) -> float:
+    """Mean next-token cross-entropy (nats) of the bare GPTModel on the held-out windows."""
+    was_training = gpt.training
+    gpt.eval()
+    total, count = 0.0, 0
+    seq = windows.shape[1] - 1
+    for i in range(0, windows.shape[0], batch):
+        w = windows[i:i + batch]
+        pos = torch.arange(seq).unsqueeze(0).expand(w.shape[0], -1)
+        out = gpt(w[:, :-1].contiguous(), pos, None, labels=w[:, 1:].contiguous())
+        total += float(out.float().sum())
+        count += out.numel()
+    if was_training:
+        gpt.train()
+    return total / count
+
+
+# ---------------------------------------------------------------------------- config
+@dataclass
+class ModelCfg:
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 4
+    seq: int = 128
+    vocab: int = 257          # 256 bytes + EOD (NullTokenizer --vocab-size 257)
+
+
+@dataclass
+class RunCfg:
+    method: str                       # ddp | diloco | sparseloco | gasloc | torchft_diloco
+    H: int = 15
+    steps: int = 300                  # inner steps per worker
+    k: Optional[int] = None           # sparseloco top-k of C=4096
+    index_coding: str = "packed"      # sparseloco: packed | entropy
+    mbs: int = 8
+    lr: float = 1e-3                  # inner AdamW lr (same for every method)
+    weight_decay: float = 0.1
+    seed: int = 1234
+    data_seed: int = 0
+    eval_every: int = 15              # ddp eval interval; outer methods evaluate at every outer step
+    eval_windows: int = 64
+    gasloc_topology: str = "ring"
+
+    def label(self) -> str:
+        if self.method == "sparseloco":
+            tag = f"sparseloco k={self.k}" + ("" if self.index_coding == "packed" else f" {self.index_coding}")
+        else:
+            tag = self.method
+        return tag if self.method == "ddp" else f"{tag} H={self.H}"
+
+
+def strategy_fields(run: RunCfg) -> Dict:
+    """The outer strategy and its config fields for a run (reference hyper-parameters, DESIGN §1)."""
+    if run.method == "diloco":
+        return dict(lr=0.7, momentum=0.9, nesterov=True)
+    if run.method == "sparseloco":
+        return dict(k=run.k, chunk=4096, value_bits=2, ef_beta=0.95, lr=1.0, index_coding=run.index_coding)
+    if run.method == "gasloc":
+        # the plugin's defaults for gasloc (megatron/arguments.py): η = 1.0, γ = 0.9
+        return dict(topology=run.gasloc_topology, proposal_lr=1.0, momentum=0.9)
+    raise ValueError(run.method)
+
+
+# ---------------------------------------------------------------------------- training (one rank)
+def _model_numel(chunks) -> int:
+    return sum(p.numel() for c in chunks for p in c.parameters())
+
+
+def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dict[str, str],
+                 time_budget_s: float = 1e9) -> Dict:
+    """Train one method on this rank (one rank = one worker); return its held-out curve and counters."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_sparseloco.testing.megatron_harness import (build_tiny_gpt, init_megatron, train_step,
+                                                               wrap_ddp_and_optimizer)
+    W = world
+    instances = 1 if run.method == "ddp" else W
+    init_megatron(num_distributed_optimizer_instances=instances, seed=run.seed)
+    chunks = build_tiny_gpt(num_layers=model.layers, hidden=model.hidden, heads=model.heads,
+                            vocab=model.vocab, seq_len=model.seq)
+    ddp, opt = wrap_ddp_and_optimizer(chunks, optimizer="adam", lr=run.lr, weight_decay=run.weight_decay,
+                                      num_distributed_optimizer_instances=instances)
+    numel = _model_numel(chunks)
+    outer = None
+    if run.method != "ddp":
+        from megatron_sparseloco.megatron.optimizer import OuterLoopConfig, OuterLoopOptimizer
+        from megatron_sparseloco.outer.registry import build_outer_strategy
+        fields_ = strategy_fields(run)
+
+        def factory(params, group, names):
+            return build_outer_strategy(run.method, params, group, names=names, **fields_)
+
+        outer = OuterLoopOptimizer(opt, ddp, factory, OuterLoopConfig(
+            inner_steps=run.H, identical_across_workers=(run.method != "gasloc")))
+    stepper = outer if outer is not None else opt
+    outer_times: List[float] = []
+    if outer is not None:
+        _orig_outer_step = outer.outer_step
+
+        def _timed_outer_step():
+            t = time.perf_counter()
+            stats = _orig_outer_step()
+            outer_times.append(time.perf_counter() - t)
+            return stats
+
+        outer.outer_step = _timed_outer_step
+    worker = parallel_state.get_data_parallel_rank()
+    tokens_train = load_tokens(paths["train"])
+    windows = heldout_windows(load_tokens(paths["valid"]), run.eval_windows, model.seq)
+    it = batches(tokens_train, run.data_seed, worker, run.mbs, model.seq)
+    gpt = ddp[0].module
+    tokens_per_step = W * run.mbs * model.seq
+    curve = [{"step": 0, "tokens": 0, "bytes_per_worker": 0, "held_out_loss": heldout_loss(gpt, windows),
+              "wall_s": 0.0}]
+    train_losses: List[float] = []
+    sync_times: List[Dict[str, float]] = []
+    wall = 0.0
+    eval_every = run.eval_every if outer is None else run.H
+    dense_bytes_per_step = numel * 4  # DDP: fp32 gradients handed to the reduction every step
+    for step in range(1, run.steps + 1):
+        t0 = time.perf_counter()
+        loss = train_step(ddp, stepper, it, seq_len=model.seq, micro_batch_size=run.mbs)
+        if outer is not None and outer.inner_calls % run.H == 0:
+            last = outer.log.last
+            rec = {k: last.get(k, 0.0) for k in ("time_compress_s", "time_communicate_s", "time_apply_s",
+                                                 "bytes_sent")}
+            rec["outer_step_s"] = outer_times[-1] if outer_times else float("nan")
+            sync_times.append(rec)
+        wall += time.perf_counter() - t0
+        train_losses.append(loss)
+        if step % eval_every == 0 or step == run.steps:
+            sent = outer.log.bytes_sent if outer is not None else dense_bytes_per_step * step
+            curve.append({"step": step, "tokens": step * tokens_per_step, "bytes_per_worker": int(sent),
+                          "held_out_loss": heldout_loss(gpt, windows), "wall_s": wall})
+        # stop early (same step on every rank) when the budget is spent
+        if time_budget_s < 1e9 and step % eval_every == 0:
+            flag = torch.tensor([1.0 if wall > time_budget_s else 0.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0:
+                break
+    return {"rank": rank, "numel": numel, "curve": curve, "train_losses": train_losses,
+            "sync": sync_times, "bytes_sent": curve[-1]["bytes_per_worker"], "wall_s": wall,
+            "steps_done": curve[-1]["step"]}
+
+
+# ---------------------------------------------------------------------------- torchft
+def start_lighthouse(min_replicas: int):
+    """A torchft lighthouse in this process (python API of the installed torchft)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum tick at info
+    from torchft.coordination import LighthouseServer
+    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=200)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _adamw_param_groups(gpt, wd: float):
+    """Megatron's default weight-decay split: no decay for 1-D tensors and biases."""
+    decay, no_decay = [], []
+    for name, p in gpt.named_parameters():
+        (no_decay if (p.dim() == 1 or name.endswith(".bias")) else decay).append(p)
+    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def train_torchft_diloco(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dict[str, str],
+                         lighthouse_addr: str) -> Dict:
+    """torchft's DiLoCo on the same megatron-core GPTModel, data and seeds; one replica group per rank.
+
+    Inner: torch.optim.AdamW (the optimizer megatron-core itself uses on CPU without Apex/TE),
+    same lr, betas (0.9, 0.95), eps 1e-8 and weight-decay split. Outer: SGD lr 0.7, momentum 0.9,
+    Nesterov. ``should_quantize=False``: torchft all-reduces fp32 pseudo-gradients, so the bytes
+    handed to its all-reduce are numel × 4 per sync.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    from megatron_sparseloco.testing.megatron_harness import build_tiny_gpt, init_megatron, forward_step
+
+    init_megatron(seed=run.seed)  # TP=1: the bare GPTModel never talks to other ranks
+    gpt = build_tiny_gpt(num_layers=model.layers, hidden=model.hidden, heads=model.heads,
+                         vocab=model.vocab, seq_len=model.seq)[0]
+    numel = sum(p.numel() for p in gpt.parameters())
+    from torch.distributed import TCPStore
+    store_port = _free_port()
+    store = TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)  # this replica group's store
+    inner = torch.optim.AdamW(_adamw_param_groups(gpt, run.weight_decay), lr=run.lr, betas=(0.9, 0.95), eps=1e-8)
+    outer_opt = torch.optim.SGD(gpt.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=120)), min_replica_size=world,
+                      load_state_dict=None, state_dict=None, use_async_quorum=False,
+                      replica_id=f"worker{rank}", store_addr="127.0.0.1", store_port=store_port,
+                      rank=0, world_size=1, lighthouse_addr=lighthouse_addr, hostname="127.0.0.1",
+                      timeout=timedelta(seconds=120), quorum_timeout=timedelta(seconds=120),
+                      connect_timeout=timedelta(seconds=60), init_sync=False)
+    tokens_train = load_tokens(paths["train"])
+    windows = heldout_windows(load_tokens(paths["valid"]), run.eval_windows, model.seq)
+    it = batches(tokens_train, run.data_seed, rank, run.mbs, model.seq)
+    tokens_per_step = world * run.mbs * model.seq
+    curve = [{"step": 0, "tokens": 0, "bytes_per_worker": 0, "held_out_loss": heldout_loss(gpt, windows),
+              "wall_s": 0.0}]
+    train_losses, wall, syncs = [], 0.0, 0
+    try:
+        with DiLoCo(manager, [gpt], inner, outer_opt, sync_every=run.H, pin_memory=False) as _:
+            for step in range(1, run.steps + 1):
+                t0 = time.perf_counter()
+                inner.zero_grad()
+                batch = next(it)
+                out = gpt(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+                loss = out.float().mean()
+                loss.backward()
+                inner.step()  # DiLoCo's hooks: every H-th step the outer sync (all-reduce + outer SGD)
+                wall += time.perf_counter() - t0
+                train_losses.append(float(loss))
+                if step % run.H == 0:
+                    syncs += 1
+                    curve.append({"step": step, "tokens": step * tokens_per_step,
+                                  "bytes_per_worker": syncs * numel * 4,
+                                  "held_out_loss": heldout_loss(gpt, windows), "wall_s": wall})
+    finally:
+        manager.shutdown(wait=False)
+    del store
+    return {"rank": rank, "numel": numel, "curve": curve, "train_losses": train_losses, "sync": [],
+            "bytes_sent": curve[-1]["bytes_per_worker"], "wall_s": wall, "steps_done": curve[-1]["step"],
+            "torchft_step": manager.current_step()}
+
+
+# ---------------------------------------------------------------------------- reporting helpers
+def machine_info() -> Dict[str, str]:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        lscpu = ""
+    model = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name:")), "unknown")
+    import megatron.core
+    return {"cpu": model, "cpus": str(os.cpu_count()), "torch": torch.__version__,
+            "megatron_core": getattr(megatron.core, "__version__", "?"), "python": sys.version.split()[0]}
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+# ---------------------------------------------------------------------------- rank entry points
+def rank_run_all(rank: int, world: int, model: ModelCfg, runs: List[RunCfg], paths: Dict[str, str],
+                 time_budget_s: float = 1e9) -> List[Dict]:
+    """All megatron runs one after another in the same rank processes (start-up paid once)."""
+    import torch
+    torch.set_num_threads(1)
+    out = []
+    for run in runs:
+        t0 = time.perf_counter()
+        res = train_method(rank, world, model, run, paths, time_budget_s)
+        res["run"] = asdict(run)
+        res["elapsed_s"] = time.perf_counter() - t0
+        out.append(res)
+        print(f"[rank {rank}] {run.label()}: held-out {res['curve'][-1]['held_out_loss']:.4f} "
+              f"in {res['elapsed_s']:.1f}s", flush=True)
+    return out
+
+
+def rank_torchft(rank: int, world: int, model: ModelCfg, runs: List[RunCfg], paths: Dict[str, str],
+                 lighthouse_addrs: List[str]) -> List[Dict]:
+    import torch
+    torch.set_num_threads(1)
+    out = []
+    for run, addr in zip(runs, lighthouse_addrs):
+        t0 = time.perf_counter()
+        res = train_torchft_diloco(rank, world, model, run, paths, addr)
+        res["run"] = asdict(run)
+        res["elapsed_s"] = time.perf_counter() - t0
+        out.append(res)
+    return out
+
+
+# ---------------------------------------------------------------------------- markdown tables (docs/benchmarks.md)
+def markdown_quality(data: Dict) -> str:
+    rows = data["results"]
+    dense = {r["H"]: r["bytes_sent_per_worker"] for r in rows if r["method"] == "diloco"}
+    out = ["| method | k | H | held-out loss | bytes sent / worker | × fewer than diloco (same H) | tokens | wall s |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        name = r["method"] + (" (entropy idx)" if r.get("index_coding") == "entropy" else "")
+        ratio = ""
+        if r["H"] in dense and r["method"] not in ("diloco",):
+            ratio = f"{dense[r['H']] / r['bytes_sent_per_worker']:.1f}×"
+        out.append(f"| {name} | {r['k'] or ''} | {r['H'] or ''} | {r['held_out_loss']:.4f} | "
+                   f"{fmt_bytes(r['bytes_sent_per_worker'])} | {ratio} | {r['tokens']:,} | {r['wall_s']:.0f} |")
+    return "\n".join(out)
+
+
+def markdown_network(data: Dict, case: str) -> str:
+    rows = [r for r in data["results"] if r["case"] == case]
+    out = ["| method | steps | held-out loss | outer sync: communicate s | outer sync: whole outer step s | "
+           "wall per step s (incl. sync) | bytes / worker | target loss | time to target s |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    f = lambda v, d=3: "" if v is None else f"{v:.{d}f}"  # noqa: E731
+    for r in rows:
+        name = r["method"] + (f" k={r['k']}" if r["method"] == "sparseloco" else "") + (f" H={r['H']}" if r["H"] else "")
+        out.append(f"| {name} | {r['steps']} | {r['held_out_loss']:.4f} | {f(r['sync_communicate_s'])} | "
+                   f"{f(r['sync_outer_step_s'])} | {f(r['step_s'])} | {fmt_bytes(r['bytes_sent_per_worker'])} | "
+                   f"{r['target_loss']:.4f} | {f(r['time_to_target_s'], 1) or 'not reached'} |")
+    return "\n".join(out)

@@ -1,0 +1,357 @@
+"""Network benchmark: real training over gloo/TCP under a shaped link (Linux network namespaces + tc).
+
+    sudo python benchmarks/network.py [--quick] [--smoke] [--json docs/results/network.json]
+
+Needs root, ``ip`` and ``tc`` (iproute2; ``apt-get install iproute2``). Exits 2 with the reason when
+namespaces or tc are unavailable. Everything happens in namespaces created here and deleted at
+the end (also on error); no address outside them is used (DESIGN.md §4).
+
+Uniform link: one private namespace ``slb-u-<pid>``, its loopback up and shaped with
+``tc qdisc replace dev lo root tbf rate 100mbit burst 512kb latency 100ms``; the W ranks run
+inside it (``ip netns exec``) and talk over 127.0.0.1. All ranks share the one shaped loopback,
+so 100 Mbit/s is the *aggregate* rate of all workers' traffic, not a per-worker link.
+Per method: outer-sync wall time (OuterStepStats.time_communicate_s and the whole outer step:
+strategy + copy to model params + in-worker param sync), training wall time and time to a
+target held-out loss (target = the worst final held-out loss among the methods, so every method
+reaches it; ddp, which runs a third of the steps, is not part of the target; the clock is
+training + sync time, evaluation excluded).
+
+Heterogeneous links: a hub namespace with a bridge, one namespace per worker joined to it by a
+veth pair created directly between the two namespaces; worker i has 10.77.0.(i+1)/24 on its
+``eth0``. Each link is shaped with tbf in both directions (worker's ``eth0`` egress, the hub-side
+peer's egress): 100 Mbit/s for every worker except the last, whose link is 10× slower
+(10 Mbit/s). Compares gasloc (ring gossip) against diloco (all-reduce) in time to loss.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+from common import ModelCfg, RunCfg  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+PY = sys.executable
+TBF = ["burst", "512kb", "latency", "100ms"]
+
+
+# ---------------------------------------------------------------------------- netns helpers
+def sh(*cmd, check=True, timeout=30):
+    r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}")
+    return r
+
+
+def capability_problem() -> str:
+    """Why this machine cannot run the benchmark ('' when it can)."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' not found: install iproute2 (apt-get install -y iproute2)"
+    probe = f"slb-probe-{os.getpid()}"
+    try:
+        sh("ip", "netns", "add", probe)
+        try:
+            sh("ip", "netns", "exec", probe, "ip", "link", "set", "lo", "up")
+            sh("ip", "netns", "exec", probe, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf",
+               "rate", "100mbit", *TBF)
+        finally:
+            sh("ip", "netns", "del", probe, check=False)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        return f"network namespaces / tc tbf unavailable: {exc}"
+    return ""
+
+
+class Namespaces:
+    """Creates namespaces and removes every one of them on exit."""
+
+    def __init__(self):
+        self.names = []
+
+    def add(self, name):
+        sh("ip", "netns", "add", name)
+        self.names.append(name)
+        sh("ip", "-n", name, "link", "set", "lo", "up")
+        return name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for name in reversed(self.names):
+            sh("ip", "netns", "del", name, check=False)
+        self.names = []
+
+
+def uniform_netns(nss: Namespaces, rate: str) -> str:
+    ns = nss.add(f"slb-u-{os.getpid()}")
+    sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate, *TBF)
+    return ns
+
+
+def hetero_netns(nss: Namespaces, rates):
+    """Hub bridge + one namespace per worker; returns (worker namespaces, addresses)."""
+    pid = os.getpid()
+    hub = nss.add(f"slb-hub-{pid}")
+    sh("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
+    sh("ip", "-n", hub, "link", "set", "br0", "up")
+    names, addrs = [], []
+    for i, rate in enumerate(rates):
+        ns = nss.add(f"slb-w{i}-{pid}")
+        peer = f"p{i}"
+        sh("ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", peer, "netns", hub)
+        sh("ip", "-n", hub, "link", "set", peer, "master", "br0")
+        sh("ip", "-n", hub, "link", "set", peer, "up")
+        addr = f"10.77.0.{i + 1}"
+        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate, *TBF)
+        sh("ip", "netns", "exec", hub, "tc", "qdisc", "replace", "dev", peer, "root", "tbf", "rate", rate, *TBF)
+        names.append(ns)
+        addrs.append(addr)
+    return names, addrs
+
+
+# ---------------------------------------------------------------------------- jobs
+def _write_spec(tmp, model, runs, paths):
+    spec = os.path.join(tmp, "spec.json")
+    with open(spec, "w") as f:
+        json.dump({"model": asdict(model), "runs": [asdict(r) for r in runs], "paths": paths}, f)
+    return spec
+
+
+def _read_spec(path):
+    with open(path) as f:
+        d = json.load(f)
+    return ModelCfg(**d["model"]), [RunCfg(**r) for r in d["runs"]], d["paths"]
+
+
+def worker_main(spec, rank, world, out, timeout):
+    """One rank (``--_worker``), launched inside a worker namespace; MASTER_ADDR/PORT from the env."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    model, runs, paths = _read_spec(spec)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
+                            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    res = common.rank_run_all(rank, world, model, runs, paths)
+    with open(out, "w") as f:
+        json.dump(res, f)
+    os._exit(0)
+
+
+def uniform_main(spec, world, out, timeout):
+    """``--_uniform``: inside the shaped namespace, run every method on W ranks over 127.0.0.1."""
+    from megatron_sparseloco.testing.multirank import run_ranks
+    model, runs, paths = _read_spec(spec)
+    res = run_ranks(common.rank_run_all, world, args=(model, runs, paths), timeout=timeout,
+                    env={"OMP_NUM_THREADS": "1"})
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+def run_uniform(model, runs, paths, world, rate, timeout):
+    with Namespaces() as nss, tempfile.TemporaryDirectory(prefix="slb-net-") as tmp:
+        ns = uniform_netns(nss, rate)
+        spec, out = _write_spec(tmp, model, runs, paths), os.path.join(tmp, "out.json")
+        cmd = ["ip", "netns", "exec", ns, PY, HERE, "--_uniform", spec, "--_world", str(world), "--_out", out,
+               "--_timeout", str(timeout)]
+        r = subprocess.run(cmd, timeout=timeout + 60, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if r.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"uniform job failed (exit {r.returncode})")
+        with open(out) as f:
+            return json.load(f)
+
+
+def run_hetero(model, runs, paths, rates, timeout):
+    world = len(rates)
+    with Namespaces() as nss, tempfile.TemporaryDirectory(prefix="slb-net-") as tmp:
+        names, addrs = hetero_netns(nss, rates)
+        spec = _write_spec(tmp, model, runs, paths)
+        procs, outs = [], []
+        for rank, ns in enumerate(names):
+            out = os.path.join(tmp, f"rank{rank}.json")
+            env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR=addrs[0], MASTER_PORT="29511",
+                       GLOO_SOCKET_IFNAME="eth0", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0")
+            log = open(os.path.join(tmp, f"rank{rank}.log"), "w")
+            procs.append((subprocess.Popen(["ip", "netns", "exec", ns, PY, HERE, "--_worker", spec, "--_rank",
+                                            str(rank), "--_world", str(world), "--_out", out, "--_timeout",
+                                            str(timeout)], env=env, stdout=log, stderr=subprocess.STDOUT), log))
+            outs.append(out)
+        deadline = time.monotonic() + timeout + 60
+        failed = []
+        for rank, (p, log) in enumerate(procs):
+            try:
+                p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+            log.close()
+            if p.returncode != 0 or not os.path.exists(outs[rank]):
+                failed.append(rank)
+        if failed:
+            tails = "\n".join(f"--- rank {r} ---\n" + open(os.path.join(tmp, f"rank{r}.log")).read()[-3000:]
+                              for r in failed)
+            raise RuntimeError(f"heterogeneous job: ranks {failed} failed\n{tails}")
+        res = []
+        for out in outs:
+            with open(out) as f:
+                res.append(json.load(f))
+        return res
+
+
+# ---------------------------------------------------------------------------- summary
+def summarise(res, world, case):
+    """Rows (one per method) from per-rank results; time to target filled in by ``add_time_to_target``."""
+    rows = []
+    for i in range(len(res[0])):
+        per_rank = [res[r][i] for r in range(world)]
+        run = per_rank[0]["run"]
+        curves = [p["curve"] for p in per_rank]
+        curve = [{"step": c0["step"], "tokens": c0["tokens"], "bytes_per_worker": c0["bytes_per_worker"],
+                  "held_out_loss": sum(c[j]["held_out_loss"] for c in curves) / world,
+                  "wall_s": max(c[j]["wall_s"] for c in curves)} for j, c0 in enumerate(curves[0])]
+        syncs = [p["sync"] for p in per_rank]
+        n_sync = len(syncs[0])
+        # per outer step, the slowest rank decides; drop the first sync (connection set-up, warm-up)
+        def per_step(key):
+            vals = [max(s[j][key] for s in syncs) for j in range(n_sync)]
+            steady = vals[1:] if len(vals) > 1 else vals
+            return (sum(steady) / len(steady)) if steady else None
+        steps = curve[-1]["step"]
+        wall = max(p["wall_s"] for p in per_rank)
+        row = {"case": case, "method": run["method"], "k": run["k"], "H": run["H"] if run["method"] != "ddp" else None,
+               "workers": world, "numel": per_rank[0]["numel"], "steps": steps, "tokens": curve[-1]["tokens"],
+               "held_out_loss": curve[-1]["held_out_loss"],
+               "bytes_sent_per_worker": int(max(p["bytes_sent"] for p in per_rank)),
+               "outer_steps": n_sync,
+               "sync_communicate_s": per_step("time_communicate_s") if n_sync else None,
+               "sync_outer_step_s": per_step("outer_step_s") if n_sync else None,
+               "sync_compress_s": per_step("time_compress_s") if n_sync else None,
+               "sync_apply_s": per_step("time_apply_s") if n_sync else None,
+               "step_s": wall / max(1, steps), "wall_s": wall, "curve": curve}
+        rows.append(row)
+    return rows
+
+
+def add_time_to_target(rows):
+    """Target = the worst final held-out loss among the outer methods (ddp runs fewer steps and is
+    not part of the target); time = the first evaluation at or below it (training + sync clock)."""
+    outer = [r for r in rows if r["method"] != "ddp"] or rows
+    target = max(r["held_out_loss"] for r in outer)
+    for r in rows:
+        r["target_loss"] = target
+        hit = next((p for p in r["curve"] if p["step"] > 0 and p["held_out_loss"] <= target), None)
+        r["time_to_target_s"] = hit["wall_s"] if hit else None
+        r["steps_to_target"] = hit["step"] if hit else None
+    return rows
+
+
+def label(r):
+    if r["method"] == "sparseloco":
+        return f"sparseloco k={r['k']} H={r['H']}"
+    return r["method"] if r["method"] == "ddp" else f"{r['method']} H={r['H']}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, a few steps: checks the plumbing only")
+    ap.add_argument("--workers", type=int, default=2, help="workers on the uniform link")
+    ap.add_argument("--hetero-workers", type=int, default=4, help="workers on the heterogeneous links")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--hetero-steps", type=int, default=None)
+    ap.add_argument("--H", type=int, default=15)
+    ap.add_argument("--rate", default="100mbit")
+    ap.add_argument("--slow-rate", default="10mbit")
+    ap.add_argument("--no-hetero", action="store_true")
+    ap.add_argument("--no-ddp", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--timeout", type=float, default=None)
+    # internal entry points (run inside a namespace)
+    ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_uniform", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--_world", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--_out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_timeout", type=float, default=600, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._worker:
+        worker_main(args._worker, args._rank, args._world, args._out, args._timeout)
+        return 0
+    if args._uniform:
+        uniform_main(args._uniform, args._world, args._out, args._timeout)
+        return 0
+
+    problem = capability_problem()
+    if problem:
+        print(f"[network] cannot run: {problem}", file=sys.stderr)
+        return 2
+
+    if args.smoke:
+        model = ModelCfg(layers=1, hidden=64, heads=4, seq=32)
+        steps, H, mbs = args.steps or 4, 2, 2
+    else:
+        model = ModelCfg(layers=4, hidden=256, heads=4, seq=128)
+        steps, H, mbs = args.steps or (60 if args.quick else 150), args.H, 4
+    timeout = args.timeout or (240 if args.smoke else 1500)
+    t0 = time.perf_counter()
+    paths = common.ensure_data()
+    base = dict(H=H, steps=steps, mbs=mbs, eval_windows=8 if args.smoke else 32, eval_every=H)
+    methods = [RunCfg("diloco", **base), RunCfg("sparseloco", k=64, **base), RunCfg("gasloc", **base)]
+    if not args.no_ddp:  # dense DDP syncs every step: a third of the steps keeps its run short
+        methods.insert(0, RunCfg("ddp", **dict(base, steps=steps if args.smoke else max(H, steps // 3))))
+    out = {"benchmark": "network", "model": asdict(model), "machine": common.machine_info(),
+           "uniform": {"rate": args.rate, "tbf": TBF, "workers": args.workers,
+                       "note": "all ranks share the shaped loopback: the rate is the aggregate of all traffic"},
+           "results": []}
+    print(f"[network] uniform: W={args.workers}, lo tbf {args.rate}, methods "
+          f"{[m.method for m in methods]}, {steps} steps, H={H}", flush=True)
+    res = run_uniform(model, methods, paths, args.workers, args.rate, timeout)
+    rows = add_time_to_target(summarise(res, args.workers, "uniform"))
+    out["results"] += rows
+    for r in rows:
+        print(f"  {label(r):24s} loss {r['held_out_loss']:.4f}  sync comm {r['sync_communicate_s']}  "
+              f"outer step {r['sync_outer_step_s']}  step {r['step_s']:.3f}s  to-target {r['time_to_target_s']}",
+              flush=True)
+    if not args.no_hetero:
+        Wh = args.hetero_workers
+        rates = [args.rate] * (Wh - 1) + [args.slow_rate]
+        out["hetero"] = {"rates": rates, "tbf": TBF, "workers": Wh,
+                         "note": "one namespace per worker, veth to a hub bridge, tbf both directions"}
+        hsteps = args.hetero_steps or (steps if args.smoke else (30 if args.quick else 90))
+        hbase = dict(base, steps=hsteps)
+        out["hetero"]["steps"] = hsteps
+        hmethods = [RunCfg("diloco", **hbase), RunCfg("gasloc", **hbase)]
+        print(f"[network] heterogeneous: W={Wh}, links {rates}", flush=True)
+        hres = run_hetero(model, hmethods, paths, rates, timeout)
+        hrows = add_time_to_target(summarise(hres, Wh, "hetero"))
+        out["results"] += hrows
+        for r in hrows:
+            print(f"  {label(r):24s} loss {r['held_out_loss']:.4f}  sync comm {r['sync_communicate_s']}  "
+                  f"outer step {r['sync_outer_step_s']}  to-target {r['time_to_target_s']}", flush=True)
+    out["total_wall_s"] = time.perf_counter() - t0
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"[network] wrote {args.json}")
+    print(f"[network] total {out['total_wall_s']:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

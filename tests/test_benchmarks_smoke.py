@@ -1,0 +1,82 @@
+"""Smoke tests of benchmarks/quality.py and benchmarks/network.py (tiny step counts, schema checks).
+
+quality.py --quick --steps 15: every method (ddp, diloco, sparseloco k ∈ {32, 64, 128} + the
+entropy-coded row, gasloc, torchft_diloco) produces a finite held-out loss and bytes > 0, and the
+JSON has the documented schema. network.py --smoke: runs inside a private network namespace with a
+shaped loopback; skipped (with the reason network.py prints) where root / netns / tc are missing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUALITY = os.path.join(REPO, "benchmarks", "quality.py")
+NETWORK = os.path.join(REPO, "benchmarks", "network.py")
+
+ROW_KEYS = {"method", "k", "H", "held_out_loss", "bytes_sent_per_worker", "tokens", "wall_s", "curve"}
+
+
+def _run(cmd, timeout):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def _have_torchft() -> bool:
+    try:
+        import torchft  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def test_quality_quick_schema(tmp_path):
+    out = tmp_path / "quality.json"
+    cmd = [sys.executable, QUALITY, "--quick", "--steps", "15", "--json", str(out), "--plots", str(tmp_path)]
+    if not _have_torchft():
+        cmd.append("--no-torchft")
+    r = _run(cmd, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    data = json.loads(out.read_text())
+    rows = data["results"]
+    methods = {row["method"] for row in rows}
+    expected = {"ddp", "diloco", "sparseloco", "gasloc"} | ({"torchft_diloco"} if _have_torchft() else set())
+    assert expected <= methods, (methods, data.get("notes"))
+    assert {row["k"] for row in rows if row["method"] == "sparseloco"} == {32, 64, 128}
+    assert any(row.get("index_coding") == "entropy" for row in rows)
+    tokens = {row["tokens"] for row in rows}
+    assert len(tokens) == 1 and tokens.pop() > 0, "every method must see the same number of tokens"
+    for row in rows:
+        assert ROW_KEYS <= set(row), (row["method"], ROW_KEYS - set(row))
+        assert math.isfinite(row["held_out_loss"]) and 0 < row["held_out_loss"] < 10, row
+        assert row["bytes_sent_per_worker"] > 0, row  # every method communicates something
+        assert row["curve"][0]["step"] == 0 and row["curve"][-1]["step"] == 15
+    dense = next(row for row in rows if row["method"] == "diloco")["bytes_sent_per_worker"]
+    for row in rows:
+        if row["method"] == "sparseloco":
+            assert row["bytes_sent_per_worker"] * 50 < dense, row
+    assert (tmp_path / "quality_loss_vs_tokens.png").stat().st_size > 0
+    assert (tmp_path / "quality_loss_vs_bytes.png").stat().st_size > 0
+
+
+def test_network_smoke(tmp_path):
+    out = tmp_path / "network.json"
+    r = _run([sys.executable, NETWORK, "--smoke", "--no-hetero", "--json", str(out)], timeout=400)
+    if r.returncode == 2 and "cannot run" in r.stderr:
+        pytest.skip(r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    data = json.loads(out.read_text())
+    rows = data["results"]
+    assert {row["method"] for row in rows} >= {"diloco", "sparseloco", "gasloc"}
+    for row in rows:
+        assert math.isfinite(row["held_out_loss"]), row
+        if row["method"] != "ddp":
+            assert row["outer_steps"] >= 1 and row["sync_communicate_s"] is not None and row["sync_outer_step_s"] > 0
+    # the namespace is gone afterwards
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "slb-" not in ns, ns
