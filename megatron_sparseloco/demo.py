@@ -29,6 +29,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from typing import Dict, List, Optional
 
@@ -210,19 +211,23 @@ def run_training(cmd: List[str], log_path: str, summary_path: str, timeout: floa
         log.write("$ " + shlex.join(cmd) + "\n")
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1, start_new_session=True)
-        try:
+
+        def pump():  # a thread, so a silent hang still hits the timeout below
             for line in proc.stdout:
                 log.write(line)
                 lines.append(line.rstrip("\n"))
                 if verbose or _interesting(line):
                     echo(line.rstrip("\n"))
-                if time.time() - t0 > timeout:
-                    raise subprocess.TimeoutExpired(cmd, timeout)
-            rc = proc.wait(timeout=max(1.0, timeout - (time.time() - t0)))
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)          # the process group we started (start_new_session)
             proc.wait()
             rc = "timeout"
+        reader.join(timeout=30)
     parsed = parse_megatron_log(lines)
     parsed.update({"returncode": rc, "wall_time_s": round(time.time() - t0, 2), "log_lines": lines})
     return parsed

@@ -17,13 +17,24 @@ from megatron_sparseloco.demo import build_command, run_training
 H, ITERS, SAVE_AT = 5, 12, 7
 
 
-def _run(tmp_path, data, name, extra):
+def _run(tmp_path, data, name, extra, expect_ok=True, env=None, launcher=None):
     cmd = build_command({"train": data.prefix("train"), "valid": data.prefix("valid")}, nproc=2, workers=2,
                         algorithm="sparseloco", inner_steps=H, train_iters=ITERS, eval_interval=100, eval_iters=1,
                         log_interval=1, micro_batch_size=2, seq_length=64,
                         extra=["--num-layers", "2", "--hidden-size", "64", "--ckpt-format", "torch_dist"] + extra)
+    if launcher is not None:  # replace "-m megatron_sparseloco.run" by a test launcher script
+        i = cmd.index("megatron_sparseloco.run")
+        cmd[i - 1:i + 1] = [launcher]
     summary = str(tmp_path / f"{name}.json")
-    res = run_training(cmd, str(tmp_path / f"{name}.log"), summary, timeout=280, echo=lambda *_: None)
+    old_env = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        res = run_training(cmd, str(tmp_path / f"{name}.log"), summary, timeout=280, echo=lambda *_: None)
+    finally:
+        for k, v in old_env.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    if not expect_ok:
+        return res, None
     assert res["returncode"] == 0, "\n".join(res["log_lines"][-60:])
     with open(summary) as f:
         return res, json.load(f)
@@ -78,3 +89,28 @@ def test_megatron_workarounds_still_needed():
     assert "opt.state[p]['exp_avg'] = torch.zeros_like" in src_init and "'step'" not in src_init
     src_load = inspect.getsource(do.DistributedOptimizer.load_state_dict)
     assert 's["step"] = step' in src_load  # one shared step tensor for every param state
+
+
+@pytest.mark.timeout(900)
+def test_crash_inside_outer_step_resumes_from_last_complete_checkpoint(tmp_path):
+    """Worker 1 dies inside outer step 2 (iteration 10), after the iteration-5 checkpoint, when the
+    workers' states are mixed. (torchrun then stops the other rank at once; that a surviving worker
+    names the dead one is tested in test_megatron_faults.py.) The tracker still names iteration 5,
+    no later checkpoint exists, and resuming from it ends bitwise where an uninterrupted run ends."""
+    from megatron_sparseloco.data.build import build_dataset
+    data = build_dataset(str(tmp_path / "data"), max_bytes=300_000, valid_percent=10.0, log=lambda *_: None)
+    _, ref = _run(tmp_path, data, "ref", [])
+    ckpt = tmp_path / "ckpt"
+    launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_launcher.py")
+    common = ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", str(H), "--sparseloco-outer-timeout", "30"]
+    crashed, _ = _run(tmp_path, data, "crash", common, expect_ok=False, launcher=launcher,
+                      env={"CRASH_OUTER_STEP": "2", "CRASH_RANK": "1"})
+    log = "\n".join(crashed["log_lines"])
+    assert crashed["returncode"] != 0
+    assert "rank 1 dies inside outer step 2" in log
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(H)
+    assert not (ckpt / f"iter_{2 * H:07d}").exists()
+    _, resumed = _run(tmp_path, data, "resumed", common)
+    for ra, rb in zip(ref["per_rank"], resumed["per_rank"]):
+        assert ra["theta_outer_fingerprint"] == rb["theta_outer_fingerprint"]
+        assert ra["main_params_fingerprint"] == rb["main_params_fingerprint"]
