@@ -71,7 +71,7 @@ def test_example_pretrain_runs_unmodified_with_outer_loop(tmp_path):
     cmd = build_command({"train": data.prefix("train"), "valid": data.prefix("valid")}, nproc=4, workers=2,
                         algorithm=algorithm, inner_steps=H, train_iters=ITERS, eval_interval=10, eval_iters=2,
                         log_interval=LOG_INTERVAL, micro_batch_size=2, seq_length=64,
-                        extra=["--num-layers", "2", "--hidden-size", "64"])
+                        extra=["--num-layers", "2", "--hidden-size", "64", "--tensorboard-dir", str(tmp_path / "tb")])
     counters_path = str(tmp_path / "counters.json")
     res = run_training(cmd, str(tmp_path / "train.log"), counters_path, timeout=240, echo=lambda *_: None)
     tail = "\n".join(res["log_lines"][-60:])
@@ -110,6 +110,20 @@ def test_example_pretrain_runs_unmodified_with_outer_loop(tmp_path):
         assert s["compression_ratio_vs_fp32"] > 20, s["compression_ratio_vs_fp32"]
     else:
         assert s["compression_ratio_vs_fp32"] <= 1.01
+
+    # Our line after Megatron's at every --log-interval, and the sparseloco/* TensorBoard scalars.
+    ours = [line for line in res["log_lines"] if "sparseloco | outer steps:" in line]
+    assert len(ours) == ITERS // LOG_INTERVAL, ours
+    assert f"outer steps: {ITERS // H} " in ours[-1] and "ratio vs fp32" in ours[-1], ours[-1]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    for tag in ("bytes_sent_per_worker", "compression_ratio_vs_fp32", "compression_ratio_vs_bf16",
+                "pseudo_grad_norm", "error_feedback_norm", "outer_steps"):
+        assert f"sparseloco/{tag}" in scalars, scalars
+    last = events.Scalars("sparseloco/bytes_sent_per_worker")[-1]
+    assert last.step == ITERS and last.value == s["bytes_sent_per_worker"]
 
 
 @pytest.mark.multirank
