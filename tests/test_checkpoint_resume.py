@@ -80,7 +80,6 @@ def test_megatron_workarounds_still_needed():
     import inspect
 
     from megatron.core.optimizer import distrib_optimizer as do
-    from megatron.core.optimizer import __init__ as _  # noqa: F401
     import megatron.core.optimizer as mopt
 
     src_state = inspect.getsource(do.DistributedOptimizer.state_dict)

@@ -4,8 +4,6 @@ from __future__ import annotations
 import os
 import time
 
-import pytest
-
 from megatron_sparseloco.testing.multirank import run_ranks
 
 SEQ, MBS, VOCAB = 32, 2, 128

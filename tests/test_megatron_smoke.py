@@ -9,7 +9,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 import time
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_sparseloco.testing.multirank import free_port, run_ranks  # noqa: E402
+from megatron_sparseloco.testing.multirank import run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.megatron]
 
@@ -206,12 +205,18 @@ def test_dp4_two_distributed_optimizer_instances():
 
 # ----------------------------------------------------------------------------------------------
 def test_megatron_training_pretrain_two_ranks(tmp_path):
-    """megatron.training.pretrain trains a tiny GPT on 2 gloo ranks with --mock-data."""
-    script = os.path.join(os.path.dirname(__file__), "tiny_pretrain_gpt.py")
+    """megatron.training.pretrain trains a tiny GPT on 2 gloo ranks with --mock-data: examples/pretrain_gpt.py
+    under megatron_sparseloco.run with no --sparseloco-* flag (plugin off: plain Megatron + CPU bridges)."""
+    from megatron_sparseloco.demo import build_command
+
     iters = 5
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", script,
-           "--train-iters", str(iters), "--save", str(tmp_path / "ckpt"), "--save-interval", str(iters)]
+    cmd = build_command({"train": "unused", "valid": "unused"}, nproc=2, algorithm="none", train_iters=iters,
+                        eval_interval=iters, eval_iters=1, log_interval=1, micro_batch_size=2, seq_length=32,
+                        extra=["--hidden-size", "64", "--mock-data", "--split", "98,1,1", "--ckpt-format", "torch_dist",
+                               "--save", str(tmp_path / "ckpt"), "--save-interval", str(iters)])
+    i = cmd.index("--train-data-path")
+    del cmd[i:i + 4]  # --train-data-path X --valid-data-path Y: mock data instead
+    assert "--sparseloco-algorithm" not in cmd
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, cwd=str(tmp_path))

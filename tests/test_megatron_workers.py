@@ -10,7 +10,6 @@ scale), and SparseLoCo lowers the loss over 20 outer steps sending exactly the c
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import pytest
 import torch

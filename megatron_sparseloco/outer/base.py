@@ -23,7 +23,7 @@ import abc
 import math
 import time
 from dataclasses import dataclass, field, fields
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist

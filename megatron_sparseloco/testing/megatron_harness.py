@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 from functools import partial
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, Tuple
 
 import torch
 import torch.distributed as dist
