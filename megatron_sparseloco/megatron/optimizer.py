@@ -161,10 +161,7 @@ class OuterLoopOptimizer:
             if self.num_workers > 1 and not isinstance(exc, NonFiniteError):
                 raise self.watch.fail(step_no, exc, self.config.outer_timeout_s or 0.0) from exc
             raise
-        for m in self.members:
-            if hasattr(m, "_copy_main_params_to_model_params"):
-                m._copy_main_params_to_model_params()
-        start_param_sync_all(self.model_chunks)
+        self._publish_main_params()
         if timer is not None:
             timer.stop()
         self._record(stats)
@@ -172,6 +169,13 @@ class OuterLoopOptimizer:
         if interval and self.config.identical_across_workers and self.log.outer_steps % interval == 0:
             self.check_consistency()
         return stats
+
+    def _publish_main_params(self) -> None:
+        """fp32 main params → model params, then the synchronous param all-gather inside the worker."""
+        for m in self.members:
+            if hasattr(m, "_copy_main_params_to_model_params"):
+                m._copy_main_params_to_model_params()
+        start_param_sync_all(self.model_chunks)
 
     def check_consistency(self) -> None:
         """Raise ``DivergenceError`` when θ_outer differs between workers."""
@@ -193,13 +197,12 @@ class OuterLoopOptimizer:
         self.log.last = merged
 
     # ------------------------------------------------------------------ state
-    def outer_state_dict(self, with_worker_local_state: bool = False) -> dict:
-        sd = {"inner_calls": self.inner_calls, "outer_steps": self.log.outer_steps,
-              "bytes_sent": self.log.bytes_sent, "bytes_received": self.log.bytes_received,
-              "strategies": [s.state_dict() for s in self.strategies]}
-        if with_worker_local_state:
-            sd["worker_local"] = capture_worker_local_state(self.shards)
-        return sd
+    def outer_state_dict(self) -> dict:
+        """Outer state plus this worker's own params and inner-optimizer state (see ``checkpointing``)."""
+        return {"inner_calls": self.inner_calls, "outer_steps": self.log.outer_steps,
+                "bytes_sent": self.log.bytes_sent, "bytes_received": self.log.bytes_received,
+                "strategies": [s.state_dict() for s in self.strategies],
+                "worker_local": capture_worker_local_state(self.shards)}
 
     def load_outer_state_dict(self, sd: dict) -> None:
         if len(sd["strategies"]) != len(self.strategies):
@@ -223,7 +226,8 @@ class OuterLoopOptimizer:
         sd = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         if not isinstance(sd, dict):
             raise TypeError(f"expected a dict from {type(self.optimizer).__name__}.sharded_state_dict, got {type(sd)}")
-        sd[OUTER_KEY] = outer_sharded_object(self.outer_state_dict(with_worker_local_state=True))
+        # For a load the object's content is replaced by what the checkpoint holds: no copies.
+        sd[OUTER_KEY] = outer_sharded_object({} if is_loading else self.outer_state_dict())
         return sd
 
     def load_state_dict(self, state_dict):
@@ -244,10 +248,7 @@ class OuterLoopOptimizer:
         if "worker_local" in outer:
             # Megatron loaded worker 0's params / moments into every worker: put each back.
             restore_worker_local_state(self.shards, outer["worker_local"])
-            for m in self.members:
-                if hasattr(m, "_copy_main_params_to_model_params"):
-                    m._copy_main_params_to_model_params()
-            start_param_sync_all(self.model_chunks)
+            self._publish_main_params()
 
     # ------------------------------------------------------------------ forwarding
     def __getattr__(self, name):

@@ -22,9 +22,7 @@ used (``inter_dist_opt_group``), for dense and expert buffers alike.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Sequence
-
-import torch
+from typing import Sequence
 
 
 def _unwrap_ddp(chunk):
@@ -88,7 +86,3 @@ def start_param_sync_all(model_chunks: Sequence) -> None:
     """All-gather updated param shards inside the worker, synchronously, now."""
     for chunk in model_chunks:
         _unwrap_ddp(chunk).start_param_sync(force_sync=True)
-
-
-def ddp_chunks(model_chunks: Sequence) -> List[torch.nn.Module]:
-    return [_unwrap_ddp(c) for c in model_chunks]
