@@ -63,6 +63,22 @@ sparseloco_args() {
     esac
 }
 
+# What CPU + gloo needs (DESIGN.md section 3): no fused CUDA kernels (they come from Apex / TE),
+# CPU initialisation. Used by the cpu_tiny_* recipes.
+sparseloco_cpu_args() {
+    CPU_ARGS=(
+        --distributed-backend gloo
+        --transformer-impl local
+        --use-cpu-initialization
+        --no-persist-layer-norm
+        --no-gradient-accumulation-fusion
+        --no-masked-softmax-fusion
+        --no-rope-fusion
+        --no-bias-swiglu-fusion
+        --no-bias-dropout-fusion
+    )
+}
+
 # Data: DATA_PATH (Megatron indexed-dataset prefix) with a Hugging Face tokenizer, else mock data.
 sparseloco_data_args() {
     local vocab=$1

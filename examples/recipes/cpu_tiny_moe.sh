@@ -53,17 +53,7 @@ TRAINING_ARGS=(
     --seed 1234
 )
 
-CPU_ARGS=(
-    --distributed-backend gloo
-    --transformer-impl local
-    --use-cpu-initialization
-    --no-persist-layer-norm
-    --no-gradient-accumulation-fusion
-    --no-masked-softmax-fusion
-    --no-rope-fusion
-    --no-bias-swiglu-fusion
-    --no-bias-dropout-fusion
-)
+sparseloco_cpu_args
 
 MODEL_PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
