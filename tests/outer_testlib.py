@@ -105,3 +105,24 @@ def drive_many(rank: int, world_size: int, jobs: Sequence[Dict]) -> List:
         fn = fns[job.pop("fn", "drive")]
         results.append(fn(rank, world_size, **job))
     return results
+
+
+def run_jobs(jobs_for_world, worlds: Sequence[int] = (2, 4)) -> Dict[int, Dict[str, List]]:
+    """{world: {job: [per-rank result]}}: one ``run_ranks`` spawn per world size for all its jobs."""
+    from megatron_sparseloco.testing.multirank import run_ranks
+
+    out = {}
+    for world in worlds:
+        jobs = jobs_for_world(world)
+        per_rank = run_ranks(drive_many, world, args=(list(jobs.values()),), timeout=240)
+        out[world] = {k: [per_rank[r][i] for r in range(world)] for i, k in enumerate(jobs)}
+    return out
+
+
+def assert_ranks_identical(res: Sequence[Dict]) -> None:
+    """After every step all ranks hold bitwise the same params and θ_outer, and params == θ_outer."""
+    for t in range(len(res[0]["params"])):
+        for r in range(1, len(res)):
+            assert torch.equal(res[r]["params"][t], res[0]["params"][t]), f"step {t + 1}: rank {r} differs from rank 0"
+            assert torch.equal(res[r]["anchor"][t], res[0]["anchor"][t])
+        assert torch.equal(res[0]["params"][t], res[0]["anchor"][t]), "θ_local must equal θ_outer after a step"

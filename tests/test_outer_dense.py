@@ -14,9 +14,8 @@ from megatron_sparseloco.outer import (
     available_outer_strategies,
     build_outer_strategy,
 )
-from megatron_sparseloco.testing.multirank import run_ranks
 
-from outer_testlib import SHAPES, drift, drive_many, flat, make_params
+from outer_testlib import SHAPES, assert_ranks_identical, drift, flat, make_params, run_jobs
 
 NUMEL = sum(torch.Size(s).numel() for s in SHAPES)
 BUCKET = 64  # 190 elements → buckets of 64, 64, 62; they span tensor boundaries
@@ -94,20 +93,7 @@ def _jobs(world: int) -> dict:
 @pytest.fixture(scope="module")
 def runs():
     """{world: {job: [per-rank result]}} for 2 and 4 ranks (two spawns in all)."""
-    out = {}
-    for world in (2, 4):
-        jobs = _jobs(world)
-        per_rank = run_ranks(drive_many, world, args=(list(jobs.values()),), timeout=240)
-        out[world] = {k: [per_rank[r][i] for r in range(world)] for i, k in enumerate(jobs)}
-    return out
-
-
-def _assert_ranks_identical(res):
-    for t in range(len(res[0]["params"])):
-        for r in range(1, len(res)):
-            assert torch.equal(res[r]["params"][t], res[0]["params"][t]), f"step {t + 1}: rank {r} differs from rank 0"
-            assert torch.equal(res[r]["anchor"][t], res[0]["anchor"][t])
-        assert torch.equal(res[0]["params"][t], res[0]["anchor"][t]), "params must be written back to θ_outer"
+    return run_jobs(_jobs)
 
 
 def _close(a, b, exact: bool, atol: float = 1e-6):
@@ -123,7 +109,7 @@ def _close(a, b, exact: bool, atol: float = 1e-6):
 @pytest.mark.parametrize("job,comm", [("avg", "fp32"), ("avg_bf16", "bf16")])
 def test_average_is_mean_of_workers(runs, world, job, comm):
     res = runs[world][job]
-    _assert_ranks_identical(res)
+    assert_ranks_identical(res)
     if comm == "fp32":
         for t, ref in enumerate(reference_average(world, STEPS)):
             _close(res[0]["params"][t], ref, exact=False, atol=1e-6)
@@ -148,7 +134,7 @@ def test_average_is_mean_of_workers(runs, world, job, comm):
 ])
 def test_diloco_matches_torch_sgd(runs, world, job, lr, mom, nest, comm):
     res = runs[world][job]
-    _assert_ranks_identical(res)
+    assert_ranks_identical(res)
     refs = reference_dense(world, len(res[0]["params"]), lr, mom, nest, comm)
     for t, ref in enumerate(refs):
         # W = 2: a + b is order-free, so the all-reduce equals the reference bit for bit
@@ -229,7 +215,7 @@ def test_state_dict_round_trip_in_process_and_errors():
 @pytest.mark.multirank
 def test_nonfinite_skip_is_consistent(runs):
     res = runs[2]["nan_skip"]
-    _assert_ranks_identical(res)
+    assert_ranks_identical(res)
     for r in range(2):
         st = res[r]["stats"]
         assert [s["skipped"] for s in st] == [False, True, False]

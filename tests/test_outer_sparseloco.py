@@ -7,9 +7,8 @@ import torch
 from megatron_sparseloco.compress import CodecConfig, decode, decode_dense, encode, payload_nbytes
 from megatron_sparseloco.outer import ConfigError, build_outer_strategy
 from megatron_sparseloco.outer.sparseloco import SparseLoCo, SparseLoCoConfig
-from megatron_sparseloco.testing.multirank import run_ranks
 
-from outer_testlib import SHAPES, drift, drive_many, flat, make_params
+from outer_testlib import SHAPES, assert_ranks_identical, drift, flat, make_params, run_jobs
 
 NUMEL = sum(torch.Size(s).numel() for s in SHAPES)  # 190
 STEPS = 4
@@ -97,20 +96,7 @@ def _jobs(world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    out = {}
-    for world in (2, 4):
-        jobs = _jobs(world)
-        per_rank = run_ranks(drive_many, world, args=(list(jobs.values()),), timeout=240)
-        out[world] = {k: [per_rank[r][i] for r in range(world)] for i, k in enumerate(jobs)}
-    return out
-
-
-def _assert_ranks_identical(res):
-    for t in range(len(res[0]["params"])):
-        for r in range(1, len(res)):
-            assert torch.equal(res[r]["params"][t], res[0]["params"][t]), f"step {t + 1}: rank {r} differs"
-            assert torch.equal(res[r]["anchor"][t], res[0]["anchor"][t])
-        assert torch.equal(res[0]["params"][t], res[0]["anchor"][t]), "θ_local must equal θ_outer after a step"
+    return run_jobs(_jobs)
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -119,7 +105,7 @@ def _assert_ranks_identical(res):
 @pytest.mark.parametrize("job", list(CONFIGS))
 def test_matches_reference_and_bytes(runs, world, job):
     res = runs[world][job]
-    _assert_ranks_identical(res)
+    assert_ranks_identical(res)
     anchors, sizes = reference(world, STEPS, CONFIGS[job])
     for t in range(STEPS):
         if CONFIGS[job].get("peer_norm_clip"):  # the peer norms are summed in another order: 1 ulp
@@ -220,7 +206,7 @@ def test_state_dict_round_trip(runs):
 @pytest.mark.multirank
 def test_nonfinite_skip_and_abort(runs):
     res = runs[2]["nan_skip"]
-    _assert_ranks_identical(res)
+    assert_ranks_identical(res)
     for r in range(2):
         st = res[r]["stats"]
         assert [s["skipped"] for s in st] == [False, True, False]
