@@ -1,56 +1,57 @@
-"""Outer state in Megatron checkpoints.
+"""Outer state in Megatron ``torch_dist`` checkpoints, reshardable across intra-worker data parallelism.
 
-``torch_dist``: the wrapper's ``sharded_state_dict`` adds one ``ShardedObject`` per rank under
-``optimizer.sparseloco.outer_state`` with global shape (world size,) and offset (global rank,),
-replica id 0 — every rank writes its own copy, so nothing is deduplicated as a data-parallel
-replica. That matters: the error-feedback buffer differs per worker (and for GASLoC θ_outer too).
-The object holds θ_outer, the strategy's buffers (EF, momentum), the inner-call counter (so a
-resume in the middle of an inner loop runs the outer step at the same iteration) and cumulative
-byte counters.
+What a worker must keep across a restart, beyond what Megatron saves:
 
-Layout: the shard each rank owns depends on TP / PP / EP / intra-worker DP. Resuming with another
-layout raises ``OuterStateLayoutError`` naming the mismatch (the inner Megatron state reshards;
-our flat shard state does not yet). A checkpoint without outer state (e.g. a plain Megatron run
-that now continues with SparseLoCo) re-anchors θ_outer on the loaded params and starts with zero
-EF / momentum, and says so in the log.
+- per element: θ_outer, the strategy's buffers (error feedback, outer momentum), and the worker's
+  *own* fp32 main params and Adam moments — Megatron treats data-parallel replicas and
+  distributed-optimizer instances as copies and keeps one (worker 0's), but DiLoCo workers are not
+  copies between outer steps;
+- scalars: the inner-call counter (so a resume in the middle of an inner loop runs the outer step
+  at the same iteration), outer steps, Adam ``step`` per worker, cumulative byte counters.
+
+Per-element state is stored in **model space** (``model_space``): one ``ShardedTensor`` per
+(worker, state, parameter), shaped and sharded like the model parameter, key
+``optimizer.sparseloco.worker{w}.{state}.{param key}``. Within a worker, the rank of its
+data-parallel group that is 0 writes it; on load every rank reads the whole parameters it holds a
+piece of and slices its range. So a checkpoint resumes with a different intra-worker
+data-parallel size (the per-element state lands on the new owners bit for bit); the worker count
+must stay the same.
+
+Scalars: the job-wide ones and the layout facts go into Megatron's content metadata (key
+``sparseloco``, read back before the load is planned, so a mismatched worker count or algorithm
+fails with a clear error before anything is read); per-rank ones (bytes, Adam steps by parameter
+key) are gathered into the common state (``optimizer.sparseloco.ranks``, written by rank 0). After
+a change of layout a worker's byte totals are kept on its first rank.
+
+A checkpoint without ``sparseloco`` content metadata (a plain Megatron run that now continues with
+an outer loop) loads Megatron's state as usual and θ_outer is anchored on the loaded params at the
+first step, with zero error feedback / momentum (a warning says so).
 
 ``torch`` format: Megatron saves ``optimizer.state_dict()`` only from data-parallel rank 0, which
-would drop the other workers' EF; the wrapper refuses it with a clear error (use torch_dist).
+would drop the other workers' state; the wrapper refuses it with a clear error (use torch_dist).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Dict, List, Optional
+
+import torch
 import torch.distributed as dist
 
-OUTER_KEY = "sparseloco"
-SHARDED_KEY = "optimizer.sparseloco.outer_state"
+from megatron_sparseloco.megatron.main_params import MainParamShards
+from megatron_sparseloco.megatron.model_space import assemble_whole_params, first_holders, owned_piece, shard_group_rank
+
+OUTER_KEY = "sparseloco"            # in the optimizer's (sharded) state dict
+METADATA_KEY = "sparseloco"         # in Megatron's checkpoint content metadata
+STATE_PREFIX = "optimizer.sparseloco"
+FORMAT_VERSION = 2
 
 
 class OuterStateLayoutError(ValueError):
     """A checkpoint's outer state does not fit this run's layout."""
 
 
-def outer_sharded_object(outer_state: dict):
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return ShardedObject(SHARDED_KEY, outer_state, (world,), (rank,), replica_id=0)
-
-
-def layout_signature(strategies) -> list:
-    return [(s.name, s.params.numel) for s in strategies]
-
-
-def check_layout(saved: dict, strategies) -> None:
-    mine = layout_signature(strategies)
-    theirs = [(s["name"], int(s["numel"])) for s in saved["strategies"]]
-    if mine != theirs:
-        raise OuterStateLayoutError(
-            f"checkpoint outer state covers {theirs} (strategy, elements) on this rank but this run owns {mine}. "
-            "Fix: resume with the same --sparseloco-algorithm, workers, TP/PP/EP and intra-worker data-parallel size "
-            "as the run that saved it")
-
-
+# ---------------------------------------------------------------------------- the live state
 def ensure_adam_step_state(members) -> int:
     """Give torch Adam states a placeholder ``step`` before a checkpoint load; returns how many.
 
@@ -62,8 +63,6 @@ def ensure_adam_step_state(members) -> int:
     overwrites ``step`` with the checkpoint's value, so a 0 placeholder is exact.
     tests/test_checkpoint_resume.py checks that the workaround is still needed.
     """
-    import torch
-
     added = 0
     for m in members:
         inner = getattr(m, "optimizer", None)
@@ -81,45 +80,252 @@ def ensure_adam_step_state(members) -> int:
     return added
 
 
-def capture_worker_local_state(shards_list) -> list:
-    """This rank's fp32 main-param shard and its inner-optimizer state (Adam moments, step).
+def _inner_optimizer(shards: MainParamShards) -> Optional[torch.optim.Optimizer]:
+    inner = getattr(shards.optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else None
 
-    Megatron's checkpoints treat data-parallel replicas and distributed-optimizer instances as
-    identical copies and keep one (worker 0's). DiLoCo workers are not replicas: between outer
-    steps their params and inner-optimizer states differ (and the inner state always does). So
-    each rank stores its own copy in its per-rank outer-state object; ``restore`` puts it back
-    over the deduplicated one Megatron loaded.
+
+def _inner_elementwise_names(shards: MainParamShards) -> List[str]:
+    """Names of the inner optimizer's per-element states (Adam: exp_avg, exp_avg_sq)."""
+    inner = _inner_optimizer(shards)
+    if inner is None:
+        return []
+    names: Optional[List[str]] = None
+    for t, label in zip(shards.tensors, shards.names):
+        state = inner.state.get(t, {})
+        mine = sorted(k for k, v in state.items() if k != "step" and torch.is_tensor(v) and v.shape == t.shape)
+        other = sorted(k for k in state if k != "step" and k not in mine)
+        if other:
+            raise TypeError(f"inner optimizer state {other} of {label} is neither per-element nor 'step'; "
+                            "the outer-loop checkpoint cannot store it")
+        if names is None:
+            names = mine
+        elif names != mine:
+            raise TypeError(f"inner optimizer states differ between params ({names} vs {mine} at {label})")
+    return names or []
+
+
+def elementwise_state(shards: MainParamShards, strategy) -> Dict[str, List[torch.Tensor]]:
+    """``{state name: [live tensor holding shard i's elements]}`` for one member optimizer.
+
+    ``outer.*``: slices of the strategy's flat vectors (``strategy.params`` is ``shards.tensors``
+    in order); ``inner.main_param``: the fp32 main-param shards; ``inner.*``: Adam moments.
     """
-    out = []
-    for shards in shards_list:
-        inner = getattr(shards.optimizer, "optimizer", None)
-        states = []
-        for t in shards.tensors:
-            st = inner.state.get(t, {}) if inner is not None else {}
-            states.append({k: (v.detach().clone() if hasattr(v, "detach") else v) for k, v in st.items()})
-        out.append({"main": [t.detach().clone() for t in shards.tensors], "state": states})
+    out: Dict[str, List[torch.Tensor]] = {}
+    if strategy is not None:
+        offsets = strategy.params.offsets
+        if strategy.params.numel != sum(t.numel() for t in shards.tensors):
+            raise AssertionError("strategy does not cover the member's main-param shards")
+        for k, v in strategy.elementwise_state().items():
+            out[f"outer.{k}"] = [v[offsets[i]:offsets[i + 1]] for i in range(len(shards.tensors))]
+    out["inner.main_param"] = list(shards.tensors)
+    inner = _inner_optimizer(shards)
+    for k in _inner_elementwise_names(shards):
+        out[f"inner.{k}"] = [inner.state[t][k] for t in shards.tensors]
     return out
 
 
-def restore_worker_local_state(shards_list, saved: list) -> None:
-    import torch
+def _adam_steps(shards: MainParamShards, keys: Dict[int, str]) -> Dict[str, float]:
+    inner = _inner_optimizer(shards)
+    out = {}
+    if inner is None:
+        return out
+    for t, p in zip(shards.tensors, shards.model_params):
+        step = inner.state.get(t, {}).get("step")
+        if step is not None:
+            out[keys[id(p)]] = float(step)
+    return out
 
-    if len(saved) != len(shards_list):
-        raise OuterStateLayoutError(f"checkpoint holds worker-local state for {len(saved)} optimizers, this run has "
-                                    f"{len(shards_list)}. Fix: resume with the same model and parallel layout")
-    for shards, entry in zip(shards_list, saved):
-        if [tuple(t.shape) for t in shards.tensors] != [tuple(t.shape) for t in entry["main"]]:
-            raise OuterStateLayoutError("checkpoint's worker-local main-param shards do not match this rank's. "
-                                        "Fix: resume with the same TP/PP/EP and intra-worker data-parallel size")
-        inner = getattr(shards.optimizer, "optimizer", None)
+
+# ---------------------------------------------------------------------------- sharded tensors
+def model_param_metadata(model_sharded_state_dict) -> Dict[int, object]:
+    """``{id(model param): its ShardedTensor / ShardedTensorFactory}`` from the model's sharded state dict."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict or {})
+    return {id(sh.data): sh for sh in nested_values(sharded)}
+
+
+def _metadata_of(metas: Dict[int, object], p: torch.Tensor, label: str):
+    try:
+        return metas[id(p)]
+    except KeyError:
+        raise ValueError(f"model param {label} is not in the model's sharded state dict (built without "
+                         "keep_vars=True?); the outer-loop checkpoint needs it to place the param's state") from None
+
+
+def _sharded_like(meta, key: str, data: torch.Tensor, group_rank: Optional[int]):
+    """``meta`` (the model param's sharding) re-keyed for ``data``; within the shard group only rank 0 is main."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    rid = meta.replica_id
+    if group_rank is not None:
+        rid = (*rid[:-1], group_rank) if isinstance(rid, tuple) else (rid if rid != 0 else group_rank)
+    kwargs = dict(key=key, data=data, replica_id=rid)
+    if isinstance(meta, ShardedTensor):
+        kwargs["dtype"] = data.dtype
+    out = replace(meta, **kwargs)
+    if isinstance(out, ShardedTensor):
+        out.validate_metadata_integrity()
+    return out
+
+
+def _key(worker: int, state: str, meta) -> str:
+    return f"{STATE_PREFIX}.worker{worker}.{state}.{meta.key}"
+
+
+def _agreed_states(shards: MainParamShards, mine: Dict[str, List[torch.Tensor]]) -> List[tuple]:
+    """(name, dtype) of every state, agreed across the shard group (a rank may hold no piece)."""
+    local = sorted((k, str(v[0].dtype)) for k, v in mine.items() if v)
+    group = shards.shard_group
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return local
+    gathered: List[Optional[list]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
+    union = sorted({tuple(x) for g in gathered for x in g})
+    names = [n for n, _ in union]
+    if len(set(names)) != len(names):
+        raise TypeError(f"ranks of a worker hold the same state in different dtypes: {union}")
+    return union
+
+
+def build_save_state(strategies_by_member, shards_list, worker: int, model_sharded_state_dict) -> Dict[str, dict]:
+    """Sharded tensors of every member's per-element state (collective within each shard group)."""
+    metas = model_param_metadata(model_sharded_state_dict)
+    out: Dict[str, dict] = {}
+    for mi, (shards, strategy) in enumerate(zip(shards_list, strategies_by_member)):
+        live = elementwise_state(shards, strategy)
+        group_rank = shard_group_rank(shards) if shards.shard_group is not None else None
+        member: Dict[str, dict] = {}
+        for name, dtype in _agreed_states(shards, live):
+            whole = assemble_whole_params(shards, live.get(name) or [], getattr(torch, dtype.replace("torch.", "")))
+            member[name] = {}
+            for j, p in enumerate(shards.all_model_params):
+                meta = _metadata_of(metas, p, f"#{j}")
+                member[name][f"p{j}"] = _sharded_like(meta, _key(worker, name, meta), whole[id(p)], group_rank)
+        out[f"m{mi}"] = member
+    return out
+
+
+def build_load_request(strategies_by_member, shards_list, worker: int, model_sharded_state_dict,
+                       saved: Optional[dict]) -> Dict[str, dict]:
+    """Empty sharded tensors for the whole params this rank holds pieces of (no communication)."""
+    metas = model_param_metadata(model_sharded_state_dict)
+    out: Dict[str, dict] = {}
+    for mi, (shards, strategy) in enumerate(zip(shards_list, strategies_by_member)):
+        live = elementwise_state(shards, strategy)
+        if saved is not None:
+            have = set(saved.get("states", {}).get(f"m{mi}", []))
+            missing = sorted(set(live) - have)
+            if missing:
+                raise OuterStateLayoutError(
+                    f"the checkpoint has no {missing} for optimizer {mi} (it holds {sorted(have)}). Fix: resume with "
+                    "the --sparseloco-* flags of the run that saved it (algorithm, outer momentum)")
+        member: Dict[str, dict] = {}
+        first = first_holders(shards)
+        split = shards.shard_group is not None
+        group_rank = shard_group_rank(shards)
+        for name, tensors in live.items():
+            member[name] = {}
+            for i, (p, t) in enumerate(zip(shards.model_params, tensors)):
+                meta = _metadata_of(metas, p, shards.names[i])
+                data = torch.empty(p.shape, dtype=t.dtype, device=t.device)
+                reader = (0 if first[i] else group_rank) if split else None
+                member[name][f"s{i}"] = _sharded_like(meta, _key(worker, name, meta), data, reader)
+        out[f"m{mi}"] = member
+    return out
+
+
+def restore_state(strategies_by_member, shards_list, loaded: Dict[str, dict]) -> None:
+    """Slice this rank's ranges out of the loaded whole params into the live state."""
+    for mi, (shards, strategy) in enumerate(zip(shards_list, strategies_by_member)):
+        live = elementwise_state(shards, strategy)
+        member = loaded[f"m{mi}"]
+        inner = _inner_optimizer(shards)
         with torch.no_grad():
-            for t, main, state in zip(shards.tensors, entry["main"], entry["state"]):
-                t.copy_(main)
-                if inner is None:
-                    continue
-                dst = inner.state[t]
-                for k, v in state.items():
-                    # Fresh tensors, never copy_ into what is there: megatron-core 0.19.2's load
-                    # (no Apex/TE) gives every param state the *same* ``step`` tensor, which
-                    # torch's foreach Adam then increments once per param per step.
-                    dst[k] = v.clone() if hasattr(v, "clone") else v
+            for name, tensors in live.items():
+                for i, ((start, end), t) in enumerate(zip(shards.ranges, tensors)):
+                    src = owned_piece(member[name][f"s{i}"], start, end)
+                    if name.startswith("inner.") and name != "inner.main_param":
+                        # Fresh tensors, never copy_ into what is there: megatron-core 0.19.2's load
+                        # (no Apex/TE) gives every param state the *same* tensor for some entries.
+                        inner.state[shards.tensors[i]][name[len("inner."):]] = src.clone().view(t.shape)
+                    else:
+                        t.view(-1).copy_(src)
+
+
+# ---------------------------------------------------------------------------- scalars
+def rank_record(shards_list, worker: int, worker_rank: int, worker_size: int, log, model_sharded_state_dict) -> dict:
+    metas = model_param_metadata(model_sharded_state_dict)
+    keys = {id(p): metas[id(p)].key for sh in shards_list for p in sh.model_params if id(p) in metas}
+    steps: Dict[str, float] = {}
+    for sh in shards_list:
+        steps.update(_adam_steps(sh, keys))
+    return {"worker": worker, "worker_rank": worker_rank, "worker_size": worker_size,
+            "bytes_sent": int(log.bytes_sent), "bytes_received": int(log.bytes_received), "adam_step": steps}
+
+
+def gather_rank_records(record: dict) -> Dict[str, dict]:
+    """Per worker: byte counters in worker-rank order and Adam steps by param key (one value when uniform)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    records = [record]
+    if world > 1:
+        records = [None] * world
+        dist.all_gather_object(records, record)
+    workers: Dict[str, dict] = {}
+    for r in sorted(records, key=lambda r: (r["worker"], r["worker_rank"])):
+        w = workers.setdefault(str(r["worker"]), {"bytes": [], "adam_step": {}})
+        w["bytes"].append([r["bytes_sent"], r["bytes_received"]])
+        w["adam_step"].update(r["adam_step"])
+    for w in workers.values():
+        values = set(w["adam_step"].values())
+        if len(values) == 1:
+            w["adam_step"] = {"*": values.pop()}
+    return workers
+
+
+def restore_scalars(shards_list, worker: int, worker_rank: int, worker_size: int, log, workers: Dict[str, dict],
+                    model_sharded_state_dict_keys: Dict[int, str]) -> None:
+    try:
+        entry = workers[str(worker)]
+    except KeyError:
+        raise OuterStateLayoutError(f"checkpoint has no scalars for worker {worker}. Fix: resume with the same "
+                                    "--sparseloco-workers") from None
+    if len(entry["bytes"]) == worker_size:
+        log.bytes_sent, log.bytes_received = (int(x) for x in entry["bytes"][worker_rank])
+    else:  # resharded: the worker's totals (what is logged) stay exact, kept on its first rank
+        totals = [sum(int(b[j]) for b in entry["bytes"]) for j in (0, 1)]
+        log.bytes_sent, log.bytes_received = totals if worker_rank == 0 else (0, 0)
+    steps = entry["adam_step"]
+    for sh in shards_list:
+        inner = _inner_optimizer(sh)
+        if inner is None:
+            continue
+        for t, p in zip(sh.tensors, sh.model_params):
+            key = model_sharded_state_dict_keys.get(id(p))
+            value = steps.get("*", steps.get(key))
+            if value is None:
+                if "step" in inner.state.get(t, {}):
+                    raise OuterStateLayoutError(f"checkpoint has no Adam step for {key}. Fix: resume with the same "
+                                                "model as the run that saved it")
+                continue
+            old = inner.state[t].get("step")
+            like = old if torch.is_tensor(old) else torch.tensor(0.0)
+            inner.state[t]["step"] = torch.tensor(value, dtype=like.dtype, device=like.device)
+
+
+def check_saved_metadata(saved: dict, num_workers: int, algorithms: List[str]) -> None:
+    """Fail before anything is read when the checkpoint's outer state cannot fit this run."""
+    version = saved.get("format")
+    if version != FORMAT_VERSION:
+        raise OuterStateLayoutError(f"checkpoint outer state has format {version!r}, this version reads "
+                                    f"{FORMAT_VERSION}. Fix: resume with the megatron_sparseloco that saved it")
+    if int(saved["num_workers"]) != num_workers:
+        raise OuterStateLayoutError(
+            f"checkpoint was saved by {saved['num_workers']} workers, this run has {num_workers}. Fix: resume with "
+            f"--sparseloco-workers {saved['num_workers']} (the intra-worker data-parallel size may change)")
+    if sorted(saved["algorithms"]) != sorted(algorithms):
+        raise OuterStateLayoutError(
+            f"checkpoint outer state is for {saved['algorithms']}, this run uses {algorithms}. Fix: resume with "
+            f"--sparseloco-algorithm {saved['algorithms'][0] if saved['algorithms'] else '?'}")

@@ -11,20 +11,29 @@ usual main → model copy and in-worker param all-gather spread it:
 
 The same shard index in every worker covers the same parameter elements (the layouts are
 identical), which is what makes a shard-wise outer step correct.
+
+Each shard also records its model parameter and the flat element range ``[start, end)`` of that
+parameter it holds, and the optimizer records every model parameter it shards and the group it
+shards them over: checkpoints use these to store the state in model space (whole parameters),
+which does not depend on how many ranks the worker has (``megatron.model_space``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 
 
 @dataclass
 class MainParamShards:
-    optimizer: object              # the megatron-core optimizer owning the tensors
-    tensors: List[torch.Tensor]    # fp32, this rank's elements
+    optimizer: object                      # the megatron-core optimizer owning the tensors
+    tensors: List[torch.Tensor]            # fp32, this rank's elements
     names: List[str]
+    model_params: List[torch.Tensor]       # the model parameter each tensor is a shard of
+    ranges: List[Tuple[int, int]]          # [start, end) of tensors[i] in model_params[i].view(-1)
+    all_model_params: List[torch.Tensor]   # every param the optimizer updates, same order on all its ranks
+    shard_group: Optional[object] = None   # ranks that split those params between them (None: not split)
 
 
 def _param_names(optimizer) -> dict:
@@ -48,8 +57,17 @@ def member_optimizers(optimizer) -> list:
 def main_param_shards(optimizer) -> MainParamShards:
     """The fp32 tensors ``optimizer`` (not chained) updates on this rank, with readable names."""
     names = _param_names(optimizer)
-    tensors: List[torch.Tensor] = []
-    labels: List[str] = []
+    out = MainParamShards(optimizer=optimizer, tensors=[], names=[], model_params=[], ranges=[], all_model_params=[])
+    distributed = hasattr(optimizer, "shard_fp32_from_float16_groups")
+
+    def owned_range(model_param, main) -> Tuple[int, int]:
+        if not distributed:
+            return 0, model_param.numel()
+        r = optimizer._get_model_param_range_map(model_param)["param"]
+        if r.end - r.start != main.numel():
+            raise AssertionError(f"{names.get(id(model_param), '?')}: shard of {main.numel()} elements but range "
+                                 f"[{r.start}, {r.end})")
+        return r.start, r.end
 
     def add(model_groups, main_groups):
         for model_group, main_group in zip(model_groups, main_groups):
@@ -58,18 +76,24 @@ def main_param_shards(optimizer) -> MainParamShards:
                     continue
                 if main.dtype != torch.float32:
                     raise TypeError(f"main param of {names.get(id(model_param), '?')} is {main.dtype}, expected fp32")
-                tensors.append(main)
-                labels.append(names.get(id(model_param), f"param{len(labels)}"))
+                out.tensors.append(main)
+                out.names.append(names.get(id(model_param), f"param{len(out.names)}"))
+                out.model_params.append(model_param)
+                out.ranges.append(owned_range(model_param, main))
 
-    if hasattr(optimizer, "shard_fp32_from_float16_groups"):          # DistributedOptimizer
+    if distributed:                                                    # DistributedOptimizer
         add(optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups)
         add(optimizer.model_fp32_groups, optimizer.shard_fp32_groups)
+        out.all_model_params = [p for buffer in optimizer.buffers for p in buffer.param_index_map]
+        out.shard_group = optimizer.data_parallel_group
     elif hasattr(optimizer, "fp32_from_float16_groups"):              # Float16OptimizerWithFloat16Params
         add(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
         add(optimizer.fp32_from_fp32_groups, optimizer.fp32_from_fp32_groups)
+        out.all_model_params = list(out.model_params)
     elif hasattr(optimizer, "optimizer"):                              # FP32Optimizer
         groups = [g["params"] for g in optimizer.optimizer.param_groups]
         add(groups, groups)
+        out.all_model_params = list(out.model_params)
     else:
         raise TypeError(f"cannot find main params in {type(optimizer).__name__}")
-    return MainParamShards(optimizer=optimizer, tensors=tensors, names=labels)
+    return out

@@ -28,14 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.megatron.checkpointing import (
-    OUTER_KEY,
-    capture_worker_local_state,
-    check_layout,
-    restore_worker_local_state,
-    ensure_adam_step_state,
-    outer_sharded_object,
-)
+from megatron_sparseloco.megatron import checkpointing as ckpt
 from megatron_sparseloco.megatron.consistency import DivergenceError, check_identical_across_workers
 from megatron_sparseloco.megatron.main_params import main_param_shards, member_optimizers
 from megatron_sparseloco.megatron.outer_group import OuterStepWatch, WorkerLostError, build_outer_group
@@ -100,8 +93,15 @@ class OuterLoopOptimizer:
             self.group = build_outer_group(base_group, self.config.outer_timeout_s)
         else:
             self.group = base_group
-        position = dist.get_rank(intra_worker_group()) if self.num_workers > 1 else 0
-        self.watch = OuterStepWatch(self.group if self.num_workers > 1 else None, position)
+        if self.num_workers > 1:
+            worker_ranks = intra_worker_group()
+            self.worker_rank, self.worker_size = dist.get_rank(worker_ranks), dist.get_world_size(worker_ranks)
+            self.worker_index = dist.get_rank(self.group)
+        else:
+            self.worker_rank = dist.get_rank() if dist.is_initialized() else 0
+            self.worker_size = dist.get_world_size() if dist.is_initialized() else 1
+            self.worker_index = 0
+        self.watch = OuterStepWatch(self.group if self.num_workers > 1 else None, self.worker_rank)
         self.inner_calls = 0
         self.log = OuterLog()
         self.members = [m for m in member_optimizers(optimizer) if not getattr(m, "is_stub_optimizer", False)]
@@ -110,8 +110,14 @@ class OuterLoopOptimizer:
             for shards in self.shards:
                 check_identical_across_workers(shards.tensors, self.group, what="initial parameters",
                                                fix="initialise every worker from the same seed / checkpoint")
-        self.strategies: List[OuterStrategy] = [
-            strategy_factory(s.tensors, self.group, s.names) for s in self.shards if s.tensors]
+        #: per member optimizer, its strategy (None where this rank holds none of its params)
+        self.strategy_of: List[Optional[OuterStrategy]] = [
+            strategy_factory(s.tensors, self.group, s.names) if s.tensors else None for s in self.shards]
+        self.strategies: List[OuterStrategy] = [s for s in self.strategy_of if s is not None]
+        # θ_outer is (re-)anchored on the params at the first step unless a checkpoint's outer
+        # state was loaded: Megatron may load params after building the optimizer (checkpoint
+        # without outer state, --no-load-optim, --finetune).
+        self._anchor_at_first_step = True
 
     # ------------------------------------------------------------------ the loop
     def is_outer_step_due(self) -> bool:
@@ -133,6 +139,10 @@ class OuterLoopOptimizer:
         still compute (and discard) gradients: this emulates slower hardware, it does not save
         compute.
         """
+        if self._anchor_at_first_step:
+            for s in self.strategies:
+                s.reset_anchor()
+            self._anchor_at_first_step = False
         if self.is_inner_step_active():
             result = self.optimizer.step()
         else:
@@ -197,22 +207,13 @@ class OuterLoopOptimizer:
         self.log.last = merged
 
     # ------------------------------------------------------------------ state
-    def outer_state_dict(self) -> dict:
-        """Outer state plus this worker's own params and inner-optimizer state (see ``checkpointing``)."""
-        return {"inner_calls": self.inner_calls, "outer_steps": self.log.outer_steps,
-                "bytes_sent": self.log.bytes_sent, "bytes_received": self.log.bytes_received,
-                "strategies": [s.state_dict() for s in self.strategies],
-                "worker_local": capture_worker_local_state(self.shards)}
-
-    def load_outer_state_dict(self, sd: dict) -> None:
-        if len(sd["strategies"]) != len(self.strategies):
-            raise ValueError(f"checkpoint has {len(sd['strategies'])} outer strategies, this run {len(self.strategies)}")
-        self.inner_calls = int(sd["inner_calls"])
-        self.log.outer_steps = int(sd["outer_steps"])
-        self.log.bytes_sent = int(sd["bytes_sent"])
-        self.log.bytes_received = int(sd["bytes_received"])
-        for s, ssd in zip(self.strategies, sd["strategies"]):
-            s.load_state_dict(ssd)
+    def checkpoint_metadata(self) -> dict:
+        """Job-wide outer-loop facts stored in Megatron's checkpoint content metadata."""
+        return {"format": ckpt.FORMAT_VERSION, "num_workers": self.num_workers,
+                "algorithms": sorted({s.name for s in self.strategies}),
+                "states": {f"m{i}": sorted(ckpt.elementwise_state(sh, st))
+                           for i, (sh, st) in enumerate(zip(self.shards, self.strategy_of))},
+                "inner_calls": self.inner_calls, "outer_steps": self.log.outer_steps}
 
     def state_dict(self):
         raise RuntimeError(
@@ -221,34 +222,63 @@ class OuterLoopOptimizer:
             "Fix: use --ckpt-format torch_dist")
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        if is_loading:
-            ensure_adam_step_state(self.members)
+        """The wrapped optimizer's sharded state plus the outer state (see ``checkpointing``).
+
+        ``metadata`` (Megatron's content metadata, passed by megatron.training): on save the
+        outer-loop facts are added to it; on load they are read from it, checked, and decide what
+        to request — nothing when the checkpoint has no outer state.
+        """
+        metadata = kwargs.get("metadata")
+        # Load: megatron-core needs a ``step`` in every Adam state; save: the model-space state needs
+        # the Adam moments to exist (a save before the first step stores fresh zeros).
+        ckpt.ensure_adam_step_state(self.members)
         sd = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         if not isinstance(sd, dict):
             raise TypeError(f"expected a dict from {type(self.optimizer).__name__}.sharded_state_dict, got {type(sd)}")
-        # For a load the object's content is replaced by what the checkpoint holds: no copies.
-        sd[OUTER_KEY] = outer_sharded_object({} if is_loading else self.outer_state_dict())
+        if is_loading:
+            saved = metadata.get(ckpt.METADATA_KEY) if isinstance(metadata, dict) else None
+            self._loading_metadata = saved
+            if saved is None and isinstance(metadata, dict):
+                return sd  # a checkpoint without outer state
+            if saved is not None:
+                ckpt.check_saved_metadata(saved, self.num_workers, sorted({s.name for s in self.strategies}))
+            sd[ckpt.OUTER_KEY] = {"tensors": ckpt.build_load_request(
+                self.strategy_of, self.shards, self.worker_index, model_sharded_state_dict, saved)}
+            self._param_keys = {pid: m.key for pid, m in ckpt.model_param_metadata(model_sharded_state_dict).items()}
+            return sd
+        if isinstance(metadata, dict):
+            metadata[ckpt.METADATA_KEY] = self.checkpoint_metadata()
+        record = ckpt.rank_record(self.shards, self.worker_index, self.worker_rank, self.worker_size, self.log,
+                                  model_sharded_state_dict)
+        sd[ckpt.OUTER_KEY] = {
+            "tensors": ckpt.build_save_state(self.strategy_of, self.shards, self.worker_index, model_sharded_state_dict),
+            "ranks": ckpt.gather_rank_records(record),
+            "scalars": self.checkpoint_metadata(),
+        }
         return sd
 
     def load_state_dict(self, state_dict):
-        outer = state_dict.pop(OUTER_KEY, None) if isinstance(state_dict, dict) else None
+        outer = state_dict.pop(ckpt.OUTER_KEY, None) if isinstance(state_dict, dict) else None
         # no_grad: megatron-core 0.19.2's DistributedOptimizer copies loaded values into fp32
         # main params that are views of model params (leaves requiring grad) in place.
         with torch.no_grad():
             self.optimizer.load_state_dict(state_dict)
         if outer is None:
-            # A checkpoint without outer state: continue from its params with fresh outer state.
-            for s in self.strategies:
-                s.reset_anchor()
-            logger.warning("checkpoint has no sparseloco outer state: θ_outer re-anchored on the loaded params, "
-                           "error feedback / outer momentum start from zero")
+            logger.warning("checkpoint has no sparseloco outer state: θ_outer is anchored on the loaded params at the "
+                           "first step, error feedback / outer momentum start from zero")
             return
-        check_layout(outer, self.strategies)
-        self.load_outer_state_dict(outer)
-        if "worker_local" in outer:
-            # Megatron loaded worker 0's params / moments into every worker: put each back.
-            restore_worker_local_state(self.shards, outer["worker_local"])
-            self._publish_main_params()
+        scalars = outer["scalars"]
+        self.inner_calls = int(scalars["inner_calls"])
+        self.log.outer_steps = int(scalars["outer_steps"])
+        for s in self.strategies:
+            s.outer_steps = self.log.outer_steps
+        # Megatron loaded worker 0's params / moments into every worker: put each worker's back,
+        # sliced for this rank's ranges (which may differ from the saving run's).
+        ckpt.restore_state(self.strategy_of, self.shards, outer["tensors"])
+        ckpt.restore_scalars(self.shards, self.worker_index, self.worker_rank, self.worker_size, self.log,
+                             outer["ranks"], self._param_keys)
+        self._anchor_at_first_step = False
+        self._publish_main_params()
 
     # ------------------------------------------------------------------ forwarding
     def __getattr__(self, name):

@@ -261,10 +261,14 @@ class OuterStrategy(abc.ABC):
         """Strategy-specific tensors (momentum, error feedback) by name."""
         return {}
 
+    def elementwise_state(self) -> Dict[str, torch.Tensor]:
+        """The live per-element state, each a flat vector over ``self.params`` (not copies):
+        θ_outer (``anchor``) and the strategy's buffers (error feedback, momentum)."""
+        return {"anchor": self.anchor, **self._extra_state()}
+
     def state_dict(self) -> dict:
-        sd = {"name": self.name, "outer_steps": self.outer_steps, "numel": self.params.numel,
-              "anchor": self.anchor.clone()}
-        for k, v in self._extra_state().items():
+        sd = {"name": self.name, "outer_steps": self.outer_steps, "numel": self.params.numel}
+        for k, v in self.elementwise_state().items():
             sd[k] = v.clone()
         return sd
 
