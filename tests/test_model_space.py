@@ -1,19 +1,20 @@
-"""megatron/model_space.py on 3 gloo ranks: whole params reassembled bit for bit from uneven
-per-rank ranges (a rank holding nothing of one param, one holding nothing at all), -0.0 and NaN
-payloads kept, bf16 state, and exactly one first holder per param."""
+"""megatron/model_space.py on 3 gloo ranks: whole params reassembled bit for bit on their owner
+(the holder of the first element) from uneven per-rank ranges (a param on one rank only, a rank
+holding nothing), -0.0 and NaN payloads kept, bf16 state; ranges that do not tile are refused."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from megatron_sparseloco.megatron.main_params import MainParamShards
-from megatron_sparseloco.megatron.model_space import assemble_whole_params, first_holders, owned_piece
+from megatron_sparseloco.megatron.model_space import gather_owned_whole_params, owned_piece, piece_table
 from megatron_sparseloco.testing.multirank import run_ranks
 
 SHAPES = [(4, 5), (7,), (3, 2)]
-# rank -> [(param index, start, end)]: param 0 split 0:8 / 8:20, param 1 on rank 1 only,
-# param 2 split 0:1 / 1:6; rank 2 holds nothing
-LAYOUT = {0: [(0, 0, 8), (2, 0, 1)], 1: [(0, 8, 20), (1, 0, 7), (2, 1, 6)], 2: []}
+# rank -> [(param index, start, end)]: param 0 split 0:8 (rank 1) / 8:20 (rank 0), param 1 on rank 1
+# only, param 2 split 0:1 (rank 0) / 1:6 (rank 1); rank 2 holds nothing
+LAYOUT = {0: [(0, 8, 20), (2, 0, 1)], 1: [(0, 0, 8), (1, 0, 7), (2, 1, 6)], 2: []}
+OWNER = {0: 1, 1: 1, 2: 0}
 
 
 def _reference(dtype):
@@ -37,37 +38,47 @@ def _fn(rank: int, world_size: int) -> dict:
                                  model_params=[params[i] for i, _, _ in mine], ranges=[(a, b) for _, a, b in mine],
                                  all_model_params=params, shard_group=group)
         pieces = [ref[i].reshape(-1)[a:b].clone() for i, a, b in mine]
-        whole = assemble_whole_params(shards, pieces, dtype)
-        out[str(dtype)] = [whole[id(p)].clone() for p in params]
-        # the inverse: each rank slices its range back out of the whole params
-        out[f"back {dtype}"] = all(torch.equal(owned_piece(whole[id(params[i])], a, b).view(torch.uint8),
-                                               piece.view(torch.uint8)) for (i, a, b), piece in zip(mine, pieces))
-    out["first"] = first_holders(shards)
+        table = piece_table(shards)
+        whole = gather_owned_whole_params(shards, table, pieces)
+        out[str(dtype)] = {j: t.clone() for j, t in whole.items()}
+        out["owners"] = {j: table.owner(j) for j in table.holders}
+    # pieces that leave a gap are refused on every rank
+    bad = [(i, a, b) for i, a, b in LAYOUT[rank] if not (i == 1)] + ([(1, 0, 6)] if rank == 1 else [])
+    shards = MainParamShards(optimizer=None, tensors=[], names=["x"] * len(bad), model_params=[params[i] for i, _, _ in bad],
+                             ranges=[(a, b) for _, a, b in bad], all_model_params=params, shard_group=group)
+    try:
+        piece_table(shards)
+        out["gap"] = None
+    except AssertionError as exc:
+        out["gap"] = str(exc)
     return out
 
 
-def test_whole_params_are_exact_bitwise_and_first_holders_unique():
+def test_whole_params_are_exact_bitwise_on_their_owner():
     res = run_ranks(_fn, world_size=3, timeout=90)
     for dtype in (torch.float32, torch.bfloat16):
         ref = _reference(dtype)
         for r in range(3):
             got = res[r][str(dtype)]
-            for p, (g, want) in enumerate(zip(got, ref)):
-                assert g.dtype == dtype and g.shape == want.shape
-                assert torch.equal(g.view(torch.uint8), want.view(torch.uint8)), (r, p, dtype)
-            assert res[r][f"back {dtype}"]
-        assert torch.signbit(res[0][str(dtype)][0].view(-1)[3]) and torch.isnan(res[2][str(dtype)][2].view(-1)[4])
-    # param 0: ranks 0, 1 -> rank 0 first; param 1: rank 1 only; param 2: ranks 0, 1 -> rank 0
-    assert res[0]["first"] == [True, True]
-    assert res[1]["first"] == [False, True, False]
-    assert res[2]["first"] == []
+            assert sorted(got) == sorted(j for j, o in OWNER.items() if o == r), (r, sorted(got))
+            for j, g in got.items():
+                assert g.dtype == dtype and g.shape == ref[j].shape
+                assert torch.equal(g.view(torch.uint8), ref[j].view(torch.uint8)), (r, j, dtype)
+        assert torch.signbit(res[1][str(dtype)][0].view(-1)[3]) and torch.isnan(res[0][str(dtype)][2].view(-1)[4])
+    for r in range(3):
+        assert res[r]["owners"] == OWNER
+        assert res[r]["gap"] is not None and "do not tile its 7 elements" in res[r]["gap"]
+
+
+def test_owned_piece_is_the_range():
+    whole = torch.arange(12.0).view(3, 4)
+    assert owned_piece(whole, 5, 9).tolist() == [5.0, 6.0, 7.0, 8.0]
 
 
 def test_mismatched_piece_is_refused():
     p = torch.nn.Parameter(torch.zeros(4))
     shards = MainParamShards(optimizer=None, tensors=[], names=["p"], model_params=[p], ranges=[(0, 2)],
                              all_model_params=[p], shard_group=None)
+    table = piece_table(shards)
     with pytest.raises(ValueError, match=r"range \[0, 2\)"):
-        assemble_whole_params(shards, [torch.zeros(3)], torch.float32)
-    with pytest.raises(ValueError, match="float32 expected"):
-        assemble_whole_params(shards, [torch.zeros(2, dtype=torch.bfloat16)], torch.float32)
+        gather_owned_whole_params(shards, table, [torch.zeros(3)])

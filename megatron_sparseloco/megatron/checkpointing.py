@@ -11,11 +11,11 @@ What a worker must keep across a restart, beyond what Megatron saves:
 
 Per-element state is stored in **model space** (``model_space``): one ``ShardedTensor`` per
 (worker, state, parameter), shaped and sharded like the model parameter, key
-``optimizer.sparseloco.worker{w}.{state}.{param key}``. Within a worker, the rank of its
-data-parallel group that is 0 writes it; on load every rank reads the whole parameters it holds a
-piece of and slices its range. So a checkpoint resumes with a different intra-worker
-data-parallel size (the per-element state lands on the new owners bit for bit); the worker count
-must stay the same.
+``optimizer.sparseloco.worker{w}.{state}.{param key}``. Within a worker, the rank holding a
+param's first element collects the other pieces and writes it (a parallel save, memory balanced);
+on load every rank reads the whole parameters it holds a piece of and slices its range. So a
+checkpoint resumes with a different intra-worker data-parallel size (the per-element state lands
+on the new owners bit for bit); the worker count must stay the same.
 
 Scalars: the job-wide ones and the layout facts go into Megatron's content metadata (key
 ``sparseloco``, read back before the load is planned, so a mismatched worker count or algorithm
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparseloco.megatron.main_params import MainParamShards
-from megatron_sparseloco.megatron.model_space import assemble_whole_params, first_holders, owned_piece, shard_group_rank
+from megatron_sparseloco.megatron.model_space import gather_owned_whole_params, owned_piece, piece_table
 
 OUTER_KEY = "sparseloco"            # in the optimizer's (sharded) state dict
 METADATA_KEY = "sparseloco"         # in Megatron's checkpoint content metadata
@@ -175,42 +175,34 @@ def _key(worker: int, state: str, meta) -> str:
     return f"{STATE_PREFIX}.worker{worker}.{state}.{meta.key}"
 
 
-def _agreed_states(shards: MainParamShards, mine: Dict[str, List[torch.Tensor]]) -> List[tuple]:
-    """(name, dtype) of every state, agreed across the shard group (a rank may hold no piece)."""
-    local = sorted((k, str(v[0].dtype)) for k, v in mine.items() if v)
-    group = shards.shard_group
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return local
-    gathered: List[Optional[list]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, local, group=group)
-    union = sorted({tuple(x) for g in gathered for x in g})
-    names = [n for n, _ in union]
-    if len(set(names)) != len(names):
-        raise TypeError(f"ranks of a worker hold the same state in different dtypes: {union}")
-    return union
-
-
 def build_save_state(strategies_by_member, shards_list, worker: int, model_sharded_state_dict) -> Dict[str, dict]:
-    """Sharded tensors of every member's per-element state (collective within each shard group)."""
+    """Sharded tensors of the whole params this rank owns, for every per-element state.
+
+    Point-to-point within each member's shard group (``model_space``); every rank writes what it owns.
+    """
     metas = model_param_metadata(model_sharded_state_dict)
     out: Dict[str, dict] = {}
     for mi, (shards, strategy) in enumerate(zip(shards_list, strategies_by_member)):
-        live = elementwise_state(shards, strategy)
-        group_rank = shard_group_rank(shards) if shards.shard_group is not None else None
+        table = piece_table(shards)
+        split = shards.shard_group is not None
         member: Dict[str, dict] = {}
-        for name, dtype in _agreed_states(shards, live):
-            whole = assemble_whole_params(shards, live.get(name) or [], getattr(torch, dtype.replace("torch.", "")))
+        for name, pieces in sorted(elementwise_state(shards, strategy).items()):
             member[name] = {}
-            for j, p in enumerate(shards.all_model_params):
-                meta = _metadata_of(metas, p, f"#{j}")
-                member[name][f"p{j}"] = _sharded_like(meta, _key(worker, name, meta), whole[id(p)], group_rank)
+            for j, whole in gather_owned_whole_params(shards, table, pieces).items():
+                meta = _metadata_of(metas, shards.all_model_params[j], f"#{j}")
+                # the only copy in the shard group: main replica there (0); other model-parallel
+                # replicas (a param replicated over TP) keep their model replica id
+                member[name][f"p{j}"] = _sharded_like(meta, _key(worker, name, meta), whole, 0 if split else None)
         out[f"m{mi}"] = member
     return out
 
 
 def build_load_request(strategies_by_member, shards_list, worker: int, model_sharded_state_dict,
                        saved: Optional[dict]) -> Dict[str, dict]:
-    """Empty sharded tensors for the whole params this rank holds pieces of (no communication)."""
+    """Empty sharded tensors for the whole params this rank holds pieces of.
+
+    dist_checkpointing wants one main reader per tensor: the param's owner (``model_space``).
+    """
     metas = model_param_metadata(model_sharded_state_dict)
     out: Dict[str, dict] = {}
     for mi, (shards, strategy) in enumerate(zip(shards_list, strategies_by_member)):
@@ -222,16 +214,16 @@ def build_load_request(strategies_by_member, shards_list, worker: int, model_sha
                 raise OuterStateLayoutError(
                     f"the checkpoint has no {missing} for optimizer {mi} (it holds {sorted(have)}). Fix: resume with "
                     "the --sparseloco-* flags of the run that saved it (algorithm, outer momentum)")
-        member: Dict[str, dict] = {}
-        first = first_holders(shards)
+        table = piece_table(shards)
+        index = {id(p): j for j, p in enumerate(shards.all_model_params)}
         split = shards.shard_group is not None
-        group_rank = shard_group_rank(shards)
+        member: Dict[str, dict] = {}
         for name, tensors in live.items():
             member[name] = {}
             for i, (p, t) in enumerate(zip(shards.model_params, tensors)):
                 meta = _metadata_of(metas, p, shards.names[i])
                 data = torch.empty(p.shape, dtype=t.dtype, device=t.device)
-                reader = (0 if first[i] else group_rank) if split else None
+                reader = (0 if table.owner(index[id(p)]) == table.me else table.me) if split else None
                 member[name][f"s{i}"] = _sharded_like(meta, _key(worker, name, meta), data, reader)
         out[f"m{mi}"] = member
     return out

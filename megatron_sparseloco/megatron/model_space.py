@@ -1,24 +1,26 @@
 """Per-element optimizer state in model space: whole parameters, not a rank's flat shard.
 
-A worker's distributed optimizer splits every parameter's elements between its data-parallel
-ranks; rank r holds the flat range ``[start_r, end_r)`` of parameter p (``MainParamShards.ranges``).
-Any per-element state that follows those shards — θ_outer, error feedback, outer momentum, the
-fp32 main params, Adam moments — is therefore laid out by the worker's data-parallel size. To
-store it independently of that size, we reassemble each state into whole parameters:
+A worker's distributed optimizer splits every parameter's elements between the ranks of its
+data-parallel group; rank r holds the flat range ``[start_r, end_r)`` of parameter p
+(``MainParamShards.ranges``). Any per-element state that follows those shards — θ_outer, error
+feedback, outer momentum, the fp32 main params, Adam moments — is therefore laid out by the
+worker's data-parallel size. To store it independently of that size we reassemble whole params:
 
-    full_p[start_r:end_r] = piece_r          for every rank r of the worker's shard group
+    owner(p) = the rank holding p's first element
+    whole_p[start_r:end_r] = piece_r         sent by every other holder r to owner(p)
 
-in one collective per (optimizer, state): every rank writes its pieces into a zero buffer over all
-the optimizer's parameters and the group sums the buffers *as bytes* (uint8). The ranges are
-disjoint and cover each parameter, so at every byte exactly one rank contributes a non-zero value
-and the sum is a bit-exact copy (no float rounding, −0.0 and NaN payloads kept).
+Only params that cross a shard boundary need messages (point-to-point, one batch per state);
+most params have a single holder. Each rank ends up with the whole params it owns — about its
+own share of the state, so memory stays balanced — and writes them: a parallel save. The copy is
+exact (no arithmetic), so −0.0, NaN payloads and every bit survive.
 
-Loading is the inverse and needs no communication: a rank reads the whole parameters it holds a
-piece of and slices ``full_p.view(-1)[start:end]`` — for whatever ranges the *new* layout gives it.
+Loading needs no communication: a rank reads the whole params it holds a piece of and slices
+``whole_p.view(-1)[start:end]`` — for whatever ranges the *new* layout gives it.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,32 +28,83 @@ import torch.distributed as dist
 from megatron_sparseloco.megatron.main_params import MainParamShards
 
 
-def assemble_whole_params(shards: MainParamShards, pieces: Sequence[torch.Tensor],
-                          dtype: torch.dtype) -> Dict[int, torch.Tensor]:
-    """``{id(model_param): whole tensor shaped like the param}`` for every param the optimizer updates.
+def _split(shards: MainParamShards) -> bool:
+    g = shards.shard_group
+    return g is not None and dist.is_initialized() and dist.get_world_size(g) > 1
 
-    ``pieces[i]`` holds this rank's elements ``shards.ranges[i]`` of ``shards.model_params[i]``
-    (any shape with that many elements, all ``dtype``; none when this rank holds no piece).
-    Collective over ``shards.shard_group``: every rank of the group calls it, with the same dtype.
+
+@dataclass
+class PieceTable:
+    """Which rank of the shard group holds which range of each param (index into ``all_model_params``)."""
+
+    holders: Dict[int, List[Tuple[int, int, int]]]   # param index -> [(group rank, start, end)] by start
+    me: int
+
+    def owner(self, j: int) -> int:
+        return self.holders[j][0][0]
+
+
+def piece_table(shards: MainParamShards) -> PieceTable:
+    """One small object all-gather within the shard group; checks that the pieces tile every param."""
+    index = {id(p): j for j, p in enumerate(shards.all_model_params)}
+    mine = [(index[id(p)], a, b) for p, (a, b) in zip(shards.model_params, shards.ranges)]
+    if not _split(shards):
+        return PieceTable({j: [(0, a, b)] for j, a, b in mine}, 0)
+    group = shards.shard_group
+    gathered: List[list] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
+    dist.all_gather_object(gathered, mine, group=group)
+    holders: Dict[int, List[Tuple[int, int, int]]] = {}
+    for r, entries in enumerate(gathered):
+        for j, a, b in entries:
+            holders.setdefault(j, []).append((r, a, b))
+    for j, hs in holders.items():
+        hs.sort(key=lambda h: h[1])
+        ends = [0] + [b for _, _, b in hs]
+        if [a for _, a, _ in hs] != ends[:-1] or ends[-1] != shards.all_model_params[j].numel():
+            raise AssertionError(f"param #{j}: the ranks' ranges {[(a, b) for _, a, b in hs]} do not tile "
+                                 f"its {shards.all_model_params[j].numel()} elements")
+    return PieceTable(holders, dist.get_rank(group))
+
+
+def gather_owned_whole_params(shards: MainParamShards, table: PieceTable,
+                              pieces: Sequence[torch.Tensor]) -> Dict[int, torch.Tensor]:
+    """``{param index: whole tensor}`` for the params this rank owns; the other holders send it their pieces.
+
+    ``pieces[i]`` holds this rank's elements ``shards.ranges[i]`` of ``shards.model_params[i]``.
+    Point-to-point within ``shards.shard_group``: every rank holding a piece of an owned-elsewhere
+    param must call it (with the same state) — i.e. all ranks of the group, in the same order.
     """
     if len(pieces) != len(shards.model_params):
         raise ValueError(f"{len(pieces)} pieces for {len(shards.model_params)} shards")
-    params = shards.all_model_params
-    offsets = [0]
-    for p in params:
-        offsets.append(offsets[-1] + p.numel())
-    where = {id(p): offsets[i] for i, p in enumerate(params)}
-    device = pieces[0].device if pieces else (params[0].device if params else torch.device("cpu"))
-    whole = torch.zeros(offsets[-1], dtype=dtype, device=device)
-    for p, (start, end), piece in zip(shards.model_params, shards.ranges, pieces):
-        if piece.dtype != dtype or piece.numel() != end - start:
-            raise ValueError(f"piece of {piece.numel()} {piece.dtype} for range [{start}, {end}) ({dtype} expected)")
-        base = where[id(p)]
-        whole[base + start:base + end].copy_(piece.reshape(-1))
+    index = {id(p): j for j, p in enumerate(shards.all_model_params)}
+    my_piece: Dict[int, torch.Tensor] = {}
+    for p, (a, b), piece in zip(shards.model_params, shards.ranges, pieces):
+        if piece.numel() != b - a:
+            raise ValueError(f"piece of {piece.numel()} elements for range [{a}, {b})")
+        my_piece[index[id(p)]] = piece.reshape(-1)
+    dtypes = {t.dtype for t in my_piece.values()}
+    if len(dtypes) > 1:
+        raise ValueError(f"pieces of one state in several dtypes: {sorted(map(str, dtypes))}")
     group = shards.shard_group
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(whole.view(torch.uint8), op=dist.ReduceOp.SUM, group=group)
-    return {id(p): whole[offsets[i]:offsets[i + 1]].view(p.shape) for i, p in enumerate(params)}
+    out: Dict[int, torch.Tensor] = {}
+    ops = []
+    for j in sorted(my_piece):
+        hs, p = table.holders[j], shards.all_model_params[j]
+        if table.owner(j) == table.me:
+            whole = torch.empty(p.numel(), dtype=my_piece[j].dtype, device=my_piece[j].device)
+            for r, a, b in hs:
+                if r == table.me:
+                    whole[a:b].copy_(my_piece[j])
+                else:
+                    ops.append(dist.P2POp(dist.irecv, whole[a:b], dist.get_global_rank(group, r), group))
+            out[j] = whole.view(p.shape)
+        else:
+            peer = dist.get_global_rank(group, table.owner(j))
+            ops.append(dist.P2POp(dist.isend, my_piece[j].contiguous(), peer, group))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    return out
 
 
 def owned_piece(whole: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -59,30 +112,4 @@ def owned_piece(whole: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return whole.reshape(-1)[start:end]
 
 
-def shard_group_rank(shards: MainParamShards) -> int:
-    group = shards.shard_group
-    if group is None or not dist.is_initialized():
-        return 0
-    return dist.get_rank(group)
-
-
-def first_holders(shards: MainParamShards) -> List[bool]:
-    """For each of this rank's shards: is this rank the lowest of its shard group holding a piece
-    of that param? (The one that counts as the main reader when the whole param is loaded;
-    dist_checkpointing wants exactly one.) One small object all-gather within the group."""
-    group = shards.shard_group
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [True] * len(shards.model_params)
-    index = {id(p): i for i, p in enumerate(shards.all_model_params)}
-    mine = [index[id(p)] for p in shards.model_params]
-    held: List[List[int]] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
-    dist.all_gather_object(held, mine, group=group)
-    first: Dict[int, int] = {}
-    for r, indices in enumerate(held):
-        for i in indices:
-            first.setdefault(i, r)
-    me = dist.get_rank(group)
-    return [first[i] == me for i in mine]
-
-
-__all__: List[str] = ["assemble_whole_params", "owned_piece", "shard_group_rank", "first_holders"]
+__all__: List[str] = ["PieceTable", "piece_table", "gather_owned_whole_params", "owned_piece"]
