@@ -118,6 +118,7 @@ class OuterLoopOptimizer:
         # state was loaded: Megatron may load params after building the optimizer (checkpoint
         # without outer state, --no-load-optim, --finetune).
         self._anchor_at_first_step = True
+        self._param_keys: Dict[int, str] = {}   # id(model param) -> checkpoint key, set when a load is planned
 
     # ------------------------------------------------------------------ the loop
     def is_outer_step_due(self) -> bool:
@@ -237,7 +238,6 @@ class OuterLoopOptimizer:
             raise TypeError(f"expected a dict from {type(self.optimizer).__name__}.sharded_state_dict, got {type(sd)}")
         if is_loading:
             saved = metadata.get(ckpt.METADATA_KEY) if isinstance(metadata, dict) else None
-            self._loading_metadata = saved
             if saved is None and isinstance(metadata, dict):
                 return sd  # a checkpoint without outer state
             if saved is not None:
