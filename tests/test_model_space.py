@@ -82,3 +82,15 @@ def test_mismatched_piece_is_refused():
     table = piece_table(shards)
     with pytest.raises(ValueError, match=r"range \[0, 2\)"):
         gather_owned_whole_params(shards, table, [torch.zeros(3)])
+
+
+@pytest.mark.parametrize("saved, match", [
+    ({"format": 1, "num_workers": 2, "algorithms": ["sparseloco"]}, "format 1"),
+    ({"format": 2, "num_workers": 4, "algorithms": ["sparseloco"]}, "--sparseloco-workers 4"),
+    ({"format": 2, "num_workers": 2, "algorithms": ["diloco"]}, "--sparseloco-algorithm diloco"),
+])
+def test_checkpoint_metadata_mismatch_names_the_flag(saved, match):
+    from megatron_sparseloco.megatron.checkpointing import OuterStateLayoutError, check_saved_metadata
+    with pytest.raises(OuterStateLayoutError, match=match):
+        check_saved_metadata(saved, num_workers=2, algorithms=["sparseloco"])
+    check_saved_metadata({"format": 2, "num_workers": 2, "algorithms": ["sparseloco"]}, 2, ["sparseloco"])
