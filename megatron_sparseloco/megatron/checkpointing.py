@@ -175,12 +175,12 @@ def _key(worker: int, state: str, meta) -> str:
     return f"{STATE_PREFIX}.worker{worker}.{state}.{meta.key}"
 
 
-def build_save_state(strategies_by_member, shards_list, worker: int, model_sharded_state_dict) -> Dict[str, dict]:
+def build_save_state(strategies_by_member, shards_list, worker: int, metas: Dict[int, object]) -> Dict[str, dict]:
     """Sharded tensors of the whole params this rank owns, for every per-element state.
 
-    Point-to-point within each member's shard group (``model_space``); every rank writes what it owns.
+    ``metas``: ``model_param_metadata`` of the model's sharded state dict. Point-to-point within
+    each member's shard group (``model_space``); every rank writes what it owns.
     """
-    metas = model_param_metadata(model_sharded_state_dict)
     out: Dict[str, dict] = {}
     for mi, (shards, strategy) in enumerate(zip(shards_list, strategies_by_member)):
         table = piece_table(shards)
@@ -197,13 +197,12 @@ def build_save_state(strategies_by_member, shards_list, worker: int, model_shard
     return out
 
 
-def build_load_request(strategies_by_member, shards_list, worker: int, model_sharded_state_dict,
+def build_load_request(strategies_by_member, shards_list, worker: int, metas: Dict[int, object],
                        saved: Optional[dict]) -> Dict[str, dict]:
     """Empty sharded tensors for the whole params this rank holds pieces of.
 
     dist_checkpointing wants one main reader per tensor: the param's owner (``model_space``).
     """
-    metas = model_param_metadata(model_sharded_state_dict)
     out: Dict[str, dict] = {}
     for mi, (shards, strategy) in enumerate(zip(shards_list, strategies_by_member)):
         live = elementwise_state(shards, strategy)
@@ -215,7 +214,6 @@ def build_load_request(strategies_by_member, shards_list, worker: int, model_sha
                     f"the checkpoint has no {missing} for optimizer {mi} (it holds {sorted(have)}). Fix: resume with "
                     "the --sparseloco-* flags of the run that saved it (algorithm, outer momentum)")
         table = piece_table(shards)
-        index = {id(p): j for j, p in enumerate(shards.all_model_params)}
         split = shards.shard_group is not None
         member: Dict[str, dict] = {}
         for name, tensors in live.items():
@@ -223,7 +221,7 @@ def build_load_request(strategies_by_member, shards_list, worker: int, model_sha
             for i, (p, t) in enumerate(zip(shards.model_params, tensors)):
                 meta = _metadata_of(metas, p, shards.names[i])
                 data = torch.empty(p.shape, dtype=t.dtype, device=t.device)
-                reader = (0 if table.owner(index[id(p)]) == table.me else table.me) if split else None
+                reader = (0 if table.owner_of(p) == table.me else table.me) if split else None
                 member[name][f"s{i}"] = _sharded_like(meta, _key(worker, name, meta), data, reader)
         out[f"m{mi}"] = member
     return out
@@ -248,9 +246,12 @@ def restore_state(strategies_by_member, shards_list, loaded: Dict[str, dict]) ->
 
 
 # ---------------------------------------------------------------------------- scalars
-def rank_record(shards_list, worker: int, worker_rank: int, worker_size: int, log, model_sharded_state_dict) -> dict:
-    metas = model_param_metadata(model_sharded_state_dict)
-    keys = {id(p): metas[id(p)].key for sh in shards_list for p in sh.model_params if id(p) in metas}
+def param_keys(metas: Dict[int, object]) -> Dict[int, str]:
+    """``{id(model param): its checkpoint key}`` (global across TP / PP / EP ranks)."""
+    return {pid: meta.key for pid, meta in metas.items()}
+
+
+def rank_record(shards_list, worker: int, worker_rank: int, worker_size: int, log, keys: Dict[int, str]) -> dict:
     steps: Dict[str, float] = {}
     for sh in shards_list:
         steps.update(_adam_steps(sh, keys))
@@ -278,7 +279,7 @@ def gather_rank_records(record: dict) -> Dict[str, dict]:
 
 
 def restore_scalars(shards_list, worker: int, worker_rank: int, worker_size: int, log, workers: Dict[str, dict],
-                    model_sharded_state_dict_keys: Dict[int, str]) -> None:
+                    keys: Dict[int, str]) -> None:
     try:
         entry = workers[str(worker)]
     except KeyError:
@@ -295,7 +296,7 @@ def restore_scalars(shards_list, worker: int, worker_rank: int, worker_size: int
         if inner is None:
             continue
         for t, p in zip(sh.tensors, sh.model_params):
-            key = model_sharded_state_dict_keys.get(id(p))
+            key = keys.get(id(p))
             value = steps.get("*", steps.get(key))
             if value is None:
                 if "step" in inner.state.get(t, {}):

@@ -39,9 +39,13 @@ class PieceTable:
 
     holders: Dict[int, List[Tuple[int, int, int]]]   # param index -> [(group rank, start, end)] by start
     me: int
+    index: Dict[int, int]                            # id(model param) -> param index
 
     def owner(self, j: int) -> int:
         return self.holders[j][0][0]
+
+    def owner_of(self, param: torch.Tensor) -> int:
+        return self.owner(self.index[id(param)])
 
 
 def piece_table(shards: MainParamShards) -> PieceTable:
@@ -49,7 +53,7 @@ def piece_table(shards: MainParamShards) -> PieceTable:
     index = {id(p): j for j, p in enumerate(shards.all_model_params)}
     mine = [(index[id(p)], a, b) for p, (a, b) in zip(shards.model_params, shards.ranges)]
     if not _split(shards):
-        return PieceTable({j: [(0, a, b)] for j, a, b in mine}, 0)
+        return PieceTable({j: [(0, a, b)] for j, a, b in mine}, 0, index)
     group = shards.shard_group
     gathered: List[list] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
     dist.all_gather_object(gathered, mine, group=group)
@@ -63,7 +67,7 @@ def piece_table(shards: MainParamShards) -> PieceTable:
         if [a for _, a, _ in hs] != ends[:-1] or ends[-1] != shards.all_model_params[j].numel():
             raise AssertionError(f"param #{j}: the ranks' ranges {[(a, b) for _, a, b in hs]} do not tile "
                                  f"its {shards.all_model_params[j].numel()} elements")
-    return PieceTable(holders, dist.get_rank(group))
+    return PieceTable(holders, dist.get_rank(group), index)
 
 
 def gather_owned_whole_params(shards: MainParamShards, table: PieceTable,
@@ -76,12 +80,11 @@ def gather_owned_whole_params(shards: MainParamShards, table: PieceTable,
     """
     if len(pieces) != len(shards.model_params):
         raise ValueError(f"{len(pieces)} pieces for {len(shards.model_params)} shards")
-    index = {id(p): j for j, p in enumerate(shards.all_model_params)}
     my_piece: Dict[int, torch.Tensor] = {}
     for p, (a, b), piece in zip(shards.model_params, shards.ranges, pieces):
         if piece.numel() != b - a:
             raise ValueError(f"piece of {piece.numel()} elements for range [{a}, {b})")
-        my_piece[index[id(p)]] = piece.reshape(-1)
+        my_piece[table.index[id(p)]] = piece.reshape(-1)
     dtypes = {t.dtype for t in my_piece.values()}
     if len(dtypes) > 1:
         raise ValueError(f"pieces of one state in several dtypes: {sorted(map(str, dtypes))}")

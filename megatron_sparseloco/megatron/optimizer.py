@@ -118,7 +118,7 @@ class OuterLoopOptimizer:
         # state was loaded: Megatron may load params after building the optimizer (checkpoint
         # without outer state, --no-load-optim, --finetune).
         self._anchor_at_first_step = True
-        self._param_keys: Dict[int, str] = {}   # id(model param) -> checkpoint key, set when a load is planned
+        self._param_keys: Dict[int, str] = {}   # id(model param) -> checkpoint key, set by sharded_state_dict
 
     # ------------------------------------------------------------------ the loop
     def is_outer_step_due(self) -> bool:
@@ -208,10 +208,13 @@ class OuterLoopOptimizer:
         self.log.last = merged
 
     # ------------------------------------------------------------------ state
+    @property
+    def algorithms(self) -> List[str]:
+        return sorted({s.name for s in self.strategies})
+
     def checkpoint_metadata(self) -> dict:
         """Job-wide outer-loop facts stored in Megatron's checkpoint content metadata."""
-        return {"format": ckpt.FORMAT_VERSION, "num_workers": self.num_workers,
-                "algorithms": sorted({s.name for s in self.strategies}),
+        return {"format": ckpt.FORMAT_VERSION, "num_workers": self.num_workers, "algorithms": self.algorithms,
                 "states": {f"m{i}": sorted(ckpt.elementwise_state(sh, st))
                            for i, (sh, st) in enumerate(zip(self.shards, self.strategy_of))},
                 "inner_calls": self.inner_calls, "outer_steps": self.log.outer_steps}
@@ -236,24 +239,26 @@ class OuterLoopOptimizer:
         sd = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         if not isinstance(sd, dict):
             raise TypeError(f"expected a dict from {type(self.optimizer).__name__}.sharded_state_dict, got {type(sd)}")
+        metas = ckpt.model_param_metadata(model_sharded_state_dict)
+        self._param_keys = ckpt.param_keys(metas)
         if is_loading:
             saved = metadata.get(ckpt.METADATA_KEY) if isinstance(metadata, dict) else None
             if saved is None and isinstance(metadata, dict):
                 return sd  # a checkpoint without outer state
             if saved is not None:
-                ckpt.check_saved_metadata(saved, self.num_workers, sorted({s.name for s in self.strategies}))
-            sd[ckpt.OUTER_KEY] = {"tensors": ckpt.build_load_request(
-                self.strategy_of, self.shards, self.worker_index, model_sharded_state_dict, saved)}
-            self._param_keys = {pid: m.key for pid, m in ckpt.model_param_metadata(model_sharded_state_dict).items()}
+                ckpt.check_saved_metadata(saved, self.num_workers, self.algorithms)
+            sd[ckpt.OUTER_KEY] = {"tensors": ckpt.build_load_request(self.strategy_of, self.shards, self.worker_index,
+                                                                     metas, saved)}
             return sd
+        facts = self.checkpoint_metadata()
         if isinstance(metadata, dict):
-            metadata[ckpt.METADATA_KEY] = self.checkpoint_metadata()
+            metadata[ckpt.METADATA_KEY] = facts
         record = ckpt.rank_record(self.shards, self.worker_index, self.worker_rank, self.worker_size, self.log,
-                                  model_sharded_state_dict)
+                                  self._param_keys)
         sd[ckpt.OUTER_KEY] = {
-            "tensors": ckpt.build_save_state(self.strategy_of, self.shards, self.worker_index, model_sharded_state_dict),
+            "tensors": ckpt.build_save_state(self.strategy_of, self.shards, self.worker_index, metas),
             "ranks": ckpt.gather_rank_records(record),
-            "scalars": self.checkpoint_metadata(),
+            "scalars": facts,
         }
         return sd
 

@@ -278,8 +278,7 @@ class OuterStrategy(abc.ABC):
         if int(sd["numel"]) != self.params.numel:
             raise ValueError(f"state dict covers {sd['numel']} elements, this rank owns {self.params.numel}")
         self.outer_steps = int(sd["outer_steps"])
-        self.anchor.copy_(sd["anchor"])
-        for k, v in self._extra_state().items():
+        for k, v in self.elementwise_state().items():
             if k not in sd:
                 raise ValueError(f"state dict lacks {k!r} for outer strategy {self.name!r}")
             v.copy_(sd[k])
