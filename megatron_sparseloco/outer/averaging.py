@@ -6,7 +6,7 @@ Computed through the pseudo-gradient, bucket by bucket:
 
 which equals mean_r θ_r mathematically (θ_outer − (1/W)Σ(θ_outer − θ_r) = (1/W)Σ θ_r) and differs
 from all-reducing θ itself only by fp32 rounding. We pick the Δ form because (a) it is exactly
-DiLoCo with lr = 1 and no momentum, so the two strategies share the communication code, and (b)
+DiLoCo with lr = 1 and no momentum, so both run ``dense_outer_step_`` (shared bucket loop), and (b)
 Δ is small compared with θ, so a bf16 wire format (``comm_dtype="bf16"``) loses far less than
 sending θ in bf16 would. No state besides the anchor.
 """
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron_sparseloco.comm.collectives import all_reduce_
 from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.registry import register_outer_strategy
+from megatron_sparseloco.outer.sgd import outer_sgd_
 
 #: wire formats of the dense all-reduce: name → torch dtype
 COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -53,6 +54,29 @@ def mean_pseudo_gradient_(strategy: OuterStrategy, start: int, end: int, work: t
     return work
 
 
+def dense_outer_step_(strategy: OuterStrategy, stats: OuterStepStats, comm_dtype: str, lr: float = 1.0,
+                      momentum: float = 0.0, nesterov: bool = False,
+                      momentum_buf: Optional[torch.Tensor] = None) -> None:
+    """All buckets: Δ̄ by all-reduce (``mean_pseudo_gradient_``), outer SGD on θ_outer, write back.
+
+    lr = 1 without momentum is model averaging (θ_outer ← θ_outer − Δ̄); DiLoCo passes its SGD
+    settings. Sets ``stats.delta_norm`` (‖Δ_local‖) and ``stats.update_norm`` (lr·‖u‖).
+    """
+    bucket = strategy.config.bucket_numel
+    work = torch.empty(min(bucket, strategy.params.numel), dtype=torch.float32, device=strategy.device)
+    delta_sq = torch.zeros((), dtype=torch.float64, device=strategy.device)
+    upd_sq = torch.zeros((), dtype=torch.float64, device=strategy.device)
+    for s, e in strategy.buckets():
+        mean_delta = mean_pseudo_gradient_(strategy, s, e, work[: e - s], comm_dtype, stats, delta_sq)
+        with strategy._timer(stats, "time_apply_s"):
+            mom = None if momentum_buf is None else momentum_buf[s:e]
+            update = outer_sgd_(strategy.anchor[s:e], mean_delta, mom, lr, momentum, nesterov)
+            upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
+            strategy.write_back(s, e)
+    stats.delta_norm = float(delta_sq.sqrt().item())
+    stats.update_norm = lr * float(upd_sq.sqrt().item())
+
+
 @dataclass
 class AveragingConfig(OuterConfig):
     """``comm_dtype``: wire format of Δ, "fp32" (exact up to summation order) or "bf16"."""
@@ -78,15 +102,4 @@ class ModelAveraging(OuterStrategy):
         self.check_group_layout()
 
     def _outer_step(self, stats: OuterStepStats) -> None:
-        cfg: AveragingConfig = self.config
-        work = torch.empty(min(cfg.bucket_numel, self.params.numel), dtype=torch.float32, device=self.device)
-        delta_sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        upd_sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for s, e in self.buckets():
-            mean_delta = mean_pseudo_gradient_(self, s, e, work[: e - s], cfg.comm_dtype, stats, delta_sq)
-            with self._timer(stats, "time_apply_s"):
-                self.anchor[s:e].sub_(mean_delta)
-                upd_sq += torch.linalg.vector_norm(mean_delta, dtype=torch.float64).square()
-                self.write_back(s, e)
-        stats.delta_norm = float(delta_sq.sqrt().item())
-        stats.update_norm = float(upd_sq.sqrt().item())
+        dense_outer_step_(self, stats, self.config.comm_dtype)  # lr 1, no momentum: θ_outer − Δ̄

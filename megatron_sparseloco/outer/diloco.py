@@ -22,10 +22,9 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.outer.averaging import check_comm_dtype, mean_pseudo_gradient_
+from megatron_sparseloco.outer.averaging import check_comm_dtype, dense_outer_step_
 from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.registry import register_outer_strategy
-from megatron_sparseloco.outer.sgd import outer_sgd_
 
 
 def check_outer_sgd(lr: float, momentum: float, nesterov: bool) -> None:
@@ -70,17 +69,6 @@ class DiLoCo(OuterStrategy):
 
     def _outer_step(self, stats: OuterStepStats) -> None:
         cfg: DiLoCoConfig = self.config
-        work = torch.empty(min(cfg.bucket_numel, self.params.numel), dtype=torch.float32, device=self.device)
-        delta_sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        upd_sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for s, e in self.buckets():
-            mean_delta = mean_pseudo_gradient_(self, s, e, work[: e - s], cfg.comm_dtype, stats, delta_sq)
-            with self._timer(stats, "time_apply_s"):
-                mom = None if self.momentum_buf is None else self.momentum_buf[s:e]
-                update = outer_sgd_(self.anchor[s:e], mean_delta, mom, cfg.lr, cfg.momentum, cfg.nesterov)
-                upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
-                self.write_back(s, e)
-        stats.delta_norm = float(delta_sq.sqrt().item())
-        stats.update_norm = cfg.lr * float(upd_sq.sqrt().item())
+        dense_outer_step_(self, stats, cfg.comm_dtype, cfg.lr, cfg.momentum, cfg.nesterov, self.momentum_buf)
         if self.momentum_buf is not None:
             stats.extra["momentum_norm"] = float(torch.linalg.vector_norm(self.momentum_buf).item())
