@@ -1,6 +1,7 @@
 # Shared pieces of the recipes in this folder. Sourced, never run.
 #
 # A recipe sets its model/training arrays and WORKERS/TP/PP/CP/EP, then calls
+#   sparseloco_gpu_training_args -> TRAINING_ARGS: the inner AdamW of the GPU recipes (below)
 #   sparseloco_args   -> fills SPARSELOCO_ARGS for ALGO (sparseloco | diloco | gasloc)
 #   sparseloco_launch -> prints or launches:
 #       PRINT_ARGS=1    print the pretrain arguments one per line and exit (no GPU, no torchrun)
@@ -61,6 +62,32 @@ sparseloco_args() {
             echo "error: ALGO=$ALGO; use ALGO=sparseloco, ALGO=diloco or ALGO=gasloc" >&2
             exit 2 ;;
     esac
+}
+
+# Inner optimiser of the GPU recipes (SparseLoCo reference): AdamW lr 1e-3 (DiLoCo baseline 8e-4,
+# INNER_LR overrides), betas (0.9, 0.95), wd 0.1, clip 1.0, 500 warm-up steps, cosine decay to 0.1x,
+# bf16, distributed optimizer with overlapped grad reduce / param gather. Reads MICRO_BATCH,
+# SEQ_PER_WORKER, WORKERS, TRAIN_ITERS; a recipe appends its own flags (recompute) to TRAINING_ARGS.
+sparseloco_gpu_training_args() {
+    if [[ "$ALGO" == diloco ]]; then INNER_LR=${INNER_LR:-8e-4}; else INNER_LR=${INNER_LR:-1e-3}; fi
+    TRAINING_ARGS=(
+        --micro-batch-size "$MICRO_BATCH"
+        --global-batch-size $((SEQ_PER_WORKER * WORKERS))
+        --train-iters "$TRAIN_ITERS"
+        --lr "$INNER_LR"
+        --min-lr "$(awk -v lr="$INNER_LR" 'BEGIN { printf "%g", lr / 10 }')"
+        --lr-decay-style cosine
+        --lr-warmup-iters 500
+        --weight-decay 0.1
+        --adam-beta1 0.9
+        --adam-beta2 0.95
+        --clip-grad 1.0
+        --init-method-std 0.02
+        --bf16
+        --use-distributed-optimizer
+        --overlap-grad-reduce
+        --overlap-param-gather
+    )
 }
 
 # What CPU + gloo needs (DESIGN.md section 3): no fused CUDA kernels (they come from Apex / TE),

@@ -38,24 +38,8 @@ GPT_MODEL_ARGS=(
     --hidden-dropout 0.0
 )
 
-if [[ "$ALGO" == diloco ]]; then INNER_LR=${INNER_LR:-8e-4}; else INNER_LR=${INNER_LR:-1e-3}; fi
-TRAINING_ARGS=(
-    --micro-batch-size "$MICRO_BATCH"
-    --global-batch-size $((SEQ_PER_WORKER * WORKERS))
-    --train-iters "$TRAIN_ITERS"
-    --lr "$INNER_LR"
-    --min-lr "$(awk -v lr="$INNER_LR" 'BEGIN { printf "%g", lr / 10 }')"
-    --lr-decay-style cosine
-    --lr-warmup-iters 500
-    --weight-decay 0.1
-    --adam-beta1 0.9
-    --adam-beta2 0.95
-    --clip-grad 1.0
-    --init-method-std 0.02
-    --bf16
-    --use-distributed-optimizer
-    --overlap-grad-reduce
-    --overlap-param-gather
+sparseloco_gpu_training_args
+TRAINING_ARGS+=(
     --recompute-granularity selective
 )
 
