@@ -6,7 +6,7 @@ whole trajectory in a plain single-process reference.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -126,3 +126,31 @@ def assert_ranks_identical(res: Sequence[Dict]) -> None:
             assert torch.equal(res[r]["params"][t], res[0]["params"][t]), f"step {t + 1}: rank {r} differs from rank 0"
             assert torch.equal(res[r]["anchor"][t], res[0]["anchor"][t])
         assert torch.equal(res[0]["params"][t], res[0]["anchor"][t]), "θ_local must equal θ_outer after a step"
+
+
+def gossip_reference(sc: dict, W: int, init_theta: Callable[[str, int], torch.Tensor],
+                     drift: Callable[[int, int], torch.Tensor]) -> List[torch.Tensor]:
+    """GASLoC anchors [W, N] after each round, float64, from the matrix form of the uncompressed update:
+
+        y = θ0 − η(θ0 − θ_local) ;   d ← γd + (M y − θ0) ;   θ0 ← θ0 + d
+
+    ``sc``: a scenario (``cfg`` with topology / proposal_lr / momentum / seed / mixing_weight, ``init``,
+    ``rounds``, ``drift``, optional ``nan`` = (worker, round) whose local progress is discarded).
+    """
+    from megatron_sparseloco.comm.topology import mixing_matrix
+
+    c = sc["cfg"]
+    eta, gamma = c.get("proposal_lr", 1.0), c.get("momentum", 0.9)
+    theta0 = torch.stack([init_theta(sc["init"], i) for i in range(W)]).double()
+    d = torch.zeros_like(theta0)
+    out = []
+    for r in range(sc["rounds"]):
+        local = theta0 - torch.stack([drift(i, r) for i in range(W)]).double() if sc["drift"] else theta0.clone()
+        if sc.get("nan") is not None and sc["nan"][1] == r:
+            local[sc["nan"][0]] = theta0[sc["nan"][0]]  # skip: that worker's local progress is discarded
+        y = theta0 - eta * (theta0 - local)
+        M = mixing_matrix(c["topology"], W, r, c.get("seed", 0), c.get("mixing_weight"))
+        d = gamma * d + (M @ y - theta0)
+        theta0 = theta0 + d
+        out.append(theta0.clone())
+    return out

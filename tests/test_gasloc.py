@@ -18,6 +18,7 @@ from megatron_sparseloco.comm.topology import consensus_rate, mixing_matrix, nei
 from megatron_sparseloco.outer.base import ConfigError, NonFiniteError
 from megatron_sparseloco.outer.gasloc import GASLoC, GASLoCConfig
 from megatron_sparseloco.testing.multirank import run_ranks
+from outer_testlib import gossip_reference
 
 SIZES = (7, 13)  # two tensors, 20 elements
 N = sum(SIZES)
@@ -112,22 +113,7 @@ def runs() -> Dict[str, Dict[int, dict]]:
 
 
 def reference(sc: dict, W: int) -> List[torch.Tensor]:
-    """Anchors [W, N] after each round, float64, from the matrix form of the update."""
-    c = sc["cfg"]
-    eta, gamma = c.get("proposal_lr", 1.0), c.get("momentum", 0.9)
-    theta0 = torch.stack([init_theta(sc["init"], i) for i in range(W)]).double()
-    d = torch.zeros_like(theta0)
-    out = []
-    for r in range(sc["rounds"]):
-        local = theta0 - torch.stack([drift(i, r) for i in range(W)]).double() if sc["drift"] else theta0.clone()
-        if sc.get("nan") is not None and sc["nan"][1] == r:
-            local[sc["nan"][0]] = theta0[sc["nan"][0]]  # skip: that worker's local progress is discarded
-        y = theta0 - eta * (theta0 - local)
-        M = mixing_matrix(c["topology"], W, r, c.get("seed", 0), c.get("mixing_weight"))
-        d = gamma * d + (M @ y - theta0)
-        theta0 = theta0 + d
-        out.append(theta0.clone())
-    return out
+    return gossip_reference(sc, W, init_theta, drift)
 
 
 def _anchors(rec: Dict[int, dict], r: int) -> torch.Tensor:

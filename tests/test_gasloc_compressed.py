@@ -14,11 +14,12 @@ from typing import Dict, List
 import pytest
 import torch
 
-from megatron_sparseloco.comm.topology import mixing_matrix, neighbours
+from megatron_sparseloco.comm.topology import neighbours
 from megatron_sparseloco.compress import CodecConfig, decode_dense, encode, payload_nbytes
 from megatron_sparseloco.outer.base import ConfigError, NonFiniteError
 from megatron_sparseloco.outer.gasloc import GASLoC, GASLoCConfig
 from megatron_sparseloco.testing.multirank import run_ranks
+from outer_testlib import gossip_reference
 
 SIZES = (5000, 11384)  # two tensors, 16384 elements = 4 chunks of 4096
 N = sum(SIZES)
@@ -148,19 +149,7 @@ def compressed_reference(sc: dict, W: int) -> List[torch.Tensor]:
 
 
 def uncompressed_reference(sc: dict, W: int) -> List[torch.Tensor]:
-    c = sc["cfg"]
-    eta, gamma = c.get("proposal_lr", 1.0), c.get("momentum", 0.9)
-    theta0 = torch.stack([init_theta(sc["init"], i) for i in range(W)]).double()
-    d = torch.zeros_like(theta0)
-    out = []
-    for r in range(sc["rounds"]):
-        local = theta0 - torch.stack([drift(i, r) for i in range(W)]).double()
-        y = theta0 - eta * (theta0 - local)
-        M = mixing_matrix(c["topology"], W, r, c.get("seed", 0), c.get("mixing_weight"))
-        d = gamma * d + (M @ y - theta0)
-        theta0 = theta0 + d
-        out.append(theta0.clone())
-    return out
+    return gossip_reference(sc, W, init_theta, drift)
 
 
 def _anchors(rec: List[dict], r: int) -> torch.Tensor:
