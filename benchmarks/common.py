@@ -158,8 +158,8 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
         from megatron_sparseloco.outer.registry import build_outer_strategy
         fields_ = strategy_fields(run)
 
-        def factory(params, group, names):
-            return build_outer_strategy(run.method, params, group, names=names, **fields_)
+        def factory(params, group, names, slices=None):
+            return build_outer_strategy(run.method, params, group, names=names, slices=slices, **fields_)
 
         outer = OuterLoopOptimizer(opt, ddp, factory, OuterLoopConfig(
             inner_steps=run.H, identical_across_workers=(run.method != "gasloc")))

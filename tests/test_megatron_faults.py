@@ -20,8 +20,8 @@ def _build(W, H, algorithm="diloco", timeout_s=None, check_interval=0, **fields)
     ddp, opt = wrap_ddp_and_optimizer(build_tiny_gpt(seq_len=SEQ, vocab=VOCAB), num_distributed_optimizer_instances=W)
     batches = synthetic_batches(3, MBS, SEQ, VOCAB, parallel_state.get_data_parallel_rank())
 
-    def factory(params, group, names):
-        return build_outer_strategy(algorithm, params, group, names=names, **fields)
+    def factory(params, group, names, slices=None):
+        return build_outer_strategy(algorithm, params, group, names=names, slices=slices, **fields)
 
     cfg = OuterLoopConfig(inner_steps=H, outer_timeout_s=timeout_s, consistency_check_interval=check_interval)
     return ddp, OuterLoopOptimizer(opt, ddp, factory, cfg), batches
@@ -94,7 +94,7 @@ def _identical_start_rank(rank, world):
             opt.chained_optimizers[0].shard_fp32_groups[0][0].add_(1.0) if hasattr(opt, "chained_optimizers") else \
                 opt.shard_fp32_groups[0][0].add_(1.0)
     try:
-        OuterLoopOptimizer(opt, ddp, lambda p, g, n: build_outer_strategy("average", p, g, names=n), OuterLoopConfig(inner_steps=2))
+        OuterLoopOptimizer(opt, ddp, lambda p, g, n, sl: build_outer_strategy("average", p, g, names=n, slices=sl), OuterLoopConfig(inner_steps=2))
     except DivergenceError as exc:
         return str(exc)
     return None

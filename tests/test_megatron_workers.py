@@ -36,8 +36,8 @@ def _wrap(opt, ddp, algorithm, H, **fields):
     from megatron_sparseloco.megatron.optimizer import OuterLoopConfig, OuterLoopOptimizer
     from megatron_sparseloco.outer.registry import build_outer_strategy
 
-    def factory(params, group, names):
-        return build_outer_strategy(algorithm, params, group, names=names, **fields)
+    def factory(params, group, names, slices=None):
+        return build_outer_strategy(algorithm, params, group, names=names, slices=slices, **fields)
 
     return OuterLoopOptimizer(opt, ddp, factory, OuterLoopConfig(inner_steps=H))
 
@@ -200,8 +200,8 @@ def _gasloc_rank(rank, world, rounds, H, active):
     from megatron_sparseloco.testing.megatron_harness import train_step
     ddp, opt, batches = _setup(1, 1, 1, False, world, lr=3e-3)
 
-    def factory(params, group, names):
-        return build_outer_strategy("gasloc", params, group, names=names, topology="ring", momentum=0.5)
+    def factory(params, group, names, slices=None):
+        return build_outer_strategy("gasloc", params, group, names=names, slices=slices, topology="ring", momentum=0.5)
 
     outer = OuterLoopOptimizer(opt, ddp, factory, OuterLoopConfig(
         inner_steps=H, active_inner_steps=active[rank], identical_across_workers=False))

@@ -1,4 +1,6 @@
-"""SparseLoCo on 1, 2 and 4 gloo ranks against a plain single-process reference of the same math."""
+"""SparseLoCo (flat chunking) on 1, 2 and 4 gloo ranks against a plain single-process reference.
+
+Per-tensor chunking (the default) has its own reference in test_outer_sparseloco_tensor.py."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +14,7 @@ from outer_testlib import SHAPES, assert_ranks_identical, drift, flat, make_para
 
 NUMEL = sum(torch.Size(s).numel() for s in SHAPES)  # 190
 STEPS = 4
-SMALL = dict(chunk=64, k=4, bucket_numel=150)  # bucket rounds down to 128: buckets [0,128) and [128,190)
+SMALL = dict(chunk=64, k=4, bucket_numel=150, chunking="flat")  # bucket rounds down to 128: buckets [0,128) and [128,190)
 
 CONFIGS = {
     "base": dict(SMALL),
@@ -22,9 +24,9 @@ CONFIGS = {
     "clip": dict(SMALL, peer_norm_clip=True),
     "bits4_groups": dict(SMALL, value_bits=4, quant_group_chunks=1, k=9),
     "entropy": dict(SMALL, index_coding="entropy"),
-    "defaults": dict(),
-    "dense_raw": dict(chunk=64, k=64, value_bits=32, bucket_numel=128),
-    "dense_q": dict(chunk=64, k=64, bucket_numel=128),
+    "defaults": dict(chunking="flat"),
+    "dense_raw": dict(chunk=64, k=64, value_bits=32, bucket_numel=128, chunking="flat"),
+    "dense_q": dict(chunk=64, k=64, bucket_numel=128, chunking="flat"),
 }
 
 
@@ -221,7 +223,7 @@ def test_nonfinite_skip_and_abort(runs):
 
 
 def test_bucket_rounding_and_memory_bound():
-    cfg = SparseLoCoConfig(chunk=64, k=4, bucket_numel=150).validate()
+    cfg = SparseLoCoConfig(chunk=64, k=4, bucket_numel=150, chunking="flat").validate()
     assert cfg.effective_bucket_numel == 128
     assert SparseLoCoConfig(chunk=64, k=4, bucket_numel=10).effective_bucket_numel == 64
     s = SparseLoCo(make_params(0), None, cfg)

@@ -84,17 +84,32 @@ def _group_ids(chunk_ids: torch.Tensor, cfg: CodecConfig) -> torch.Tensor:
     return chunk_ids // cfg.quant_group_chunks
 
 
-def encode(x: torch.Tensor, cfg: CodecConfig, name: str = "tensor") -> torch.Tensor:
-    """Sparsify, quantise and serialise ``x`` (any shape; fp32, bf16 or fp16) → 1-D uint8 on ``x.device``.
+@dataclass(frozen=True)
+class Body:
+    """The three data sections of one encoded tensor (everything but the header)."""
 
-    Raises :class:`NonFiniteInputError` naming ``name`` if ``x`` holds NaN/Inf (detected for free: a
-    non-finite |x| sorts above every finite value, so each chunk that holds one selects it).
-    """
-    cfg.validate()
+    layout: ChunkLayout
+    side: torch.Tensor  # uint8
+    values: torch.Tensor  # uint8
+    index: torch.Tensor  # uint8
+
+    @property
+    def nbytes(self) -> int:
+        return self.side.numel() + self.values.numel() + self.index.numel()
+
+    def parts(self) -> list[torch.Tensor]:
+        return [self.side, self.values, self.index]
+
+
+def _check_input(x, name: str) -> None:
     if not isinstance(x, torch.Tensor) or x.dtype not in DTYPE_IDS:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"encode({name!r}): expected a float32/bfloat16/float16 tensor, got {got}")
-    layout = _layout_for(x, cfg)
+
+
+def encode_body(x: torch.Tensor, cfg: CodecConfig, name: str = "tensor", layout: ChunkLayout | None = None) -> Body:
+    """Select, quantise and pack ``x`` under ``cfg`` (and ``layout``, default: from ``x``'s shape)."""
+    layout = _layout_for(x, cfg) if layout is None else layout
     x_flat = x.reshape(-1)
     dev = x.device
     n_valid, width = layout.chunk_valid_and_width(dev)
@@ -120,12 +135,24 @@ def encode(x: torch.Tensor, cfg: CodecConfig, name: str = "tensor") -> torch.Ten
     else:
         kept = layout.kept_counts(n_valid)
         index_bytes = entropy_index.encode_indices(sel.local, sel.chunk_ids, kept, layout.space)
+    return Body(layout, side_bytes, value_bytes, index_bytes)
 
+
+def encode(x: torch.Tensor, cfg: CodecConfig, name: str = "tensor") -> torch.Tensor:
+    """Sparsify, quantise and serialise ``x`` (any shape; fp32, bf16 or fp16) → 1-D uint8 on ``x.device``.
+
+    Raises :class:`NonFiniteInputError` naming ``name`` if ``x`` holds NaN/Inf (detected for free: a
+    non-finite |x| sorts above every finite value, so each chunk that holds one selects it).
+    """
+    cfg.validate()
+    _check_input(x, name)
+    body = encode_body(x, cfg, name)
+    layout = body.layout
     header = Header(
-        cfg, layout.kind, x.dtype, cfg.is_dense, layout.numel, layout.rows, layout.cols, index_bytes.numel()
+        cfg, layout.kind, x.dtype, cfg.is_dense, layout.numel, layout.rows, layout.cols, body.index.numel()
     ).pack()
-    head = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev)
-    return torch.cat([head, side_bytes, value_bytes, index_bytes])
+    head = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(x.device)
+    return torch.cat([head, *body.parts()])
 
 
 def _as_float32(section: torch.Tensor) -> torch.Tensor:
@@ -152,14 +179,7 @@ def decode(payload: torch.Tensor, device: torch.device | str | None = None) -> D
         else ChunkLayout.for_tensor(head.numel, cfg, (head.numel,) if head.geometry == "tile1d" else None)
     )
     side_len, value_len = fixed_sections_nbytes(layout, cfg)
-    if cfg.is_dense and head.index_bytes:
-        raise PayloadError(f"dense payload declares a {head.index_bytes}-byte index section; expected 0")
-    if not cfg.is_dense and cfg.index_coding == "packed":
-        want = packed_nbytes(layout.total_kept, packed_index_bits(layout))
-        if head.index_bytes != want:
-            raise PayloadError(
-                f"packed index section is declared as {head.index_bytes} bytes; {layout.total_kept} indices need {want}"
-            )
+    check_index_bytes(layout, cfg, head.index_bytes)
     total = HEADER_BYTES + side_len + value_len + head.index_bytes
     if payload.numel() != total:
         raise PayloadError(
@@ -167,7 +187,37 @@ def decode(payload: torch.Tensor, device: torch.device | str | None = None) -> D
             f"(header {HEADER_BYTES} + side {side_len} + values {value_len} + indices {head.index_bytes})"
             + ("; truncated?" if payload.numel() < total else "; trailing bytes?")
         )
-    side_at, values_at, index_at = HEADER_BYTES, HEADER_BYTES + side_len, HEADER_BYTES + side_len + value_len
+    global_index, values = decode_body(payload, HEADER_BYTES, layout, cfg, head.index_bytes)
+    return Decoded(head.numel, global_index, values, cfg)
+
+
+def body_nbytes(layout: ChunkLayout, cfg: CodecConfig, index_bytes: int) -> int:
+    side_len, value_len = fixed_sections_nbytes(layout, cfg)
+    return side_len + value_len + index_bytes
+
+
+def check_index_bytes(layout: ChunkLayout, cfg: CodecConfig, index_bytes: int) -> None:
+    """The declared index length must match what packed / dense coding implies."""
+    if cfg.is_dense and index_bytes:
+        raise PayloadError(f"dense payload declares a {index_bytes}-byte index section; expected 0")
+    if not cfg.is_dense and cfg.index_coding == "packed":
+        want = packed_nbytes(layout.total_kept, packed_index_bits(layout))
+        if index_bytes != want:
+            raise PayloadError(
+                f"packed index section is declared as {index_bytes} bytes; {layout.total_kept} indices need {want}"
+            )
+
+
+def decode_body(
+    payload: torch.Tensor, at: int, layout: ChunkLayout, cfg: CodecConfig, index_bytes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions in the tensor, fp32 values) of the body starting at byte ``at`` of ``payload``.
+
+    The caller has checked that ``payload`` holds the whole body (:func:`body_nbytes`).
+    """
+    dev = payload.device
+    side_len, value_len = fixed_sections_nbytes(layout, cfg)
+    side_at, values_at, index_at = at, at + side_len, at + side_len + value_len
     n_valid, width = layout.chunk_valid_and_width(dev)
     kept = layout.kept_counts(n_valid)
     n_kept = layout.total_kept
@@ -177,7 +227,7 @@ def decode(payload: torch.Tensor, device: torch.device | str | None = None) -> D
         chunk_ids, local, global_index = layout.all_positions(dev)
     else:
         chunk_ids = torch.repeat_interleave(torch.arange(layout.n_chunks, device=dev), kept)
-        index_section = payload[index_at:]
+        index_section = payload[index_at : index_at + index_bytes]
         if cfg.index_coding == "packed":
             local = unpack_bits(index_section, packed_index_bits(layout), n_kept)
             _check_strictly_increasing(local, chunk_ids)
@@ -185,10 +235,10 @@ def decode(payload: torch.Tensor, device: torch.device | str | None = None) -> D
             local = entropy_index.decode_indices(index_section, chunk_ids, kept, layout.space)
         bad = local >= n_valid[chunk_ids]
         if bool(bad.any()):
-            at = int(torch.nonzero(bad)[0])
+            at_bad = int(torch.nonzero(bad)[0])
             raise PayloadError(
-                f"payload index {int(local[at])} in chunk {int(chunk_ids[at])} is out of range "
-                f"(that chunk holds {int(n_valid[chunk_ids[at]])} elements)"
+                f"payload index {int(local[at_bad])} in chunk {int(chunk_ids[at_bad])} is out of range "
+                f"(that chunk holds {int(n_valid[chunk_ids[at_bad]])} elements)"
             )
         global_index = layout.compact_to_global(chunk_ids, local, width)
 
@@ -205,7 +255,7 @@ def decode(payload: torch.Tensor, device: torch.device | str | None = None) -> D
         values = raw.to(torch.float32)
         if not bool(torch.isfinite(values).all()):
             raise PayloadError("payload raw values hold NaN or Inf")
-    return Decoded(head.numel, global_index, values, cfg)
+    return global_index, values
 
 
 def _check_strictly_increasing(local: torch.Tensor, chunk_ids: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from megatron_sparseloco.compress.codec import Decoded, decode, encode
 from megatron_sparseloco.compress.config import CodecConfig
+from megatron_sparseloco.compress.segments import BucketPlan, decode_bucket, encode_bucket
 
 
 def error_feedback_step(
@@ -36,6 +37,23 @@ def error_feedback_step(
     flat.mul_(beta)
     flat.add_(delta.reshape(-1))
     payload = encode(error.view(delta.shape), cfg, name=name)
-    decoded = decode(payload)
+    return payload, _remove_sent(flat, decode(payload))
+
+
+def error_feedback_step_bucket(
+    error: torch.Tensor, delta: torch.Tensor, beta: float, plan: BucketPlan, name: str = "bucket"
+) -> tuple[torch.Tensor, Decoded]:
+    """The same EF step on a flat bucket encoded per tensor segment (:mod:`.segments`)."""
+    if error.dtype != torch.float32 or error.dim() != 1 or not error.is_contiguous() or error.shape != delta.shape:
+        raise ValueError(f"error_feedback_step_bucket({name!r}): error and delta must be 1-D contiguous fp32 "
+                         f"tensors of {plan.numel} elements")
+    error.mul_(beta)
+    error.add_(delta)
+    payload = encode_bucket(error, plan, name=name)
+    return payload, _remove_sent(error, decode_bucket(payload, plan))
+
+
+def _remove_sent(flat: torch.Tensor, decoded: Decoded) -> Decoded:
+    """``e[idx] ← e[idx] − value``: the error keeps exactly what was not sent."""
     flat[decoded.indices] = flat[decoded.indices] - decoded.values
-    return payload, decoded
+    return decoded

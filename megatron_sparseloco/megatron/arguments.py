@@ -24,6 +24,7 @@ INDEX_CODINGS = ("packed", "entropy")
 TOPOLOGIES = ("ring", "exponential", "random1", "random2", "complete")
 NONFINITE_POLICIES = ("skip", "abort")
 COMM_DTYPES = ("fp32", "bf16")
+CHUNKINGS = ("tensor", "flat")
 
 #: algorithm → (outer lr, outer momentum, nesterov); from the papers (DESIGN.md §1).
 ALGORITHM_DEFAULTS = {
@@ -43,6 +44,8 @@ FLAG_DEFAULTS = {
     "sparseloco_ef_decay": 0.95,
     "sparseloco_reduce": "contributors",
     "sparseloco_index_coding": "packed",
+    "sparseloco_chunking": "tensor",
+    "sparseloco_dense_1d": True,
     "sparseloco_bucket_size": 1 << 24,
     "sparseloco_diloco_comm_dtype": "fp32",
     "sparseloco_nonfinite_policy": "skip",
@@ -85,6 +88,13 @@ def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="Aggregate: mean over the workers that sent a coordinate (reference) or over all workers.")
     g.add_argument("--sparseloco-index-coding", choices=INDEX_CODINGS, default=None,
                    help="Index wire format: packed ceil(log2 C)-bit, or entropy-coded (Golomb-Rice).")
+    g.add_argument("--sparseloco-chunking", choices=CHUNKINGS, default=None,
+                   help="sparseloco only: 'tensor' (default, as the reference) compresses every parameter on its "
+                        "own (own quantiser, 64x64 tiles for 2-D weights); 'flat' chunks the shard's flat range "
+                        "across parameters with one quantiser per bucket (kept for comparison).")
+    g.add_argument("--sparseloco-dense-1d", action=argparse.BooleanOptionalAction, default=None,
+                   help="sparseloco with --sparseloco-chunking tensor: send 1-D tensors (norms, biases) whole, "
+                        "2-bit quantised (default on, as the reference); off: Top-k like the rest.")
     g.add_argument("--sparseloco-bucket-size", type=int, default=None,
                    help="Elements per outer-step bucket (bounds the outer step's extra memory).")
     g.add_argument("--sparseloco-diloco-comm-dtype", choices=COMM_DTYPES, default=None,
@@ -268,8 +278,12 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
             raise SparseLoCoArgumentError(
                 f"{', '.join(_flag(d) for d in stray)} only apply to the sparseloco codec, which {algo} "
                 f"does not use here. Fix: drop them" + (" or add --sparseloco-gossip-compress" if algo == "gasloc" else ""))
-    if algo != "sparseloco" and "sparseloco_reduce" in given:
-        _fail("sparseloco_reduce", f"only applies to sparseloco, not {algo}", "drop it")
+    for dest in ("sparseloco_reduce", "sparseloco_chunking", "sparseloco_dense_1d"):
+        if algo != "sparseloco" and dest in given:
+            _fail(dest, f"only applies to sparseloco, not {algo}", "drop it")
+    if args.sparseloco_chunking == "flat" and "sparseloco_dense_1d" in given:
+        _fail("sparseloco_dense_1d", "only applies to --sparseloco-chunking tensor (flat chunking does not see "
+              "tensors)", "drop it or use --sparseloco-chunking tensor")
     if args.sparseloco_chunk_size < 1:
         _fail("sparseloco_chunk_size", f"must be >= 1, got {args.sparseloco_chunk_size}", "use e.g. 4096")
     if not (1 <= args.sparseloco_topk <= args.sparseloco_chunk_size):

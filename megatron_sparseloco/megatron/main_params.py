@@ -24,6 +24,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from megatron_sparseloco.compress.segments import TensorSlice
+
 
 @dataclass
 class MainParamShards:
@@ -34,6 +36,10 @@ class MainParamShards:
     ranges: List[Tuple[int, int]]          # [start, end) of tensors[i] in model_params[i].view(-1)
     all_model_params: List[torch.Tensor]   # every param the optimizer updates, same order on all its ranks
     shard_group: Optional[object] = None   # ranks that split those params between them (None: not split)
+
+    def slices(self) -> List[TensorSlice]:
+        """What each tensor is a piece of: its model parameter's shape and the range held."""
+        return [TensorSlice(tuple(p.shape), s, e) for p, (s, e) in zip(self.model_params, self.ranges)]
 
 
 def _param_names(optimizer) -> dict:

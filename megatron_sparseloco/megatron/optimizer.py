@@ -42,8 +42,9 @@ from megatron_sparseloco.outer.base import NonFiniteError, OuterStepStats, Outer
 
 logger = logging.getLogger(__name__)
 
-#: (params, group, names) -> OuterStrategy
-StrategyFactory = Callable[[List[torch.Tensor], Optional[dist.ProcessGroup], List[str]], OuterStrategy]
+#: (params, group, names, slices) -> OuterStrategy; ``slices`` (``compress.segments.TensorSlice``,
+#: one per tensor) say which model parameter, of which shape, each fp32 shard is a piece of
+StrategyFactory = Callable[[List[torch.Tensor], Optional[dist.ProcessGroup], List[str], list], OuterStrategy]
 
 
 @dataclass
@@ -112,7 +113,7 @@ class OuterLoopOptimizer:
                                                fix="initialise every worker from the same seed / checkpoint")
         #: per member optimizer, its strategy (None where this rank holds none of its params)
         self.strategy_of: List[Optional[OuterStrategy]] = [
-            strategy_factory(s.tensors, self.group, s.names) if s.tensors else None for s in self.shards]
+            strategy_factory(s.tensors, self.group, s.names, s.slices()) if s.tensors else None for s in self.shards]
         self.strategies: List[OuterStrategy] = [s for s in self.strategy_of if s is not None]
         # θ_outer is (re-)anchored on the params at the first step unless a checkpoint's outer
         # state was loaded: Megatron may load params after building the optimizer (checkpoint

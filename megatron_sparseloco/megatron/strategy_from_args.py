@@ -23,6 +23,7 @@ def outer_config_fields(args: argparse.Namespace, worker_index: int = 0) -> Dict
              "value_bits": args.sparseloco_value_bits, "ef_beta": args.sparseloco_ef_decay}
     if algo == "sparseloco":
         return {**common, **codec, "index_coding": args.sparseloco_index_coding, "reduce": args.sparseloco_reduce,
+                "chunking": args.sparseloco_chunking, "dense_1d": args.sparseloco_dense_1d,
                 "lr": args.sparseloco_outer_lr, "momentum": args.sparseloco_outer_momentum,
                 "nesterov": args.sparseloco_outer_nesterov}
     if algo == "gasloc":
@@ -44,7 +45,7 @@ def inner_steps_for_worker(args: argparse.Namespace, worker_index: int) -> int:
 def strategy_factory_from_args(args: argparse.Namespace):
     fields = outer_config_fields(args)
 
-    def factory(params: List[torch.Tensor], group: Optional[dist.ProcessGroup], names: List[str]):
-        return build_outer_strategy(args.sparseloco_algorithm, params, group, names=names, **fields)
+    def factory(params: List[torch.Tensor], group: Optional[dist.ProcessGroup], names: List[str], slices=None):
+        return build_outer_strategy(args.sparseloco_algorithm, params, group, names=names, slices=slices, **fields)
 
     return factory

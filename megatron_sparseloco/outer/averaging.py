@@ -97,8 +97,8 @@ class ModelAveraging(OuterStrategy):
     config_class = AveragingConfig
 
     def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
-                 config: Optional[AveragingConfig] = None, names: Optional[Sequence[str]] = None):
-        super().__init__(params, group, config if config is not None else AveragingConfig(), names)
+                 config: Optional[AveragingConfig] = None, names: Optional[Sequence[str]] = None, slices=None):
+        super().__init__(params, group, config if config is not None else AveragingConfig(), names, slices)
         self.check_group_layout()
 
     def _outer_step(self, stats: OuterStepStats) -> None:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparseloco.comm.collectives import CommCounter, all_reduce_
+from megatron_sparseloco.compress.segments import TensorSlice
 
 NONFINITE_POLICIES = ("skip", "abort")
 
@@ -156,7 +157,8 @@ class OuterStrategy(abc.ABC):
     name: str = "base"
 
     def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
-                 config: OuterConfig, names: Optional[Sequence[str]] = None):
+                 config: OuterConfig, names: Optional[Sequence[str]] = None,
+                 slices: Optional[Sequence[TensorSlice]] = None):
         self.config = config.validate()
         if len(params) == 0:
             raise ConfigError("an outer strategy needs at least one parameter tensor")
@@ -165,6 +167,11 @@ class OuterStrategy(abc.ABC):
                 raise ConfigError(f"outer strategies work on fp32 tensors (main params); tensor {i} is {p.dtype}")
         self.params = FlatShards(params)
         self.names = list(names) if names is not None else [f"param{i}" for i in range(len(params))]
+        #: what each tensor is a piece of: the model parameter's shape and the element range held
+        #: (default: each tensor is a whole parameter of its own shape)
+        self.slices = list(slices) if slices is not None else [TensorSlice.whole(p) for p in params]
+        if len(self.slices) != len(params) or any(sl.numel != p.numel() for sl, p in zip(self.slices, params)):
+            raise ConfigError("slices must describe each parameter tensor (one TensorSlice of the same numel each)")
         self.group = group
         self.device = params[0].device
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1

@@ -25,14 +25,7 @@ import torch.distributed as dist
 from megatron_sparseloco.outer.averaging import check_comm_dtype, dense_outer_step_
 from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.registry import register_outer_strategy
-
-
-def check_outer_sgd(lr: float, momentum: float, nesterov: bool) -> None:
-    """Shared validation of the outer SGD fields (lr, momentum, nesterov)."""
-    OuterConfig._check_range("lr", lr, 0.0, float("inf"), lo_open=True, hi_open=True)
-    OuterConfig._check_range("momentum", momentum, 0.0, 1.0, hi_open=True)
-    if not isinstance(nesterov, bool):
-        raise ConfigError(f"nesterov must be True or False, got {nesterov!r}")
+from megatron_sparseloco.outer.sgd import check_outer_sgd
 
 
 @dataclass
@@ -57,8 +50,8 @@ class DiLoCo(OuterStrategy):
     config_class = DiLoCoConfig
 
     def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
-                 config: Optional[DiLoCoConfig] = None, names: Optional[Sequence[str]] = None):
-        super().__init__(params, group, config if config is not None else DiLoCoConfig(), names)
+                 config: Optional[DiLoCoConfig] = None, names: Optional[Sequence[str]] = None, slices=None):
+        super().__init__(params, group, config if config is not None else DiLoCoConfig(), names, slices)
         self.momentum_buf: Optional[torch.Tensor] = None
         if self.config.momentum != 0.0:
             self.momentum_buf = torch.zeros(self.params.numel, dtype=torch.float32, device=self.device)

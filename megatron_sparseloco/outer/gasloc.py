@@ -200,10 +200,10 @@ class GASLoC(OuterStrategy):
     config_class = GASLoCConfig
 
     def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
-                 config: GASLoCConfig, names: Optional[Sequence[str]] = None):
+                 config: GASLoCConfig, names: Optional[Sequence[str]] = None, slices=None):
         if not isinstance(config, GASLoCConfig):
             raise ConfigError(f"GASLoC needs a GASLoCConfig, got {type(config).__name__}")
-        super().__init__(params, group, config, names)
+        super().__init__(params, group, config, names, slices)
         self.momentum = torch.zeros_like(self.anchor)
         self._bad_name: Optional[str] = None
         # compressed mode: CHOCO public copies, allocated the first time a peer is met

@@ -84,7 +84,11 @@ def build_outer_config(name: str, **config_fields) -> OuterConfig:
 
 
 def build_outer_strategy(name: str, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
-                         names: Optional[Sequence[str]] = None, **config_fields) -> OuterStrategy:
-    """Construct strategy ``name`` on ``params`` with ``config_class(**config_fields)``."""
+                         names: Optional[Sequence[str]] = None, slices=None, **config_fields) -> OuterStrategy:
+    """Construct strategy ``name`` on ``params`` with ``config_class(**config_fields)``.
+
+    ``slices`` (optional): one ``compress.segments.TensorSlice`` per tensor, the model parameter
+    each is a piece of (per-tensor compression reads the shapes); default: whole tensors.
+    """
     config = build_outer_config(name, **config_fields)
-    return outer_strategy_class(name)(params, group, config, names=names)
+    return outer_strategy_class(name)(params, group, config, names=names, slices=slices)

@@ -18,6 +18,16 @@ from typing import Optional
 
 import torch
 
+from megatron_sparseloco.outer.base import ConfigError, OuterConfig
+
+
+def check_outer_sgd(lr: float, momentum: float, nesterov: bool) -> None:
+    """Shared validation of the outer SGD fields (lr, momentum, nesterov)."""
+    OuterConfig._check_range("lr", lr, 0.0, float("inf"), lo_open=True, hi_open=True)
+    OuterConfig._check_range("momentum", momentum, 0.0, 1.0, hi_open=True)
+    if not isinstance(nesterov, bool):
+        raise ConfigError(f"nesterov must be True or False, got {nesterov!r}")
+
 
 def outer_sgd_(anchor: torch.Tensor, grad: torch.Tensor, momentum_buf: Optional[torch.Tensor],
                lr: float, momentum: float, nesterov: bool) -> torch.Tensor:

@@ -24,7 +24,19 @@ min(1, median_w' ‖v_w'‖ / ‖v_w‖) (the lower median, ``torch.median``, of
 that bucket): an outlier peer cannot dominate the aggregate. Off by default. Note it is applied
 per bucket, so its effect depends on ``bucket_numel``.
 
-Buckets: ``bucket_numel`` is rounded down to a multiple of ``chunk`` (at least one chunk), so the
+Chunking (``chunking``):
+
+* ``"tensor"`` (default, as the reference code): every parameter slice of the shard is its own
+  codec tensor with its own quantiser — 2-D weights in ``t x t`` tiles (64x64 for C = 4096) when
+  the slice holds whole rows, flat chunks inside the tensor otherwise, 1-D tensors sent whole
+  (``dense_1d``). A bucket is a run of whole slices (a slice larger than ``bucket_numel`` is split
+  at tile-row / chunk boundaries) and travels as ONE payload with a segment table
+  (``compress.segments``): one collective per bucket whatever the number of tensors.
+* ``"flat"``: the shard's flat range is one codec tensor per bucket: chunks of C run across
+  parameter boundaries and one quantiser serves the whole bucket (``quant_group_chunks`` = g > 0:
+  one per g chunks). Kept for comparison; docs/codec.md "Why per tensor" says why it loses.
+
+Buckets (flat chunking): ``bucket_numel`` is rounded down to a multiple of ``chunk`` (at least one chunk), so the
 chunks of every bucket are exactly the chunks of the whole flat shard and only the shard's last
 chunk is ragged. Peak extra memory of a step: one dense fp32 bucket buffer, a uint8 (int32 when
 W > 255) count per bucket element, the W gathered payloads, and the decoded (index, value) lists
@@ -41,7 +53,7 @@ when μ > 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,17 +62,20 @@ from megatron_sparseloco.comm.collectives import all_gather_payloads
 from megatron_sparseloco.compress import (
     CodecConfig,
     CodecConfigError,
+    Decoded,
     decode,
     payload_nbytes,
 )
+from megatron_sparseloco.compress.error_feedback import error_feedback_step_bucket
 # Triton kernels on CUDA for the configurations they cover; the torch codec (identical bytes) otherwise.
 from megatron_sparseloco.compress.fast_path import error_feedback_step_fast as error_feedback_step
+from megatron_sparseloco.compress.segments import BucketPlan, bucket_payload_nbytes, decode_bucket, plan_buckets
 from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterStepStats, OuterStrategy
-from megatron_sparseloco.outer.diloco import check_outer_sgd
 from megatron_sparseloco.outer.registry import register_outer_strategy
-from megatron_sparseloco.outer.sgd import outer_sgd_
+from megatron_sparseloco.outer.sgd import check_outer_sgd, outer_sgd_
 
 REDUCE_MODES = ("contributors", "all")
+CHUNKINGS = ("tensor", "flat")
 
 
 @dataclass
@@ -69,7 +84,9 @@ class SparseLoCoConfig(OuterConfig):
     k: int = 64
     value_bits: int = 2
     index_coding: str = "packed"
-    quant_group_chunks: int = 0  # 0: one quantiser per bucket; g > 0: one per g chunks
+    chunking: str = "tensor"     # "tensor": per-tensor segments (reference); "flat": the shard's flat range
+    dense_1d: bool = True        # tensor chunking: 1-D tensors (norms, biases) sent whole
+    quant_group_chunks: int = 0  # flat chunking: 0 = one quantiser per bucket; g > 0: one per g chunks
     ef_beta: float = 0.95
     reduce: str = "contributors"
     lr: float = 1.0
@@ -78,6 +95,7 @@ class SparseLoCoConfig(OuterConfig):
     peer_norm_clip: bool = False
 
     def codec(self) -> CodecConfig:
+        """The flat codec (flat chunking), or the base the per-tensor segments derive theirs from."""
         return CodecConfig(chunk=self.chunk, k=self.k, value_bits=self.value_bits, index_coding=self.index_coding,
                            chunk_mode="flat", quant_group_chunks=self.quant_group_chunks)
 
@@ -87,6 +105,15 @@ class SparseLoCoConfig(OuterConfig):
             self.codec().validate()
         except CodecConfigError as exc:  # same field names here: keep the codec's message
             raise ConfigError(f"SparseLoCoConfig: {exc}") from exc
+        if self.chunking not in CHUNKINGS:
+            raise ConfigError(f"chunking must be one of {CHUNKINGS}, got {self.chunking!r}")
+        if not isinstance(self.dense_1d, bool):
+            raise ConfigError(f"dense_1d must be True or False, got {self.dense_1d!r}")
+        if self.chunking == "tensor" and self.quant_group_chunks != 0:
+            raise ConfigError("quant_group_chunks applies to chunking='flat' only (tensor chunking has one "
+                              "quantiser per tensor); set chunking='flat' or quant_group_chunks=0")
+        if self.chunking == "flat" and not self.dense_1d:
+            raise ConfigError("dense_1d=False applies to chunking='tensor' only (flat chunking does not see tensors)")
         self._check_range("ef_beta", self.ef_beta, 0.0, 1.0, hi_open=True)
         if self.reduce not in REDUCE_MODES:
             raise ConfigError(f"reduce must be one of {REDUCE_MODES}, got {self.reduce!r}")
@@ -97,7 +124,7 @@ class SparseLoCoConfig(OuterConfig):
 
     @property
     def effective_bucket_numel(self) -> int:
-        """``bucket_numel`` rounded down to a whole number of chunks (at least one chunk)."""
+        """Flat chunking: ``bucket_numel`` rounded down to a whole number of chunks (at least one chunk)."""
         return max(self.chunk, self.bucket_numel - self.bucket_numel % self.chunk)
 
 
@@ -109,10 +136,15 @@ class SparseLoCo(OuterStrategy):
     config_class = SparseLoCoConfig
 
     def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
-                 config: Optional[SparseLoCoConfig] = None, names: Optional[Sequence[str]] = None):
-        super().__init__(params, group, config if config is not None else SparseLoCoConfig(), names)
+                 config: Optional[SparseLoCoConfig] = None, names: Optional[Sequence[str]] = None,
+                 slices=None):
+        super().__init__(params, group, config if config is not None else SparseLoCoConfig(), names, slices)
         cfg: SparseLoCoConfig = self.config
         self.codec = cfg.codec()
+        #: tensor chunking: the buckets and their segments (None in flat chunking)
+        self.plans: Optional[List[BucketPlan]] = None
+        if cfg.chunking == "tensor":
+            self.plans = plan_buckets(self.slices, self.codec, cfg.bucket_numel, cfg.dense_1d, self.names)
         self.error = torch.zeros(self.params.numel, dtype=torch.float32, device=self.device)
         self.momentum_buf: Optional[torch.Tensor] = None
         if cfg.momentum != 0.0:
@@ -121,9 +153,21 @@ class SparseLoCo(OuterStrategy):
         self.check_group_layout()
 
     def buckets(self) -> Iterator[Tuple[int, int]]:
+        if self.plans is not None:
+            for plan in self.plans:
+                yield plan.start, plan.end
+            return
         n, b = self.params.numel, self.config.effective_bucket_numel
         for s in range(0, n, b):
             yield s, min(n, s + b)
+
+    def _bucket_plans(self) -> Iterator[Tuple[int, int, Optional[BucketPlan]]]:
+        if self.plans is not None:
+            for plan in self.plans:
+                yield plan.start, plan.end, plan
+        else:
+            for s, e in self.buckets():
+                yield s, e, None
 
     def _extra_state(self) -> Dict[str, torch.Tensor]:
         state = {"error_feedback": self.error}
@@ -136,60 +180,78 @@ class SparseLoCo(OuterStrategy):
         span = first if first == last else f"{first}..{last}"
         return f"{self.name} bucket [{s}:{e}) ({span})"
 
+    # ------------------------------------------------------------------ the three phases
+    def _compress(self, s: int, e: int, plan: Optional[BucketPlan], delta: torch.Tensor) -> Tuple[torch.Tensor, Decoded]:
+        """Δ into ``delta``, e ← βe + Δ, encode e, e ← e − decode(sent). Returns (payload, what was sent)."""
+        cfg: SparseLoCoConfig = self.config
+        err, name = self.error[s:e], self._bucket_name(s, e)
+        if plan is None:
+            payload, local = error_feedback_step(err, delta, cfg.ef_beta, self.codec, name)
+            expected = payload_nbytes(e - s, self.codec)
+        else:
+            payload, local = error_feedback_step_bucket(err, delta, cfg.ef_beta, plan, name)
+            expected = bucket_payload_nbytes(plan)
+        if cfg.index_coding == "packed" and payload.numel() != expected:
+            raise RuntimeError(f"{name}: codec produced {payload.numel()} bytes, the size formula promises {expected}")
+        return payload, local
+
+    def _apply(self, s: int, e: int, plan: Optional[BucketPlan], payloads: Sequence[torch.Tensor], local: Decoded,
+               agg: torch.Tensor, counts: torch.Tensor) -> Tuple[int, float, torch.Tensor]:
+        """Decode every payload, sparse sum / mean into ``agg``, outer SGD on θ_outer, write back.
+
+        Returns (elements chosen by at least one worker, smallest peer-clip scale, the update u).
+        """
+        cfg: SparseLoCoConfig = self.config
+        agg.zero_()
+        counts.zero_()
+        # our own payload was decoded by the EF step already (decode is deterministic)
+        decoded = (local if w == self.rank else self._decode(p, plan, w, s, e) for w, p in enumerate(payloads))
+        clip_min, scales = 1.0, None
+        if cfg.peer_norm_clip:
+            decoded = list(decoded)
+            norms = torch.stack([torch.linalg.vector_norm(d.values) for d in decoded])
+            scales = torch.clamp(norms.median() / norms.clamp_min(torch.finfo(torch.float32).tiny), max=1.0)
+            clip_min = float(scales.min().item())
+        for w, d in enumerate(decoded):
+            values = d.values if scales is None else d.values * scales[w]
+            agg.index_add_(0, d.indices, values)
+            counts.index_add_(0, d.indices, torch.ones_like(d.indices, dtype=self.count_dtype))
+        kept_union = int(torch.count_nonzero(counts).item())
+        if cfg.reduce == "contributors":
+            agg.div_(counts.clamp_min(1))
+        elif self.world_size > 1:
+            agg.div_(self.world_size)
+        mom = None if self.momentum_buf is None else self.momentum_buf[s:e]
+        update = outer_sgd_(self.anchor[s:e], agg, mom, cfg.lr, cfg.momentum, cfg.nesterov)
+        self.write_back(s, e)
+        return kept_union, clip_min, update
+
     def _outer_step(self, stats: OuterStepStats) -> None:
         cfg: SparseLoCoConfig = self.config
-        W = self.world_size
         packed = cfg.index_coding == "packed"
-        work = torch.empty(min(cfg.effective_bucket_numel, self.params.numel), dtype=torch.float32,
-                           device=self.device)
-        counts_buf = torch.empty(work.numel(), dtype=self.count_dtype, device=self.device)
+        largest = max(e - s for s, e in self.buckets())
+        work = torch.empty(largest, dtype=torch.float32, device=self.device)
+        counts_buf = torch.empty(largest, dtype=self.count_dtype, device=self.device)
         f64 = dict(dtype=torch.float64, device=self.device)
         delta_sq, error_sq, upd_sq = torch.zeros((), **f64), torch.zeros((), **f64), torch.zeros((), **f64)
         kept_local = kept_union = payload_bytes = 0
         clip_min = 1.0
-        for s, e in self.buckets():
+        for s, e, plan in self._bucket_plans():
             n = e - s
-            delta, err = work[:n], self.error[s:e]
-            # ---- compress: Δ, error feedback, encode
             with self._timer(stats, "time_compress_s"):
-                self.pseudo_gradient(s, e, out=delta)
+                delta = self.pseudo_gradient(s, e, out=work[:n])
                 delta_sq += torch.linalg.vector_norm(delta, dtype=torch.float64).square()
-                payload, local = error_feedback_step(err, delta, cfg.ef_beta, self.codec, self._bucket_name(s, e))
-                if packed and payload.numel() != payload_nbytes(n, self.codec):
-                    raise RuntimeError(f"{self._bucket_name(s, e)}: codec produced {payload.numel()} bytes, "
-                                       f"payload_nbytes promises {payload_nbytes(n, self.codec)}")
-                error_sq += torch.linalg.vector_norm(err, dtype=torch.float64).square()
+                payload, local = self._compress(s, e, plan, delta)
+                error_sq += torch.linalg.vector_norm(self.error[s:e], dtype=torch.float64).square()
                 kept_local += int(local.indices.numel())
                 payload_bytes += int(payload.numel())
-            # ---- communicate
             with self._timer(stats, "time_communicate_s"):
                 payloads = all_gather_payloads(payload, self.group, self.counter, equal_sizes=packed)
-            # ---- apply: decode all, sparse sum, mean, SGD, write back
             with self._timer(stats, "time_apply_s"):
-                agg, counts = work[:n].zero_(), counts_buf[:n].zero_()
-                # our own payload was decoded by the EF step already (decode is deterministic)
-                decoded = (local if w == self.rank else self._decode(p, n, w, s, e)
-                           for w, p in enumerate(payloads))
-                if cfg.peer_norm_clip:
-                    decoded = list(decoded)
-                    norms = torch.stack([torch.linalg.vector_norm(d.values) for d in decoded])
-                    scales = torch.clamp(norms.median() / norms.clamp_min(torch.finfo(torch.float32).tiny), max=1.0)
-                    clip_min = min(clip_min, float(scales.min().item()))
-                else:
-                    scales = None
-                for w, d in enumerate(decoded):
-                    values = d.values if scales is None else d.values * scales[w]
-                    agg.index_add_(0, d.indices, values)
-                    counts.index_add_(0, d.indices, torch.ones_like(d.indices, dtype=self.count_dtype))
-                kept_union += int(torch.count_nonzero(counts).item())
-                if cfg.reduce == "contributors":
-                    agg.div_(counts.clamp_min(1))
-                elif W > 1:
-                    agg.div_(W)
-                mom = None if self.momentum_buf is None else self.momentum_buf[s:e]
-                update = outer_sgd_(self.anchor[s:e], agg, mom, cfg.lr, cfg.momentum, cfg.nesterov)
+                union, clip, update = self._apply(s, e, plan, payloads, local, work[:n], counts_buf[:n])
+                kept_union += union
+                clip_min = min(clip_min, clip)
                 upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
-                self.write_back(s, e)
         numel = self.params.numel
         stats.delta_norm = float(delta_sq.sqrt().item())
         stats.error_norm = float(error_sq.sqrt().item())
@@ -203,9 +265,14 @@ class SparseLoCo(OuterStrategy):
         if cfg.peer_norm_clip:
             stats.extra["peer_clip_scale_min"] = clip_min
 
-    def _decode(self, payload: torch.Tensor, n: int, worker: int, s: int, e: int):
+    def _decode(self, payload: torch.Tensor, plan: Optional[BucketPlan], worker: int, s: int, e: int) -> Decoded:
+        if plan is not None:
+            try:
+                return decode_bucket(payload, plan, device=self.device)
+            except ValueError as exc:
+                raise type(exc)(f"{self._bucket_name(s, e)}: payload of worker {worker}: {exc}") from exc
         d = decode(payload, device=self.device)
-        if d.numel != n:
+        if d.numel != e - s:
             raise RuntimeError(f"{self._bucket_name(s, e)}: worker {worker} sent a payload for {d.numel} elements, "
-                               f"expected {n}; the outer group's shards do not line up")
+                               f"expected {e - s}; the outer group's shards do not line up")
         return d
