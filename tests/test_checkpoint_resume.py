@@ -74,6 +74,12 @@ def test_resume_mid_inner_loop_is_bitwise_identical(tmp_path):
         assert ra["main_params_fingerprint"] == rb["main_params_fingerprint"]
         assert ra["bytes_sent"] == rb["bytes_sent"]
 
+    # C: the state was saved with per-tensor chunking (the default); a flat-chunking resume is refused
+    res_c, _ = _run(tmp_path, data, "c", ["--load", str(ckpt_b), "--sparseloco-chunking", "flat"], expect_ok=False)
+    log_c = "\n".join(res_c["log_lines"])
+    assert res_c["returncode"] != 0
+    assert "--sparseloco-chunking tensor" in log_c and "--no-load-optim" in log_c, log_c[-3000:]
+
 
 def test_megatron_workarounds_still_needed():
     """Fails when a megatron-core upgrade fixes what checkpointing.py works around (then drop them)."""

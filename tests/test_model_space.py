@@ -94,3 +94,21 @@ def test_checkpoint_metadata_mismatch_names_the_flag(saved, match):
     with pytest.raises(OuterStateLayoutError, match=match):
         check_saved_metadata(saved, num_workers=2, algorithms=["sparseloco"])
     check_saved_metadata({"format": 2, "num_workers": 2, "algorithms": ["sparseloco"]}, 2, ["sparseloco"])
+
+
+TENSOR = {"chunking": {"value": "tensor", "flag": "--sparseloco-chunking"}}
+
+
+@pytest.mark.parametrize("saved_facts, match", [
+    ({"chunking": {"value": "flat", "flag": "--sparseloco-chunking"}}, "--sparseloco-chunking flat"),
+    (None, "--sparseloco-chunking flat"),  # written before chunking was recorded: those chunked flat
+])
+def test_checkpoint_chunking_mismatch_names_the_flag(saved_facts, match):
+    from megatron_sparseloco.megatron.checkpointing import OuterStateLayoutError, check_saved_metadata
+    saved = {"format": 2, "num_workers": 2, "algorithms": ["sparseloco"]}
+    if saved_facts is not None:
+        saved["facts"] = saved_facts
+    with pytest.raises(OuterStateLayoutError, match=match) as err:
+        check_saved_metadata(saved, 2, ["sparseloco"], TENSOR)
+    assert "--no-load-optim" in str(err.value)
+    check_saved_metadata(dict(saved, facts=TENSOR), 2, ["sparseloco"], TENSOR)

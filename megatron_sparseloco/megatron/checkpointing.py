@@ -308,7 +308,11 @@ def restore_scalars(shards_list, worker: int, worker_rank: int, worker_size: int
             inner.state[t]["step"] = torch.tensor(value, dtype=like.dtype, device=like.device)
 
 
-def check_saved_metadata(saved: dict, num_workers: int, algorithms: List[str]) -> None:
+#: facts of checkpoints written before a fact existed (SparseLoCo chunked flat until per-tensor chunking)
+FACTS_BEFORE_RECORDED = {"chunking": "flat"}
+
+
+def check_saved_metadata(saved: dict, num_workers: int, algorithms: List[str], facts: Optional[dict] = None) -> None:
     """Fail before anything is read when the checkpoint's outer state cannot fit this run."""
     version = saved.get("format")
     if version != FORMAT_VERSION:
@@ -322,3 +326,11 @@ def check_saved_metadata(saved: dict, num_workers: int, algorithms: List[str]) -
         raise OuterStateLayoutError(
             f"checkpoint outer state is for {saved['algorithms']}, this run uses {algorithms}. Fix: resume with "
             f"--sparseloco-algorithm {saved['algorithms'][0] if saved['algorithms'] else '?'}")
+    saved_facts = saved.get("facts", {})
+    for key, now in (facts or {}).items():
+        was = saved_facts.get(key, {}).get("value", FACTS_BEFORE_RECORDED.get(key))
+        if was is not None and was != now["value"]:
+            raise OuterStateLayoutError(
+                f"checkpoint outer state was saved with {now['flag']} {was}, this run uses {now['value']} (the "
+                f"saved state means something else there). Fix: resume with {now['flag']} {was}, or start the "
+                "outer state afresh with --no-load-optim")

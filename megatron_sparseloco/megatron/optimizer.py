@@ -218,7 +218,16 @@ class OuterLoopOptimizer:
         return {"format": ckpt.FORMAT_VERSION, "num_workers": self.num_workers, "algorithms": self.algorithms,
                 "states": {f"m{i}": sorted(ckpt.elementwise_state(sh, st))
                            for i, (sh, st) in enumerate(zip(self.shards, self.strategy_of))},
-                "inner_calls": self.inner_calls, "outer_steps": self.log.outer_steps}
+                "inner_calls": self.inner_calls, "outer_steps": self.log.outer_steps,
+                "facts": self.checkpoint_facts()}
+
+    def checkpoint_facts(self) -> dict:
+        """The strategies' settings a resume must keep (e.g. SparseLoCo's chunking), with their flags."""
+        facts = {}
+        for s in self.strategies:
+            for key, value in s.checkpoint_facts().items():
+                facts[key] = {"value": value, "flag": s.checkpoint_fact_flags[key]}
+        return facts
 
     def state_dict(self):
         raise RuntimeError(
@@ -247,7 +256,7 @@ class OuterLoopOptimizer:
             if saved is None and isinstance(metadata, dict):
                 return sd  # a checkpoint without outer state
             if saved is not None:
-                ckpt.check_saved_metadata(saved, self.num_workers, self.algorithms)
+                ckpt.check_saved_metadata(saved, self.num_workers, self.algorithms, self.checkpoint_facts())
             sd[ckpt.OUTER_KEY] = {"tensors": ckpt.build_load_request(self.strategy_of, self.shards, self.worker_index,
                                                                      metas, saved)}
             return sd

@@ -264,6 +264,13 @@ class OuterStrategy(abc.ABC):
         return _Timer(stats, attr, self.device)
 
     # ------------------------------------------------------------------ state
+    #: checkpoint facts whose value must match on resume → the flag that sets it
+    checkpoint_fact_flags: Dict[str, str] = {}
+
+    def checkpoint_facts(self) -> Dict[str, object]:
+        """Settings that change what the saved state means (a resume with others is refused)."""
+        return {}
+
     def _extra_state(self) -> Dict[str, torch.Tensor]:
         """Strategy-specific tensors (momentum, error feedback) by name."""
         return {}

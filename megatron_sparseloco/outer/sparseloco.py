@@ -169,6 +169,12 @@ class SparseLoCo(OuterStrategy):
             for s, e in self.buckets():
                 yield s, e, None
 
+    #: the error feedback of one chunking is not the other's (other chunks, other quantisers)
+    checkpoint_fact_flags = {"chunking": "--sparseloco-chunking"}
+
+    def checkpoint_facts(self) -> Dict[str, object]:
+        return {"chunking": self.config.chunking}
+
     def _extra_state(self) -> Dict[str, torch.Tensor]:
         state = {"error_feedback": self.error}
         if self.momentum_buf is not None:
