@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ def install() -> None:
         parser = orig_add(parser)
         if not any(a.dest == "sparseloco_algorithm" for a in parser._actions):
             parser = add_sparseloco_args(parser)
+        if "-h" in sys.argv or "--help" in sys.argv:
+            from megatron_sparseloco.megatron.flag_help import repair_help_strings
+            repair_help_strings(parser)   # megatron-core 0.19.2's --help trips over a stray '%'
         return parser
 
     orig_validate = margs.validate_args
