@@ -71,7 +71,12 @@ class SparseLoCoArgumentError(ValueError):
 
 
 def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--sparseloco-*`` group to a Megatron argument parser (an ``extra_args_provider``)."""
+    """Add the ``--sparseloco-*`` group to a Megatron argument parser (an ``extra_args_provider``).
+
+    Idempotent: a parser that already has the group (the installed plugin adds it) is returned as is.
+    """
+    if any(a.dest == "sparseloco_algorithm" for a in parser._actions):
+        return parser
     g = parser.add_argument_group(title="sparseloco", description="DiLoCo / SparseLoCo / GASLoC outer steps across data-parallel workers")
     g.add_argument("--sparseloco-algorithm", choices=ALGORITHMS, default=None,
                    help="Outer algorithm. Unset: the plugin is off and Megatron trains as usual.")

@@ -4,9 +4,9 @@
 
 - ``megatron.training.arguments.add_megatron_arguments``: also adds the ``--sparseloco-*`` group,
   so any pretrain script's ``parse_args`` / ``parse_and_validate_args`` accepts our flags;
-- ``megatron.training.arguments.validate_args``: maps ``--sparseloco-workers`` onto
-  ``--num-distributed-optimizer-instances`` before Megatron validates, and runs
-  ``validate_sparseloco_args`` right after — before any model is built;
+- ``megatron.training.arguments.validate_args``: runs ``validate_sparseloco_args`` (which maps
+  ``--sparseloco-workers`` onto ``--num-distributed-optimizer-instances``) *before* Megatron's own
+  checks; a bad flag ends the job with one message on rank 0 (``check_sparseloco_args_or_exit``);
 - ``megatron.training.training.get_megatron_optimizer``: wraps the optimizer in
   ``OuterLoopOptimizer`` when ``--sparseloco-algorithm`` is set;
 - ``megatron.training.training.training_log``: after Megatron's own line, a ``sparseloco |`` line
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,22 @@ logger = logging.getLogger(__name__)
 _INSTALLED = False
 #: the OuterLoopOptimizer of this process (set when the optimizer is wrapped)
 ACTIVE = None
+
+
+def check_sparseloco_args_or_exit(args) -> None:
+    """Validate the ``--sparseloco-*`` flags (resolving defaults); a bad one ends the process.
+
+    Runs before Megatron's ``validate_args`` and before torch.distributed is initialised: rank 0
+    prints one message (flag, value, why, fix) on stderr, every rank exits with status 2 and no
+    traceback, so a torchrun job stops at once with a single explanation.
+    """
+    from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError, validate_sparseloco_args
+    try:
+        validate_sparseloco_args(args)
+    except SparseLoCoArgumentError as exc:
+        if int(os.environ.get("RANK", getattr(args, "rank", 0) or 0)) == 0:
+            print(f"megatron_sparseloco: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def wrap_optimizer_from_args(optimizer, model_chunks, args):
@@ -78,7 +95,7 @@ def install() -> None:
     import megatron.training.arguments as margs
     import megatron.training.training as mtrain
 
-    from megatron_sparseloco.megatron.arguments import add_sparseloco_args, resolve_workers, validate_sparseloco_args
+    from megatron_sparseloco.megatron.arguments import add_sparseloco_args
 
     orig_add = margs.add_megatron_arguments
 
@@ -96,10 +113,8 @@ def install() -> None:
 
     @functools.wraps(orig_validate)
     def validate_args(args, defaults={}):
-        resolve_workers(args)
-        out = orig_validate(args, defaults)
-        validate_sparseloco_args(args)
-        return out
+        check_sparseloco_args_or_exit(args)   # before Megatron's own checks, so ours name the flag
+        return orig_validate(args, defaults)
 
     orig_get_opt = mtrain.get_megatron_optimizer
 
