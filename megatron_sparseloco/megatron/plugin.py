@@ -83,7 +83,7 @@ def log_outer_metrics(iteration: int) -> None:
     if not args.log_interval or iteration % args.log_interval != 0:
         return
     totals = worker_totals(ACTIVE, parallel_state.get_intra_distributed_optimizer_instance_group())
-    print_rank_last(format_log_line(totals))
+    print_rank_last(format_log_line(totals, args.sparseloco_algorithm, ACTIVE.config.inner_steps))
     write_scalars(totals, iteration, get_tensorboard_writer(), get_wandb_writer())
 
 
