@@ -44,6 +44,23 @@ def check_sparseloco_args_or_exit(args) -> None:
         sys.exit(2)
 
 
+def explain_resume_error(exc: BaseException):
+    """Our message for Megatron's refusal to resume across a TP/PP change (None: not that error).
+
+    megatron-core 0.19.2 says "use `--ckpt-fully-parallel-save`", which is already the default and
+    does not make the distributed optimizer's ``dp_reshardable`` state reshardable across TP/PP.
+    """
+    text = str(exc)
+    if "(TP, PP) mismatch" not in text or "--ckpt-fully-parallel-save" not in text:
+        return None
+    return (f"{text.split(':')[0]}: the checkpoint's distributed-optimizer state cannot be resharded to a different "
+            "--tensor-model-parallel-size / --pipeline-model-parallel-size (Megatron's hint about "
+            "--ckpt-fully-parallel-save does not help: it is the default). Fix: resume with the saving run's "
+            "--tensor-model-parallel-size and --pipeline-model-parallel-size, or load only the params with "
+            "--no-load-optim (or --finetune): the inner optimizer and the sparseloco outer state then start fresh, "
+            "θ_outer anchored on the loaded params")
+
+
 def wrap_optimizer_from_args(optimizer, model_chunks, args):
     """The OuterLoopOptimizer for validated ``args`` (or ``optimizer`` itself when the plugin is off)."""
     if getattr(args, "sparseloco_algorithm", None) is None:
@@ -66,6 +83,9 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
     )
     global ACTIVE
     ACTIVE = OuterLoopOptimizer(optimizer, model_chunks, strategy_factory_from_args(args), config, group=group)
+    from megatron_sparseloco.megatron.startup import log_startup, warn_if_outer_state_not_loaded
+    log_startup(ACTIVE, args)               # rank 0: resolved settings, worker map, expected bytes
+    warn_if_outer_state_not_loaded(args)
     return ACTIVE
 
 
@@ -133,6 +153,19 @@ def install() -> None:
         log_outer_metrics(iteration)
         return out
 
+    orig_load = mtrain.load_checkpoint
+
+    @functools.wraps(orig_load)
+    def load_checkpoint(*a, **kw):
+        try:
+            return orig_load(*a, **kw)
+        except RuntimeError as exc:
+            better = explain_resume_error(exc)
+            if better is None:
+                raise
+            raise RuntimeError(better) from exc
+
+    mtrain.load_checkpoint = load_checkpoint
     margs.add_megatron_arguments = add_megatron_arguments
     mtrain.training_log = training_log
     margs.validate_args = validate_args
