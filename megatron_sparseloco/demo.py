@@ -235,16 +235,19 @@ def run_training(cmd: List[str], log_path: str, summary_path: str, timeout: floa
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_sparseloco.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--algorithm", default="sparseloco", choices=("sparseloco", "diloco", "gasloc", "average", "none"))
-    p.add_argument("--train-iters", type=int, default=800)
-    p.add_argument("--inner-steps", type=int, default=10)
-    p.add_argument("--eval-interval", type=int, default=200)
-    p.add_argument("--log-interval", type=int, default=20)
-    p.add_argument("--eval-iters", type=int, default=8)
-    p.add_argument("--data", default=os.path.join(REPO_ROOT, "data", "stdlib-4MB"))
-    p.add_argument("--max-bytes", type=int, default=4_000_000)
-    p.add_argument("--out", default=os.path.join(REPO_ROOT, "runs", "demo"))
-    p.add_argument("--timeout", type=float, default=1200.0)
+    p.add_argument("--algorithm", default="sparseloco", choices=("sparseloco", "diloco", "gasloc", "average", "none"),
+                   help="outer algorithm (none: plain Megatron data parallelism, for comparison)")
+    p.add_argument("--train-iters", type=int, default=800, help="Megatron iterations (inner steps)")
+    p.add_argument("--inner-steps", type=int, default=10, help="H: inner steps between outer steps")
+    p.add_argument("--eval-interval", type=int, default=200, help="iterations between held-out evaluations")
+    p.add_argument("--log-interval", type=int, default=20, help="iterations between log lines")
+    p.add_argument("--eval-iters", type=int, default=8, help="held-out batches per evaluation")
+    p.add_argument("--data", default=os.path.join(REPO_ROOT, "data", "stdlib-4MB"),
+                   help="dataset folder (built from the Python standard library if missing)")
+    p.add_argument("--max-bytes", type=int, default=4_000_000, help="bytes of source text when building the dataset")
+    p.add_argument("--out", default=os.path.join(REPO_ROOT, "runs", "demo"),
+                   help="output folder: training log, outer counters, summary JSON")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds before the training run is stopped")
     p.add_argument("--verbose", action="store_true", help="stream every log line, not only Megatron's progress")
     a = p.parse_args(argv)
 
@@ -297,8 +300,7 @@ def main(argv=None) -> int:
     with open(summary_path, "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
 
-    def fmt_bytes(n):
-        return "n/a" if n is None else f"{n / 1e6:.3f} MB"
+    from megatron_sparseloco.megatron.outer_logging import format_mb as fmt_bytes   # same unit as the log line
 
     ratio = summary["compression_ratio_vs_fp32"]
     print("\n=== SparseLoCo demo summary ===")

@@ -71,7 +71,8 @@ def test_example_pretrain_runs_unmodified_with_outer_loop(tmp_path):
     cmd = build_command({"train": data.prefix("train"), "valid": data.prefix("valid")}, nproc=4, workers=2,
                         algorithm=algorithm, inner_steps=H, train_iters=ITERS, eval_interval=10, eval_iters=2,
                         log_interval=LOG_INTERVAL, micro_batch_size=2, seq_length=64,
-                        extra=["--num-layers", "2", "--hidden-size", "64", "--tensorboard-dir", str(tmp_path / "tb")])
+                        extra=["--num-layers", "2", "--hidden-size", "64", "--tensorboard-dir", str(tmp_path / "tb"),
+                               "--sparseloco-consistency-check-interval", "2"])
     counters_path = str(tmp_path / "counters.json")
     res = run_training(cmd, str(tmp_path / "train.log"), counters_path, timeout=240, echo=lambda *_: None)
     tail = "\n".join(res["log_lines"][-60:])
@@ -98,6 +99,25 @@ def test_example_pretrain_runs_unmodified_with_outer_loop(tmp_path):
     for c in s["per_rank"]:
         assert c["inner_calls"] == ITERS and c["outer_steps"] == ITERS // H
         assert c["bytes_sent"] == c["outer_steps"] * c["last"]["bytes_sent"] > 0
+
+    # The start-up block (rank 0, once, before the first iteration): resolved settings, the worker map,
+    # and expected bytes per outer step that match what the outer steps then really sent.
+    lines = res["log_lines"]
+    start = [i for i, l in enumerate(lines) if "sparseloco | start-up: flags validated" in l]
+    first_iter = next(i for i, l in enumerate(lines) if re.search(r"iteration\s+1/", l))
+    assert len(start) == 1 and start[0] < first_iter, start
+    block = "\n".join(lines[start[0]:first_iter])
+    assert f"algorithm: {algorithm}" in block and f"inner steps H: {H}" in block and "workers W: 2" in block
+    assert re.search(r"worker 0: ranks 0-1\b", block) and re.search(r"worker 1: ranks 2-3\b", block), block
+    from megatron_sparseloco.megatron.outer_logging import format_mb
+    m = re.search(r"per outer step per worker: (\d+) parameters, expected to send ([0-9.]+ MB)", block)
+    assert m and int(m.group(1)) == s["numel_per_worker"], block
+    assert m.group(2) == format_mb(s["bytes_sent_per_step_per_worker"]), (m.group(2), s["bytes_sent_per_step_per_worker"])
+    assert f"dense fp32 would send {format_mb(s['numel_per_worker'] * 4)}" in block
+    # --sparseloco-consistency-check-interval 2: a pass line with the fingerprint at outer steps 2 and 4.
+    passed = [l for l in lines if "consistency check passed" in l]
+    assert [int(re.search(r"outer step (\d+)", l).group(1)) for l in passed] == [2, 4], passed
+    assert all(re.search(r"fingerprint [0-9a-f]{16}", l) for l in passed), passed
     # Every parameter of the model takes part in the outer step: the worker's shards add up to
     # the parameter count Megatron itself prints.
     n_params = {int(m.group(1)) for line in res["log_lines"]

@@ -109,3 +109,67 @@ def test_recipe_overrides_and_errors(monkeypatch):
     argv = _recipe("llama_8b", "1", WORKERS="3").stdout.splitlines()
     with pytest.raises(SparseLoCoArgumentError, match="--sparseloco-workers"):
         _megatron_parse(argv, 64, monkeypatch)
+
+
+@pytest.mark.parametrize("algo", ["gasloc", "average"])
+def test_every_algorithm_is_accepted(algo, monkeypatch):
+    p = _recipe("llama_1b", "1", ALGO=algo)
+    assert p.returncode == 0, p.stderr
+    world, _ = _world_size("llama_1b", ALGO=algo)
+    assert _megatron_parse(p.stdout.splitlines(), world, monkeypatch).sparseloco_algorithm == algo
+
+
+def _fake_launch(tmp_path, name, **env):
+    """Run a recipe for real up to torchrun, with a stand-in torchrun that records its environment and argv."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    fake = bindir / "torchrun"
+    fake.write_text('#!/bin/bash\necho "CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-unset}"\n'
+                    'printf "ARG %s\\n" "$@"\n')
+    fake.chmod(0o755)
+    e = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_LM", "PRETRAIN_SCRIPT", "PRINT_ARGS",
+                                                           "CUDA_DEVICE_MAX_CONNECTIONS", "TP", "WORKERS", "ALGO")}
+    e.update(PATH=f"{bindir}{os.pathsep}{e['PATH']}", PYTHON=sys.executable, **env)
+    p = subprocess.run(["bash", str(RECIPES / f"{name}.sh")], capture_output=True, text=True, env=e, timeout=60)
+    args = [l[4:] for l in p.stdout.splitlines() if l.startswith("ARG ")]
+    script = args[args.index("megatron_sparseloco.run") + 1] if "megatron_sparseloco.run" in args else None
+    return p, script
+
+
+def test_recipe_without_megatron_lm_uses_our_pretrain_script_and_says_so(tmp_path):
+    p, script = _fake_launch(tmp_path, "cpu_tiny_dense")
+    assert p.returncode == 0, p.stderr
+    assert Path(script).resolve() == (ROOT / "examples" / "pretrain_gpt.py").resolve()
+    assert "MEGATRON_LM is not set" in p.stderr and "examples/pretrain_gpt.py" in p.stderr
+
+
+def test_recipe_with_megatron_lm_uses_its_pretrain_script(tmp_path):
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    (checkout / "pretrain_gpt.py").write_text("")
+    p, script = _fake_launch(tmp_path, "cpu_tiny_dense", MEGATRON_LM=str(checkout))
+    assert p.returncode == 0, p.stderr
+    assert script == str(checkout / "pretrain_gpt.py") and "MEGATRON_LM is not set" not in p.stderr
+    p, _ = _fake_launch(tmp_path, "cpu_tiny_dense", MEGATRON_LM=str(tmp_path / "missing"))
+    assert p.returncode == 2 and "not found" in p.stderr and "MEGATRON_LM" in p.stderr
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in p.stdout   # stopped before launching
+
+
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_recipe_exports_what_megatron_requires_for_tensor_parallelism(tp, tmp_path):
+    """Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1; a single-node launch must set it too."""
+    p, _ = _fake_launch(tmp_path, "llama_8b", NNODES="1", WORKERS="2", TP=tp)
+    assert p.returncode == 0, p.stderr
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in p.stdout.splitlines()
+
+
+def test_recipes_doc_lists_every_knob():
+    """Every environment variable the recipes read appears in docs/recipes.md."""
+    import re
+    doc = (ROOT / "docs" / "recipes.md").read_text(encoding="utf-8")
+    used = set()
+    for f in RECIPES.glob("*.sh"):
+        used |= set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)(?::?[-=?+])", f.read_text()))
+    internal = {"PRETRAIN_SCRIPT_NOTE", "PYTHONPATH", "PATH", "ARGS"}
+    missing = sorted(v for v in used - internal if f"`{v}`" not in doc)
+    assert not missing, f"docs/recipes.md does not list {missing}"

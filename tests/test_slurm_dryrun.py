@@ -88,3 +88,28 @@ def test_bad_slurm_environment():
     assert p.returncode != 0 and "SLURM_NODEID=5" in p.stderr
     p = _dry_run("n[1-2]", 2, 0, RECIPE="examples/recipes/nope.sh")
     assert p.returncode != 0 and "RECIPE=examples/recipes/nope.sh not found" in p.stderr
+
+
+@pytest.mark.parametrize("megatron_lm", [None, "/shared/Megatron-LM"])
+def test_pretrain_script_defaults_without_megatron_lm(megatron_lm, monkeypatch):
+    monkeypatch.delenv("PRETRAIN_SCRIPT", raising=False)
+    monkeypatch.delenv("MEGATRON_LM", raising=False)
+    env = dict(RECIPE="examples/recipes/llama_1b.sh", WORKERS="2")
+    if megatron_lm:
+        env["MEGATRON_LM"] = megatron_lm
+    p = _dry_run("gpu[01-02]", 2, 0, **env)
+    _, cmd = _parse(p)
+    script = _opt(cmd, "megatron_sparseloco.run")
+    if megatron_lm:
+        assert script == f"{megatron_lm}/pretrain_gpt.py" and "MEGATRON_LM is not set" not in p.stderr
+    else:
+        assert Path(script).resolve() == (ROOT / "examples" / "pretrain_gpt.py").resolve()
+        assert "MEGATRON_LM is not set" in p.stderr
+
+
+def test_log_directory_for_sbatch_output_is_documented():
+    """SLURM opens #SBATCH --output before the script runs: the script header and the docs say to create it."""
+    out = re.search(r"^#SBATCH --output=(\S+)/", SBATCH.read_text(), re.M)
+    if out:
+        assert f"mkdir -p {out.group(1)}" in SBATCH.read_text()
+        assert f"mkdir -p {out.group(1)}" in (ROOT / "docs" / "recipes.md").read_text()

@@ -11,9 +11,12 @@
 # Launcher environment (single node needs none of it):
 #   GPUS_PER_NODE (8), NNODES (1), NODE_RANK (0), MASTER_ADDR (localhost), MASTER_PORT (6000),
 #   SITES (site id per node, "0,0,1,1"; default one site), MEGATRON_LM (Megatron-LM checkout with
-#   pretrain_gpt.py), PRETRAIN_SCRIPT (another pretrain script with Megatron's CLI, e.g. this repo's
-#   examples/pretrain_gpt.py; default $MEGATRON_LM/pretrain_gpt.py), PYTHON (python), CHECKPOINT_DIR (enables --save/--load: resumes from the
-#   latest checkpoint there), TENSORBOARD_DIR, DATA_PATH (Megatron data prefix; unset = --mock-data).
+#   pretrain_gpt.py), PRETRAIN_SCRIPT (the pretrain script; default $MEGATRON_LM/pretrain_gpt.py, or
+#   this repo's examples/pretrain_gpt.py, same CLI, when MEGATRON_LM is unset), PYTHON (default: this
+#   repo's .venv/bin/python when it exists, else python), CHECKPOINT_DIR (enables --save/--load:
+#   resumes from the latest checkpoint there), TENSORBOARD_DIR, DATA_PATH (Megatron data prefix;
+#   unset = --mock-data). CUDA_DEVICE_MAX_CONNECTIONS is exported as 1 (Megatron requires it for
+#   TP/CP > 1 and sequence parallelism) unless already set.
 
 : "${ALGO:=sparseloco}"
 : "${GPUS_PER_NODE:=8}"
@@ -21,8 +24,23 @@
 : "${NODE_RANK:=0}"
 : "${MASTER_ADDR:=localhost}"
 : "${MASTER_PORT:=6000}"
-: "${MEGATRON_LM:=/opt/Megatron-LM}"
+SPARSELOCO_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+if [[ -z "${PYTHON:-}" && -x "$SPARSELOCO_REPO/.venv/bin/python" ]]; then
+    PYTHON=$SPARSELOCO_REPO/.venv/bin/python            # what `make demo` / `make test` created
+    export PATH="$SPARSELOCO_REPO/.venv/bin:$PATH"       # its torchrun
+fi
 : "${PYTHON:=python}"
+export PYTHONPATH="$SPARSELOCO_REPO${PYTHONPATH:+:$PYTHONPATH}"   # this checkout's megatron_sparseloco
+# Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP/CP > 1 (sequence parallelism overlap); harmless otherwise.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+if [[ -z "${PRETRAIN_SCRIPT:-}" ]]; then
+    if [[ -n "${MEGATRON_LM:-}" ]]; then
+        PRETRAIN_SCRIPT=$MEGATRON_LM/pretrain_gpt.py
+    else
+        PRETRAIN_SCRIPT=$SPARSELOCO_REPO/examples/pretrain_gpt.py
+        PRETRAIN_SCRIPT_NOTE="MEGATRON_LM is not set: using this repo's examples/pretrain_gpt.py (same command line as Megatron-LM's pretrain_gpt.py); set MEGATRON_LM=/path/to/Megatron-LM or PRETRAIN_SCRIPT to use another"
+    fi
+fi
 
 # Outer-step flags for ALGO. Defaults (DESIGN.md section 1; docs/recipes.md has the sources):
 #   sparseloco: H=15 (reference code; Covenant-72B used 30), top-64 of 4096 (1.56 %), 2-bit values,
@@ -30,6 +48,7 @@
 #   diloco:     H=15 here to match the SparseLoCo comparison (the DiLoCo paper used 500),
 #               outer Nesterov SGD lr 0.7, momentum 0.9, fp32 all-reduce.
 #   gasloc:     ring gossip, heavy-ball momentum 0.9 on the mixed increment.
+#   average:    plain model averaging every H steps (outer lr 1, no momentum), fp32 all-reduce.
 sparseloco_args() {
     SPARSELOCO_ARGS=(--sparseloco-algorithm "$ALGO" --sparseloco-workers "$WORKERS")
     case "$ALGO" in
@@ -58,8 +77,13 @@ sparseloco_args() {
                 --sparseloco-outer-momentum "${OUTER_MOMENTUM:-0.9}"
                 --sparseloco-gossip-topology "${GOSSIP_TOPOLOGY:-ring}"
             ) ;;
+        average)
+            SPARSELOCO_ARGS+=(
+                --sparseloco-inner-steps "${INNER_STEPS:-15}"
+                --sparseloco-diloco-comm-dtype "${COMM_DTYPE:-fp32}"
+            ) ;;
         *)
-            echo "error: ALGO=$ALGO; use ALGO=sparseloco, ALGO=diloco or ALGO=gasloc" >&2
+            echo "error: ALGO=$ALGO; use ALGO=sparseloco, ALGO=diloco, ALGO=gasloc or ALGO=average" >&2
             exit 2 ;;
     esac
 }
@@ -138,11 +162,17 @@ sparseloco_launch() {
     fi
     local launch=(torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
                   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-                  -m megatron_sparseloco.run "${PRETRAIN_SCRIPT:-$MEGATRON_LM/pretrain_gpt.py}")
+                  -m megatron_sparseloco.run "$PRETRAIN_SCRIPT")
     if [[ "${PRINT_ARGS:-0}" == cmd ]]; then
         printf '%q ' "${launch[@]}" "${ARGS[@]}"
         echo
         exit 0
+    fi
+    if [[ -n "${PRETRAIN_SCRIPT_NOTE:-}" ]]; then echo "recipe: $PRETRAIN_SCRIPT_NOTE" >&2; fi
+    if [[ ! -f "$PRETRAIN_SCRIPT" ]]; then
+        echo "recipe: error: pretrain script $PRETRAIN_SCRIPT not found. Fix: set MEGATRON_LM to a Megatron-LM checkout" \
+             "(holding pretrain_gpt.py), or PRETRAIN_SCRIPT to a script, or unset both to use examples/pretrain_gpt.py" >&2
+        exit 2
     fi
     # Refuse a layout where a worker spans two sites, W does not divide DP, ... before starting.
     "$PYTHON" -m megatron_sparseloco.megatron.layout --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \

@@ -3,7 +3,7 @@
 # 2 ranks, mock data. Exercises the whole path (Megatron pretrain loop + outer steps) without a GPU;
 # `megatron_sparseloco.run` applies the CPU bridges for megatron-core when CUDA is absent.
 #
-#   ALGO=sparseloco|diloco|gasloc bash cpu_tiny_dense.sh
+#   ALGO=sparseloco|diloco|gasloc|average bash cpu_tiny_dense.sh
 #   PRINT_ARGS=1 bash cpu_tiny_dense.sh
 set -euo pipefail
 : "${NNODES:=1}"

@@ -2,7 +2,7 @@
 # A tiny MoE GPT (2 layers, hidden 64, 4 experts top-2, EP2) sized for CPUs: 4 gloo ranks, 2 workers
 # of 2 ranks, each worker one whole expert-parallel group, mock data.
 #
-#   ALGO=sparseloco|diloco|gasloc bash cpu_tiny_moe.sh
+#   ALGO=sparseloco|diloco|gasloc|average bash cpu_tiny_moe.sh
 #   PRINT_ARGS=1 bash cpu_tiny_moe.sh
 set -euo pipefail
 : "${NNODES:=1}"

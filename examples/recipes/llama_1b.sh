@@ -1,7 +1,7 @@
 #!/bin/bash
 # Llama-3.2-1B-shaped GPT (16 layers, hidden 2048, GQA 32/8, SwiGLU, RoPE) with DiLoCo-style outer steps.
 #
-#   ALGO=sparseloco|diloco|gasloc  (default sparseloco)
+#   ALGO=sparseloco|diloco|gasloc|average  (default sparseloco)
 #   Intended job: 8 workers x 1 node of 8 GPUs = 64 GPUs, TP1 PP1; each worker is one node, so all
 #   per-step traffic stays inside a node and only the outer step crosses nodes.
 #   Batch as in the SparseLoCo paper: 256 sequences of 2048 tokens per worker per step.

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Llama-3-8B-shaped GPT (32 layers, hidden 4096, GQA 32/8, SwiGLU, RoPE) with DiLoCo-style outer steps.
 #
-#   ALGO=sparseloco|diloco|gasloc  (default sparseloco)
+#   ALGO=sparseloco|diloco|gasloc|average  (default sparseloco)
 #   Intended job: 4 workers x 2 nodes x 8 GPUs = 64 GPUs; TP2 with sequence parallelism inside a
 #   node, 8-way data parallelism inside a worker. TP2 keeps the 8B model, its fp32 main-param shard
 #   and the outer state (anchor + error feedback) within 80 GB per GPU at sequence length 4096.

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Mixtral-8x7B-shaped MoE GPT (32 layers, hidden 4096, 8 experts top-2, GQA 32/8) with outer steps.
 #
-#   ALGO=sparseloco|diloco|gasloc  (default sparseloco)
+#   ALGO=sparseloco|diloco|gasloc|average  (default sparseloco)
 #   Intended job: 4 workers x 4 nodes x 8 GPUs = 128 GPUs; EP8 inside a node, TP1, PP1, so each
 #   worker holds whole expert-parallel groups and is 4 consecutive nodes. No pipeline parallelism:
 #   with PP and EP together Megatron allows only the default rank order, which spreads every worker

@@ -54,33 +54,51 @@ FLAG_DEFAULTS = {
     "sparseloco_gossip_compress": False,
 }
 
+#: gasloc-only flags and the values they take when unset with gasloc
+GOSSIP_DEFAULTS = {
+    "sparseloco_gossip_topology": "ring",
+    "sparseloco_gossip_seed": 0,
+    "sparseloco_gossip_proposal_lr": 1.0,
+    "sparseloco_gossip_step": 0.05,
+}
+#: flags of the SparseLoCo codec (sparseloco, and gasloc with --sparseloco-gossip-compress)
+CODEC_FLAGS = ("sparseloco_topk", "sparseloco_chunk_size", "sparseloco_value_bits", "sparseloco_ef_decay",
+               "sparseloco_index_coding")
+#: flags that only gasloc reads
+GOSSIP_FLAGS = ("sparseloco_gossip_topology", "sparseloco_gossip_seed", "sparseloco_gossip_proposal_lr",
+                "sparseloco_gossip_compress", "sparseloco_gossip_step")
+
 
 class SparseLoCoArgumentError(ValueError):
     """A bad ``--sparseloco-*`` value or combination; the message names the flag and the fix."""
 
 
 def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--sparseloco-*`` group to a Megatron argument parser (an ``extra_args_provider``)."""
+    """Add the ``--sparseloco-*`` group to a Megatron argument parser (an ``extra_args_provider``).
+
+    Idempotent: a parser that already has the group (the installed plugin adds it) is returned as is.
+    """
+    if any(a.dest == "sparseloco_algorithm" for a in parser._actions):
+        return parser
     g = parser.add_argument_group(title="sparseloco", description="DiLoCo / SparseLoCo / GASLoC outer steps across data-parallel workers")
     g.add_argument("--sparseloco-algorithm", choices=ALGORITHMS, default=None,
                    help="Outer algorithm. Unset: the plugin is off and Megatron trains as usual.")
     g.add_argument("--sparseloco-workers", type=int, default=None,
-                   help="Number of DiLoCo workers W; each worker is one distributed-optimizer instance "
-                        "(sets --num-distributed-optimizer-instances). Default: that flag's value.")
+                   help="Number of workers W; a worker is one distributed-optimizer instance "
+                        "(sets --num-distributed-optimizer-instances) and must divide the data-parallel size.")
     g.add_argument("--sparseloco-inner-steps", type=int, default=None,
-                   help="Inner optimizer steps H between outer steps (reference: 15; Covenant-72B: 30).")
+                   help="Inner optimizer steps H between outer steps (reference code 15; Covenant-72B 30).")
     g.add_argument("--sparseloco-inner-steps-per-worker", type=str, default=None,
-                   help="GASLoC only: comma-separated inner steps H_w per worker. A round lasts max(H_w) "
-                        "iterations for everyone; worker w steps its inner optimizer on the first H_w "
-                        "(a slower worker does fewer local steps instead of stalling the others).")
+                   help="Comma-separated inner steps H_w per worker: a round lasts max(H_w) iterations, worker w "
+                        "steps on the first H_w (a slower worker does fewer steps instead of stalling the others).")
     g.add_argument("--sparseloco-outer-lr", type=float, default=None,
-                   help="Outer learning rate. Default by algorithm: sparseloco 1.0, diloco 0.7, gasloc 1.0, average 1.0.")
+                   help="Outer learning rate (average: fixed at 1).")
     g.add_argument("--sparseloco-outer-momentum", type=float, default=None,
-                   help="Outer momentum. Default by algorithm: diloco 0.9, gasloc 0.9, sparseloco 0, average 0.")
+                   help="Outer momentum in [0, 1) (average: fixed at 0).")
     g.add_argument("--sparseloco-outer-nesterov", action=argparse.BooleanOptionalAction, default=None,
-                   help="Nesterov outer momentum (default: on for diloco, off otherwise).")
-    g.add_argument("--sparseloco-topk", type=int, default=None, help="Values kept per chunk (k).")
-    g.add_argument("--sparseloco-chunk-size", type=int, default=None, help="Chunk size C (density k/C).")
+                   help="Nesterov outer momentum (needs a non-zero outer momentum).")
+    g.add_argument("--sparseloco-topk", type=int, default=None, help="Values kept per chunk (k; density k/C).")
+    g.add_argument("--sparseloco-chunk-size", type=int, default=None, help="Chunk size C (elements per Top-k chunk).")
     g.add_argument("--sparseloco-value-bits", type=int, choices=VALUE_BITS, default=None,
                    help="Bits per kept value: 2/4/8 quantised, 16 bf16, 32 fp32.")
     g.add_argument("--sparseloco-ef-decay", type=float, default=None, help="Error-feedback decay β in [0, 1).")
@@ -106,16 +124,16 @@ def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--sparseloco-outer-timeout", type=float, default=None,
                    help="Seconds an outer step may wait for the other workers before failing.")
     g.add_argument("--sparseloco-gossip-topology", choices=TOPOLOGIES, default=None,
-                   help="GASLoC only: gossip graph (default ring).")
+                   help="Gossip graph (exponential needs a power-of-two W).")
     g.add_argument("--sparseloco-gossip-seed", type=int, default=None,
-                   help="GASLoC only: seed shared by all workers for random matchings (default 0).")
+                   help="Seed shared by all workers for the random matchings.")
     g.add_argument("--sparseloco-gossip-proposal-lr", type=float, default=None,
-                   help="GASLoC only: proposal step η in y = θ0 − η·Δ (default 1.0).")
+                   help="Proposal step η in y = θ0 − η·Δ.")
     g.add_argument("--sparseloco-gossip-step", type=float, default=None,
-                   help="GASLoC with --sparseloco-gossip-compress: step ξ on the public-copy differences "
-                        "(default 0.05; 1 diverges at k=64/4096, see docs/gasloc.md).")
+                   help="With --sparseloco-gossip-compress: step ξ on the public-copy differences (1 diverges at "
+                        "k=64/4096, see docs/gasloc.md).")
     g.add_argument("--sparseloco-gossip-compress", action="store_true", default=None,
-                   help="GASLoC only: send proposals SparseLoCo-compressed with per-neighbour error feedback.")
+                   help="Send proposals SparseLoCo-compressed (pairwise public copies); enables the codec flags.")
     return parser
 
 
@@ -125,6 +143,11 @@ def _flag(dest: str) -> str:
 
 def _fail(dest: str, problem: str, fix: str) -> None:
     raise SparseLoCoArgumentError(f"{_flag(dest)}: {problem}. Fix: {fix}")
+
+
+def _flags_only(dests) -> str:
+    """``--a only applies`` / ``--a, --b only apply`` (the start of a stray-flags message)."""
+    return f"{', '.join(_flag(d) for d in dests)} only {'applies' if len(dests) == 1 else 'apply'}"
 
 
 def _explicitly_set(args: argparse.Namespace, dest: str) -> bool:
@@ -267,8 +290,7 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
 
     # --- codec (sparseloco, compressed gossip) -----------------------------------------------
     uses_codec = algo == "sparseloco" or (algo == "gasloc" and args.sparseloco_gossip_compress)
-    codec_flags = ("sparseloco_topk", "sparseloco_chunk_size", "sparseloco_value_bits", "sparseloco_ef_decay",
-                   "sparseloco_index_coding")
+    codec_flags = CODEC_FLAGS
     if algo == "gasloc" and "sparseloco_ef_decay" in given:
         _fail("sparseloco_ef_decay", "compressed gossip keeps the residual in its public copies (CHOCO-style) "
               "and has no decaying error-feedback buffer", "drop it")
@@ -276,7 +298,7 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
         stray = [d for d in codec_flags if d in given]
         if stray:
             raise SparseLoCoArgumentError(
-                f"{', '.join(_flag(d) for d in stray)} only apply to the sparseloco codec, which {algo} "
+                f"{_flags_only(stray)} to the sparseloco codec, which {algo} "
                 f"does not use here. Fix: drop them" + (" or add --sparseloco-gossip-compress" if algo == "gasloc" else ""))
     for dest in ("sparseloco_reduce", "sparseloco_chunking", "sparseloco_dense_1d"):
         if algo != "sparseloco" and dest in given:
@@ -308,26 +330,22 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
         _fail("sparseloco_outer_timeout", f"must be > 0 seconds, got {args.sparseloco_outer_timeout}", "use e.g. 600")
 
     # --- gossip -----------------------------------------------------------------------------
-    gossip = ("sparseloco_gossip_topology", "sparseloco_gossip_seed", "sparseloco_gossip_proposal_lr",
-              "sparseloco_gossip_compress", "sparseloco_gossip_step")
+    gossip = GOSSIP_FLAGS
     if algo != "gasloc":
         stray = [d for d in gossip if d in given]
         if stray:
-            raise SparseLoCoArgumentError(f"{', '.join(_flag(d) for d in stray)} only apply to gasloc, not {algo}. "
+            raise SparseLoCoArgumentError(f"{_flags_only(stray)} to gasloc, not {algo}. "
                                           "Fix: drop them or use --sparseloco-algorithm gasloc")
     else:
-        if args.sparseloco_gossip_topology is None:
-            args.sparseloco_gossip_topology = "ring"
-        if args.sparseloco_gossip_seed is None:
-            args.sparseloco_gossip_seed = 0
-        if args.sparseloco_gossip_proposal_lr is None:
-            args.sparseloco_gossip_proposal_lr = 1.0
+        for dest in ("sparseloco_gossip_topology", "sparseloco_gossip_seed", "sparseloco_gossip_proposal_lr"):
+            if getattr(args, dest) is None:
+                setattr(args, dest, GOSSIP_DEFAULTS[dest])
         if not (args.sparseloco_gossip_proposal_lr > 0):
             _fail("sparseloco_gossip_proposal_lr", f"must be > 0, got {args.sparseloco_gossip_proposal_lr}", "use e.g. 1.0")
         if "sparseloco_gossip_step" in given and not args.sparseloco_gossip_compress:
             _fail("sparseloco_gossip_step", "only applies to compressed gossip", "add --sparseloco-gossip-compress or drop it")
         if args.sparseloco_gossip_step is None:
-            args.sparseloco_gossip_step = 0.05
+            args.sparseloco_gossip_step = GOSSIP_DEFAULTS["sparseloco_gossip_step"]
         if not (0 < args.sparseloco_gossip_step <= 1):
             _fail("sparseloco_gossip_step", f"must be in (0, 1], got {args.sparseloco_gossip_step}", "use e.g. 0.05")
         if args.sparseloco_gossip_topology == "exponential" and W & (W - 1):

@@ -48,7 +48,13 @@ FORMAT_VERSION = 2
 
 
 class OuterStateLayoutError(ValueError):
-    """A checkpoint's outer state does not fit this run's layout."""
+    """A checkpoint's outer state does not fit this run's layout; the message ends with the ways out."""
+
+    WAY_OUT = (" Or keep the checkpoint's params and start a fresh outer state: --no-load-optim (also drops the "
+               "inner optimizer state) or --finetune (also resets the iteration count); see docs/integration.md.")
+
+    def __str__(self) -> str:
+        return super().__str__() + self.WAY_OUT
 
 
 # ---------------------------------------------------------------------------- the live state

@@ -36,10 +36,13 @@ def fingerprint(tensors: Sequence[torch.Tensor]) -> int:
 
 
 def check_identical_across_workers(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
-                                   what: str, fix: str) -> None:
-    """All-gather the fingerprint over ``group``; raise ``DivergenceError`` naming the odd workers."""
+                                   what: str, fix: str) -> Optional[int]:
+    """All-gather the fingerprint over ``group``; raise ``DivergenceError`` naming the odd workers.
+
+    Returns the fingerprint every worker agreed on (None for a group of one: nothing compared).
+    """
     if group is None or dist.get_world_size(group) == 1:
-        return
+        return None
     device = tensors[0].device if tensors else torch.device("cpu")
     mine = torch.tensor([fingerprint(tensors), sum(t.numel() for t in tensors)], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
@@ -47,7 +50,7 @@ def check_identical_across_workers(tensors: Sequence[torch.Tensor], group: Optio
     dist.all_gather(gathered, mine, group=group)
     values = [tuple(int(v) for v in g.tolist()) for g in gathered]
     if len(set(values)) == 1:
-        return
+        return values[0][0]
     counts = {v: values.count(v) for v in values}
     majority = max(counts, key=counts.get)
     odd = [w for w, v in enumerate(values) if v != majority]

@@ -190,10 +190,14 @@ class OuterLoopOptimizer:
         start_param_sync_all(self.model_chunks)
 
     def check_consistency(self) -> None:
-        """Raise ``DivergenceError`` when θ_outer differs between workers."""
-        for s in self.strategies:
-            check_identical_across_workers([s.anchor], self.group, what=f"θ_outer ({s.name})",
-                                           fix="restart from the last checkpoint; a worker's params were altered")
+        """Raise ``DivergenceError`` when θ_outer differs between workers; global rank 0 prints a pass line."""
+        fps = [check_identical_across_workers([s.anchor], self.group, what=f"θ_outer ({s.name})",
+                                              fix="restart from the last checkpoint; a worker's params were altered")
+               for s in self.strategies]
+        if fps and None not in fps and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f" sparseloco | consistency check passed at outer step {self.log.outer_steps}: θ_outer identical on "
+                  f"all {self.num_workers} workers (rank 0's shard fingerprint "
+                  f"{', '.join(f'{fp & (2**64 - 1):016x}' for fp in fps)})", flush=True)
 
     def _record(self, stats: List[OuterStepStats]) -> None:
         self.log.outer_steps += 1

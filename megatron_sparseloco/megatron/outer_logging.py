@@ -50,13 +50,39 @@ def worker_totals(wrapper, intra_group: Optional[dist.ProcessGroup]) -> Dict[str
     return out
 
 
-def format_log_line(totals: Dict[str, float]) -> str:
-    return (f" sparseloco | outer steps: {int(totals['outer_steps'])} | sent/worker: "
-            f"{totals['bytes_sent_per_worker'] / 2**20:.3f} MiB (last step {totals['bytes_sent_last_outer_step'] / 2**10:.1f} KiB) | "
-            f"ratio vs fp32: {totals['compression_ratio_vs_fp32']:.1f}x | vs bf16: {totals['compression_ratio_vs_bf16']:.1f}x | "
-            f"|Δ|: {totals['pseudo_grad_norm']:.3e} | |e|: {totals['error_feedback_norm']:.3e} | "
-            f"outer time c/comm/apply: {totals['time_compress_s'] * 1e3:.1f}/{totals['time_communicate_s'] * 1e3:.1f}/"
-            f"{totals['time_apply_s'] * 1e3:.1f} ms |")
+MB = 10 ** 6   # the one byte unit of the log line, the demo summary and the docs (decimal megabytes)
+
+
+def format_mb(n: Optional[float]) -> str:
+    return "n/a" if n is None else f"{n / MB:.3f} MB"
+
+
+#: algorithms whose strategy keeps an error-feedback buffer (|e| means something)
+ERROR_FEEDBACK_ALGORITHMS = ("sparseloco",)
+
+
+def format_log_line(totals: Dict[str, float], algorithm: Optional[str] = None, inner_steps: Optional[int] = None) -> str:
+    """The ``sparseloco |`` line: only what applies to ``algorithm``, nothing before the first outer step.
+
+    Bytes are decimal (1 MB = 10^6 bytes, 1 kB = 10^3), as in the demo summary and the docs.
+    """
+    steps = int(totals["outer_steps"])
+    head = f" sparseloco | outer steps: {steps} |"
+    if steps == 0:
+        when = f" at iteration {inner_steps}" if inner_steps else ""
+        return f"{head} no outer step yet (first{when}) |"
+    sent = totals["bytes_sent_per_worker"]
+    line = (f"{head} sent/worker: {format_mb(sent)} "
+            f"(last step {totals['bytes_sent_last_outer_step'] / 1e3:.1f} kB) |")
+    if sent > 0:
+        line += (f" ratio vs fp32: {totals['compression_ratio_vs_fp32']:.1f}x |"
+                 f" vs bf16: {totals['compression_ratio_vs_bf16']:.1f}x |")
+    line += f" |Δ|: {totals['pseudo_grad_norm']:.3e} |"
+    if algorithm is None or algorithm in ERROR_FEEDBACK_ALGORITHMS:
+        line += f" |e|: {totals['error_feedback_norm']:.3e} |"
+    line += (f" outer time c/comm/apply: {totals['time_compress_s'] * 1e3:.1f}/{totals['time_communicate_s'] * 1e3:.1f}/"
+             f"{totals['time_apply_s'] * 1e3:.1f} ms |")
+    return line
 
 
 def write_scalars(totals: Dict[str, float], iteration: int, tb_writer=None, wandb_writer=None) -> None:

@@ -4,9 +4,9 @@
 
 - ``megatron.training.arguments.add_megatron_arguments``: also adds the ``--sparseloco-*`` group,
   so any pretrain script's ``parse_args`` / ``parse_and_validate_args`` accepts our flags;
-- ``megatron.training.arguments.validate_args``: maps ``--sparseloco-workers`` onto
-  ``--num-distributed-optimizer-instances`` before Megatron validates, and runs
-  ``validate_sparseloco_args`` right after — before any model is built;
+- ``megatron.training.arguments.validate_args``: runs ``validate_sparseloco_args`` (which maps
+  ``--sparseloco-workers`` onto ``--num-distributed-optimizer-instances``) *before* Megatron's own
+  checks; a bad flag ends the job with one message on rank 0 (``check_sparseloco_args_or_exit``);
 - ``megatron.training.training.get_megatron_optimizer``: wraps the optimizer in
   ``OuterLoopOptimizer`` when ``--sparseloco-algorithm`` is set;
 - ``megatron.training.training.training_log``: after Megatron's own line, a ``sparseloco |`` line
@@ -18,12 +18,47 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 
 logger = logging.getLogger(__name__)
 
 _INSTALLED = False
 #: the OuterLoopOptimizer of this process (set when the optimizer is wrapped)
 ACTIVE = None
+
+
+def check_sparseloco_args_or_exit(args) -> None:
+    """Validate the ``--sparseloco-*`` flags (resolving defaults); a bad one ends the process.
+
+    Runs before Megatron's ``validate_args`` and before torch.distributed is initialised: rank 0
+    prints one message (flag, value, why, fix) on stderr, every rank exits with status 2 and no
+    traceback, so a torchrun job stops at once with a single explanation.
+    """
+    from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError, validate_sparseloco_args
+    try:
+        validate_sparseloco_args(args)
+    except SparseLoCoArgumentError as exc:
+        if int(os.environ.get("RANK", getattr(args, "rank", 0) or 0)) == 0:
+            print(f"megatron_sparseloco: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def explain_resume_error(exc: BaseException):
+    """Our message for Megatron's refusal to resume across a TP/PP change (None: not that error).
+
+    megatron-core 0.19.2 says "use `--ckpt-fully-parallel-save`", which is already the default and
+    does not make the distributed optimizer's ``dp_reshardable`` state reshardable across TP/PP.
+    """
+    text = str(exc)
+    if "(TP, PP) mismatch" not in text or "--ckpt-fully-parallel-save" not in text:
+        return None
+    return (f"{text.split(':')[0]}: the checkpoint's distributed-optimizer state cannot be resharded to a different "
+            "--tensor-model-parallel-size / --pipeline-model-parallel-size (Megatron's hint about "
+            "--ckpt-fully-parallel-save does not help: it is the default). Fix: resume with the saving run's "
+            "--tensor-model-parallel-size and --pipeline-model-parallel-size, or load only the params with "
+            "--no-load-optim (or --finetune): the inner optimizer and the sparseloco outer state then start fresh, "
+            "θ_outer anchored on the loaded params")
 
 
 def wrap_optimizer_from_args(optimizer, model_chunks, args):
@@ -48,6 +83,9 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
     )
     global ACTIVE
     ACTIVE = OuterLoopOptimizer(optimizer, model_chunks, strategy_factory_from_args(args), config, group=group)
+    from megatron_sparseloco.megatron.startup import log_startup, warn_if_outer_state_not_loaded
+    log_startup(ACTIVE, args)               # rank 0: resolved settings, worker map, expected bytes
+    warn_if_outer_state_not_loaded(args)
     return ACTIVE
 
 
@@ -65,7 +103,7 @@ def log_outer_metrics(iteration: int) -> None:
     if not args.log_interval or iteration % args.log_interval != 0:
         return
     totals = worker_totals(ACTIVE, parallel_state.get_intra_distributed_optimizer_instance_group())
-    print_rank_last(format_log_line(totals))
+    print_rank_last(format_log_line(totals, args.sparseloco_algorithm, ACTIVE.config.inner_steps))
     write_scalars(totals, iteration, get_tensorboard_writer(), get_wandb_writer())
 
 
@@ -77,7 +115,7 @@ def install() -> None:
     import megatron.training.arguments as margs
     import megatron.training.training as mtrain
 
-    from megatron_sparseloco.megatron.arguments import add_sparseloco_args, resolve_workers, validate_sparseloco_args
+    from megatron_sparseloco.megatron.arguments import add_sparseloco_args
 
     orig_add = margs.add_megatron_arguments
 
@@ -86,16 +124,17 @@ def install() -> None:
         parser = orig_add(parser)
         if not any(a.dest == "sparseloco_algorithm" for a in parser._actions):
             parser = add_sparseloco_args(parser)
+        if "-h" in sys.argv or "--help" in sys.argv:
+            from megatron_sparseloco.megatron.flag_help import repair_help_strings
+            repair_help_strings(parser)   # megatron-core 0.19.2's --help trips over a stray '%'
         return parser
 
     orig_validate = margs.validate_args
 
     @functools.wraps(orig_validate)
     def validate_args(args, defaults={}):
-        resolve_workers(args)
-        out = orig_validate(args, defaults)
-        validate_sparseloco_args(args)
-        return out
+        check_sparseloco_args_or_exit(args)   # before Megatron's own checks, so ours name the flag
+        return orig_validate(args, defaults)
 
     orig_get_opt = mtrain.get_megatron_optimizer
 
@@ -114,6 +153,19 @@ def install() -> None:
         log_outer_metrics(iteration)
         return out
 
+    orig_load = mtrain.load_checkpoint
+
+    @functools.wraps(orig_load)
+    def load_checkpoint(*a, **kw):
+        try:
+            return orig_load(*a, **kw)
+        except RuntimeError as exc:
+            better = explain_resume_error(exc)
+            if better is None:
+                raise
+            raise RuntimeError(better) from exc
+
+    mtrain.load_checkpoint = load_checkpoint
     margs.add_megatron_arguments = add_megatron_arguments
     mtrain.training_log = training_log
     margs.validate_args = validate_args

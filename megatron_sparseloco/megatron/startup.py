@@ -1,0 +1,149 @@
+"""The start-up block: what the outer loop will do, printed once on rank 0 before training.
+
+After the flags are validated and the optimizer is wrapped (so the model exists), rank 0 prints the
+resolved ``--sparseloco-*`` settings, which ranks form which worker (and on which site, when
+``SITES`` is set), and the bytes one outer step is expected to send per worker next to what dense
+fp32 DiLoCo would send. Bytes are decimal MB, as in the log line.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional
+
+from megatron_sparseloco.megatron.outer_logging import format_mb
+
+
+def resolved_settings(args) -> Dict[str, object]:
+    """The settings the outer loop runs with (only those that apply to the algorithm)."""
+    algo = args.sparseloco_algorithm
+    out: Dict[str, object] = {"algorithm": algo, "workers W": args.sparseloco_workers}
+    per_worker = getattr(args, "sparseloco_inner_steps_per_worker", None)
+    out["inner steps H"] = f"{args.sparseloco_inner_steps} (per worker {per_worker})" if per_worker else args.sparseloco_inner_steps
+    if algo != "average":
+        out["outer lr"] = args.sparseloco_outer_lr
+        out["outer momentum"] = args.sparseloco_outer_momentum
+        out["nesterov"] = "on" if args.sparseloco_outer_nesterov else "off"
+    codec = algo == "sparseloco" or (algo == "gasloc" and args.sparseloco_gossip_compress)
+    if codec:
+        k, c = args.sparseloco_topk, args.sparseloco_chunk_size
+        out["top-k / chunk"] = f"{k}/{c} ({100.0 * k / c:.2f} % density)"
+        out["value bits"] = args.sparseloco_value_bits
+        out["index coding"] = args.sparseloco_index_coding
+    if algo == "sparseloco":
+        out["error-feedback decay"] = args.sparseloco_ef_decay
+        out["reduce"] = args.sparseloco_reduce
+    if algo in ("diloco", "average"):
+        out["all-reduce dtype"] = args.sparseloco_diloco_comm_dtype
+    if algo == "gasloc":
+        out["gossip"] = (f"{args.sparseloco_gossip_topology}, seed {args.sparseloco_gossip_seed}, proposal lr "
+                         f"{args.sparseloco_gossip_proposal_lr}"
+                         + (f", compressed, step {args.sparseloco_gossip_step}" if args.sparseloco_gossip_compress else ""))
+    out["bucket size"] = args.sparseloco_bucket_size
+    out["non-finite policy"] = args.sparseloco_nonfinite_policy
+    out["consistency check"] = (f"every {args.sparseloco_consistency_check_interval} outer steps"
+                                if args.sparseloco_consistency_check_interval else "off")
+    out["outer timeout"] = f"{args.sparseloco_outer_timeout:g} s"
+    return out
+
+
+def worker_map_lines(args, world_size: int, gpus_per_node: Optional[int] = None, sites: Optional[str] = None) -> List[str]:
+    """``worker w: ranks ..., nodes ...`` from the layout helper (no process group needed)."""
+    from megatron_sparseloco.megatron.layout import LayoutError, _ranges, compute_layout
+    gpn = gpus_per_node or world_size
+    try:
+        lay = compute_layout(max(world_size // gpn, 1), gpn, tp=args.tensor_model_parallel_size,
+                             pp=args.pipeline_model_parallel_size, cp=getattr(args, "context_parallel_size", 1) or 1,
+                             ep=getattr(args, "expert_model_parallel_size", 1) or 1,
+                             expert_tp=getattr(args, "expert_tensor_parallel_size", None),
+                             workers=args.sparseloco_workers,
+                             order="tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",
+                             sites=sites or None)
+    except (LayoutError, ValueError, TypeError) as exc:
+        return [f"  (worker map unavailable: {exc})"]
+    lines = []
+    for w, ranks in enumerate(lay.worker_ranks):
+        site = f", site {lay.worker_sites[w]}" if sites else ""
+        lines.append(f"  worker {w}: ranks {_ranges(ranks)} (nodes {','.join(str(n) for n in lay.worker_nodes[w])}{site})")
+    return lines
+
+
+def expected_rank_bytes(wrapper, args) -> Optional[int]:
+    """Bytes this rank sends in one outer step (None when it depends on the round, as gossip does)."""
+    algo = args.sparseloco_algorithm
+    if args.sparseloco_workers <= 1:
+        return 0
+    total = 0
+    for s in wrapper.strategies:
+        if algo == "sparseloco" and hasattr(s, "buckets") and hasattr(s, "codec"):
+            from megatron_sparseloco.compress.sizing import payload_nbytes
+            total += sum(payload_nbytes(e - b, s.codec) for b, e in s.buckets())
+        elif algo in ("diloco", "average"):
+            total += s.params.numel * (2 if args.sparseloco_diloco_comm_dtype == "bf16" else 4)
+        else:
+            return None
+    return total
+
+
+def format_startup_block(settings: Dict[str, object], worker_lines: List[str], numel_per_worker: int,
+                         bytes_per_worker: Optional[float], entropy: bool = False) -> str:
+    lines = [" sparseloco | start-up: flags validated; the outer loop runs with"]
+    lines += [f"   {k}: {v}" for k, v in settings.items()]
+    lines.append(" sparseloco | workers (ranks per worker; only the outer step crosses workers):")
+    lines += ["  " + l for l in worker_lines]
+    dense = numel_per_worker * 4
+    if bytes_per_worker is None:
+        sent = "depends on the gossip round (point-to-point)"
+    else:
+        sent = ("≤ " if entropy else "") + format_mb(bytes_per_worker)
+        if bytes_per_worker:
+            sent += f" ({dense / bytes_per_worker:.1f}x less than dense fp32)"
+    lines.append(f" sparseloco | per outer step per worker: {numel_per_worker} parameters, expected to send {sent}; "
+                 f"dense fp32 would send {format_mb(dense)}")
+    return "\n".join(lines)
+
+
+def log_startup(wrapper, args) -> None:
+    """Collective over the worker's ranks (sums its shards); global rank 0 prints the block."""
+    import torch
+    import torch.distributed as dist
+
+    numel = sum(s.params.numel for s in wrapper.strategies)
+    mine = expected_rank_bytes(wrapper, args)
+    vals = torch.tensor([float(numel), float(mine if mine is not None else -1)], dtype=torch.float64)
+    group = None
+    if dist.is_initialized():
+        from megatron.core import parallel_state
+        group = parallel_state.get_intra_distributed_optimizer_instance_group()
+        if dist.get_world_size(group) > 1:
+            unknown = torch.tensor([1.0 if mine is None else 0.0], dtype=torch.float64)
+            dist.all_reduce(unknown, group=group)
+            dist.all_reduce(vals, group=group)
+            if unknown.item():
+                mine = None
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    entropy = args.sparseloco_algorithm == "sparseloco" and args.sparseloco_index_coding == "entropy"
+    print(format_startup_block(resolved_settings(args), worker_map_lines(args, world, gpn, os.environ.get("SITES")),
+                               int(vals[0].item()), None if mine is None else vals[1].item(), entropy), flush=True)
+
+
+def outer_state_skip_warning(args) -> Optional[str]:
+    """The warning for a resume that will not read the checkpoint's outer state (None when it will)."""
+    if not getattr(args, "load", None) and not getattr(args, "pretrained_checkpoint", None):
+        return None
+    why = [f for f, on in (("--no-load-optim", getattr(args, "no_load_optim", False)),
+                           ("--finetune", getattr(args, "finetune", False))) if on]
+    if not why:
+        return None
+    return (f" sparseloco | warning: {' and '.join(why)}: the checkpoint's sparseloco outer state (θ_outer, error "
+            "feedback, outer momentum, each worker's own params and inner-optimizer state) is not loaded; θ_outer is "
+            "anchored on the loaded params at the first step and error feedback / outer momentum start from zero")
+
+
+def warn_if_outer_state_not_loaded(args) -> None:
+    msg = outer_state_skip_warning(args)
+    import torch.distributed as dist
+    if msg and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(msg, flush=True)
