@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -34,10 +34,14 @@ DATA_MAX_BYTES = 4_000_000
 
 
 # ---------------------------------------------------------------------------- data
-def ensure_data(out: str = DATA_DIR) -> Dict[str, str]:
-    """Build (or find up to date) the stdlib byte corpus; returns the .bin path of each split."""
+def ensure_data(out: str = DATA_DIR, corpus: Optional[str] = None, patterns: Sequence[str] = ("*.py",)) -> Dict[str, str]:
+    """Build (or find up to date) the byte corpus; returns the .bin path of each split.
+
+    Default: the Python standard-library sources. ``corpus``: any directory of text / source files
+    (``patterns`` select them), built the same way (byte tokens, train / held-out split by file).
+    """
     from megatron_sparseloco.data.build import build_dataset
-    build_dataset(out, max_bytes=DATA_MAX_BYTES, log=lambda *a, **k: None)
+    build_dataset(out, source=corpus, max_bytes=DATA_MAX_BYTES, patterns=tuple(patterns), log=lambda *a, **k: None)
     return {"train": os.path.join(out, "train_text_document.bin"),
             "valid": os.path.join(out, "valid_text_document.bin")}
 
@@ -110,21 +114,32 @@ class RunCfg:
     eval_every: int = 15              # ddp eval interval; outer methods evaluate at every outer step
     eval_windows: int = 64
     gasloc_topology: str = "ring"
+    outer_lr: Optional[float] = None       # None: the method's reference value (below)
+    outer_momentum: Optional[float] = None  # diloco only (sparseloco has none: EF plays that role)
+    chunking: str = "tensor"                # sparseloco: per-tensor (default) or flat
 
     def label(self) -> str:
         if self.method == "sparseloco":
             tag = f"sparseloco k={self.k}" + ("" if self.index_coding == "packed" else f" {self.index_coding}")
+            tag += "" if self.chunking == "tensor" else f" {self.chunking}"
         else:
             tag = self.method
+        if self.outer_lr is not None:
+            tag += f" lr={self.outer_lr:g}" + (f" mu={self.outer_momentum:g}" if self.outer_momentum is not None else "")
         return tag if self.method == "ddp" else f"{tag} H={self.H}"
 
 
 def strategy_fields(run: RunCfg) -> Dict:
-    """The outer strategy and its config fields for a run (reference hyper-parameters, DESIGN §1)."""
+    """The outer strategy and its config fields for a run (reference hyper-parameters, DESIGN §1,
+    unless the run sets its outer lr / momentum)."""
+    if run.method == "average":
+        return dict()
     if run.method == "diloco":
-        return dict(lr=0.7, momentum=0.9, nesterov=True)
+        return dict(lr=0.7 if run.outer_lr is None else run.outer_lr,
+                    momentum=0.9 if run.outer_momentum is None else run.outer_momentum, nesterov=True)
     if run.method == "sparseloco":
-        return dict(k=run.k, chunk=4096, value_bits=2, ef_beta=0.95, lr=1.0, index_coding=run.index_coding)
+        return dict(k=run.k, chunk=4096, value_bits=2, ef_beta=0.95, lr=1.0 if run.outer_lr is None else run.outer_lr,
+                    index_coding=run.index_coding, chunking=run.chunking)
     if run.method == "gasloc":
         # the plugin's defaults for gasloc (megatron/arguments.py): η = 1.0, γ = 0.9
         return dict(topology=run.gasloc_topology, proposal_lr=1.0, momentum=0.9)

@@ -44,23 +44,56 @@ import common  # noqa: E402
 from common import ModelCfg, RunCfg  # noqa: E402
 
 
-def build_runs(args):
-    Hs = [15] if args.quick else [15, 30]
-    ks = [32, 64, 128]
-    steps = args.steps or (60 if args.quick else 900)
-    if any(steps % H for H in Hs):
-        raise SystemExit(f"--steps {steps} must be a multiple of every H in {Hs}")
+METHODS_DEFAULT = "ddp,average,diloco,sparseloco:64,sparseloco:128,sparseloco:64:flat"
+#: the outer-lr sweep (issue: every outer method tuned the same way, on the default corpus)
+SWEEP = {
+    "diloco": [(lr, mu) for lr in (0.5, 0.7, 1.0) for mu in (0.9, 0.6)],
+    "sparseloco": [(lr, None) for lr in (0.8, 1.0, 1.2, 1.5)],
+}
+
+
+def parse_methods(text: str):
+    """'ddp,diloco,sparseloco:64,sparseloco:64:flat,sparseloco:64:entropy' → [(method, k, extra)]."""
+    out = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        method, k = parts[0], (int(parts[1]) if len(parts) > 1 else None)
+        extra = parts[2] if len(parts) > 2 else None
+        if method not in ("ddp", "average", "diloco", "sparseloco", "gasloc", "torchft_diloco"):
+            raise SystemExit(f"--methods: unknown method {method!r}")
+        if method == "sparseloco" and k is None:
+            raise SystemExit("--methods: sparseloco needs its k, e.g. sparseloco:64")
+        out.append((method, k, extra))
+    return out
+
+
+def make_run(method, k, extra, H, seed, base, tuned):
+    """One RunCfg; ``tuned`` maps method → (outer lr, momentum) chosen by the sweep."""
+    lr, mu = tuned.get(method, (None, None))
+    fields = dict(base, H=H, seed=1234 + seed, data_seed=seed)
+    if method == "sparseloco":
+        return RunCfg("sparseloco", k=k, outer_lr=lr, index_coding="entropy" if extra == "entropy" else "packed",
+                      chunking="flat" if extra == "flat" else "tensor", **fields)
+    if method == "diloco":
+        return RunCfg("diloco", outer_lr=lr, outer_momentum=mu, **fields)
+    return RunCfg(method, **fields)
+
+
+def build_runs(args, tuned, seeds, steps):
     base = dict(steps=steps, mbs=args.mbs, lr=args.lr, eval_windows=args.eval_windows)
-    runs = [RunCfg("ddp", H=Hs[0], **base)]
-    for H in Hs:
-        runs.append(RunCfg("diloco", H=H, **base))
-        for k in ks:
-            runs.append(RunCfg("sparseloco", H=H, k=k, **base))
-        if H == Hs[0]:
-            runs.append(RunCfg("sparseloco", H=H, k=64, index_coding="entropy", **base))
-        runs.append(RunCfg("gasloc", H=H, **base))
-    ft_runs = [RunCfg("torchft_diloco", H=H, **base) for H in Hs]
+    runs, ft_runs = [], []
+    for seed in seeds:
+        for method, k, extra in parse_methods(args.methods):
+            run = make_run(method, k, extra, args.H, seed, base, tuned)
+            (ft_runs if method == "torchft_diloco" else runs).append(run)
     return runs, ft_runs
+
+
+def sweep_runs(args, steps):
+    base = dict(steps=steps, mbs=args.mbs, lr=args.lr, eval_windows=args.eval_windows, H=args.H, seed=1234, data_seed=0)
+    runs = [RunCfg("diloco", outer_lr=lr, outer_momentum=mu, **base) for lr, mu in SWEEP["diloco"]]
+    runs += [RunCfg("sparseloco", k=64, outer_lr=lr, **base) for lr, _ in SWEEP["sparseloco"]]
+    return runs
 
 
 def row_of(results, W):
@@ -76,6 +109,11 @@ def row_of(results, W):
     per_worker_final = [c[-1]["held_out_loss"] for c in curves]
     return {
         "method": run["method"],
+        "label": common.RunCfg(**run).label(),
+        "seed": run["data_seed"],
+        "outer_lr": run["outer_lr"],
+        "outer_momentum": run["outer_momentum"],
+        "chunking": run["chunking"] if run["method"] == "sparseloco" else None,
         "k": run["k"],
         "index_coding": run["index_coding"] if run["method"] == "sparseloco" else None,
         "H": run["H"] if run["method"] != "ddp" else None,
@@ -93,15 +131,10 @@ def row_of(results, W):
 
 
 def label(row):
-    if row["method"] == "ddp":
-        return "ddp"
-    if row["method"] == "sparseloco":
-        extra = "" if row["index_coding"] == "packed" else f" {row['index_coding']}"
-        return f"sparseloco k={row['k']}{extra} H={row['H']}"
-    return f"{row['method']} H={row['H']}"
+    return row.get("label") or row["method"]
 
 
-def plot(rows, out_dir):
+def plot(rows, out_dir, suffix=""):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -109,13 +142,13 @@ def plot(rows, out_dir):
     paths = []
     cmap = plt.get_cmap("tab20")
     colors = {label(row): cmap(i % 20) for i, row in enumerate(rows)}
-    for xkey, fname, xlabel, logx in (("tokens", "quality_loss_vs_tokens.png", "training tokens (all workers)", False),
-                                      ("bytes_per_worker", "quality_loss_vs_bytes.png",
+    for xkey, fname, xlabel, logx in (("tokens", f"quality_loss_vs_tokens{suffix}.png", "training tokens (all workers)", False),
+                                      ("bytes_per_worker", f"quality_loss_vs_bytes{suffix}.png",
                                        "bytes sent per worker (cumulative)", True)):
         fig, ax = plt.subplots(figsize=(8, 5))
         for row in rows:
             pts = [p for p in row["curve"] if not (logx and p[xkey] <= 0)]
-            style = "--" if (row["H"] or 0) >= 30 else "-"
+            style = "--" if row["steps"] > rows[0]["steps"] else "-"
             ax.plot([p[xkey] for p in pts], [p["held_out_loss"] for p in pts], style, marker=".", markersize=3,
                     color=colors[label(row)], label=label(row))
         if logx:
@@ -133,44 +166,30 @@ def plot(rows, out_dir):
     return paths
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="H=15 only, 60 steps, a smaller model")
-    ap.add_argument("--steps", type=int, default=None, help="inner steps per worker (multiple of every H)")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--mbs", type=int, default=None)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--eval-windows", type=int, default=None)
-    ap.add_argument("--no-torchft", action="store_true", help="leave the torchft row out")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plots", default=None, help="directory for the PNG plots")
-    ap.add_argument("--timeout", type=float, default=None, help="per-launch timeout in seconds")
-    ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw the plots of a results JSON")
-    args = ap.parse_args(argv)
-    if args.replot:
-        with open(args.replot) as f:
-            rows = json.load(f)["results"]
-        for p in plot(rows, args.plots or os.path.dirname(os.path.abspath(args.replot))):
-            print(f"[quality] wrote {p}")
-        return 0
-    args.mbs = args.mbs or 4
-    args.eval_windows = args.eval_windows or (16 if args.quick else 64)
-    model = ModelCfg(layers=2, hidden=64 if args.quick else 128, heads=4, seq=64 if args.quick else 128)
-    W = args.workers
+def summarise(rows):
+    """Mean and spread (max − min over seeds) per (label, workers, steps)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["label"], r["workers"], r["steps"]), []).append(r)
+    out = []
+    for (lab, W, steps), rs in groups.items():
+        losses = [r["held_out_loss"] for r in rs]
+        out.append({"label": lab, "method": rs[0]["method"], "k": rs[0]["k"], "workers": W, "steps": steps,
+                    "seeds": len(rs), "mean": sum(losses) / len(losses), "spread": max(losses) - min(losses),
+                    "losses": losses, "bytes_sent_per_worker": max(r["bytes_sent_per_worker"] for r in rs),
+                    "outer_lr": rs[0]["outer_lr"], "outer_momentum": rs[0]["outer_momentum"],
+                    "chunking": rs[0].get("chunking")})
+    return out
 
+
+def run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
     from megatron_sparseloco.testing.multirank import run_ranks
 
-    t_start = time.perf_counter()
-    paths = common.ensure_data()
-    runs, ft_runs = build_runs(args)
-    env = {"OMP_NUM_THREADS": "1"}
-    timeout = args.timeout or (300 if args.quick else 3000)
-    print(f"[quality] {len(runs)} megatron runs + {0 if args.no_torchft else len(ft_runs)} torchft runs, "
-          f"W={W}, model {asdict(model)}", flush=True)
-    res = run_ranks(common.rank_run_all, W, args=(model, runs, paths), timeout=timeout, env=env)
-    rows = [row_of([res[r][i] for r in range(W)], W) for i in range(len(runs))]
-    notes = []
-    if not args.no_torchft:
+    rows = []
+    if runs:
+        res = run_ranks(common.rank_run_all, W, args=(model, runs, paths), timeout=timeout, env=env)
+        rows = [row_of([res[r][i] for r in range(W)], W) for i in range(len(runs))]
+    if ft_runs:
         lighthouses = []
         try:
             lighthouses = [common.start_lighthouse(W) for _ in ft_runs]
@@ -184,13 +203,106 @@ def main(argv=None) -> int:
         finally:
             for l in lighthouses:
                 l.shutdown()
-    total = time.perf_counter() - t_start
     for row in rows:
-        print(f"{label(row):34s} held-out {row['held_out_loss']:.4f}  bytes/worker "
-              f"{common.fmt_bytes(row['bytes_sent_per_worker']):>10s}  tokens {row['tokens']}  wall {row['wall_s']:.1f}s")
-    out = {"benchmark": "quality", "quick": args.quick, "workers": W, "model": asdict(model),
+        print(f"W={W} {label(row):40s} seed {row['seed']} held-out {row['held_out_loss']:.4f}  bytes/worker "
+              f"{common.fmt_bytes(row['bytes_sent_per_worker']):>10s}  steps {row['steps']}  wall {row['wall_s']:.1f}s",
+              flush=True)
+    return rows
+
+
+def pick_tuned(sweep_rows):
+    """method → (outer lr, momentum) with the lowest held-out loss in the sweep."""
+    tuned = {}
+    for method in SWEEP:
+        rs = [r for r in sweep_rows if r["method"] == method]
+        if rs:
+            best = min(rs, key=lambda r: r["held_out_loss"])
+            tuned[method] = (best["outer_lr"], best["outer_momentum"])
+    return tuned
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="60 steps, a smaller model (plumbing check)")
+    ap.add_argument("--steps", type=int, default=None, help="inner steps per worker (a multiple of H; default 900)")
+    ap.add_argument("--H", type=int, default=15, help="inner steps per outer step")
+    ap.add_argument("--workers", default="2", help="comma-separated worker counts, e.g. 2,4,8")
+    ap.add_argument("--seeds", type=int, default=1, help="seeds per setting (model init and data order)")
+    ap.add_argument("--methods", default=METHODS_DEFAULT,
+                    help="comma-separated: ddp, average, diloco, gasloc, torchft_diloco, sparseloco:K[:flat|:entropy]")
+    ap.add_argument("--sweep", action="store_true",
+                    help="first sweep the outer lr of diloco and sparseloco (W = first of --workers, seed 0, "
+                         "--sweep-steps), then run every method at the best setting")
+    ap.add_argument("--sweep-steps", type=int, default=None, help="steps of each sweep run (default --steps)")
+    ap.add_argument("--tuned", default=None, help="JSON with {'diloco': [lr, mu], 'sparseloco': [lr, null]}: skip the sweep")
+    ap.add_argument("--long", type=int, default=0, metavar="FACTOR",
+                    help="also one run FACTOR x longer at the first W for diloco and sparseloco k=64 (seed 0)")
+    ap.add_argument("--corpus", default=None, help="directory of text / source files (default: the Python stdlib)")
+    ap.add_argument("--corpus-patterns", default="*.py", help="comma-separated file patterns for --corpus")
+    ap.add_argument("--mbs", type=int, default=None)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--eval-windows", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plots", default=None, help="directory for the PNG plots (one pair per W)")
+    ap.add_argument("--timeout", type=float, default=None, help="per-launch timeout in seconds")
+    ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw the plots of a results JSON")
+    args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            rows = json.load(f)["results"]
+        for W in sorted({r["workers"] for r in rows}):
+            for p in plot([r for r in rows if r["workers"] == W and r["seed"] == 0],
+                          args.plots or os.path.dirname(os.path.abspath(args.replot)), f"_W{W}"):
+                print(f"[quality] wrote {p}")
+        return 0
+    args.mbs = args.mbs or 4
+    args.eval_windows = args.eval_windows or (16 if args.quick else 64)
+    model = ModelCfg(layers=2, hidden=64 if args.quick else 128, heads=4, seq=64 if args.quick else 128)
+    workers = [int(w) for w in args.workers.split(",")]
+    steps = args.steps or (60 if args.quick else 900)
+    if steps % args.H:
+        raise SystemExit(f"--steps {steps} must be a multiple of H = {args.H}")
+
+    t_start = time.perf_counter()
+    if args.corpus:
+        tag = "corpus-" + "".join(c if c.isalnum() else "_" for c in os.path.abspath(args.corpus))[-40:]
+        paths = common.ensure_data(os.path.join(common.REPO, "data", tag), corpus=args.corpus,
+                                   patterns=args.corpus_patterns.split(","))
+    else:
+        paths = common.ensure_data()
+    env = {"OMP_NUM_THREADS": "1"}
+    timeout = args.timeout or (600 if args.quick else 7200)
+    notes, rows, sweep_rows = [], [], []
+    tuned = {}
+    if args.tuned:
+        with open(args.tuned) as f:
+            tuned = {k: tuple(v) for k, v in json.load(f).items()}
+    elif args.sweep:
+        sw = sweep_runs(args, args.sweep_steps or steps)
+        print(f"[quality] sweep: {len(sw)} runs at W={workers[0]}", flush=True)
+        sweep_rows = run_rows(workers[0], model, sw, [], paths, timeout, env, notes)
+        tuned = pick_tuned(sweep_rows)
+        print(f"[quality] chosen outer settings: {tuned}", flush=True)
+    seeds = list(range(args.seeds))
+    for W in workers:
+        runs, ft_runs = build_runs(args, tuned, seeds, steps)
+        if args.long and W == workers[0]:
+            base = dict(steps=steps * args.long, mbs=args.mbs, lr=args.lr, eval_windows=args.eval_windows)
+            runs += [make_run(m, k, None, args.H, 0, base, tuned) for m, k in (("diloco", None), ("sparseloco", 64))]
+        print(f"[quality] W={W}: {len(runs)} megatron runs + {len(ft_runs)} torchft runs, model {asdict(model)}",
+              flush=True)
+        rows += run_rows(W, model, runs, ft_runs, paths, timeout, env, notes)
+    total = time.perf_counter() - t_start
+    summary = summarise(rows)
+    for g in sorted(summary, key=lambda g: (g["workers"], g["steps"], g["mean"])):
+        print(f"W={g['workers']} steps {g['steps']} {g['label']:40s} mean {g['mean']:.4f} spread {g['spread']:.4f} "
+              f"({g['seeds']} seeds)")
+    out = {"benchmark": "quality", "quick": args.quick, "workers": workers, "seeds": args.seeds, "H": args.H,
+           "model": asdict(model), "corpus": args.corpus or "python stdlib",
            "inner": {"optimizer": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1,
                      "schedule": "constant", "clip_grad": None, "micro_batch": args.mbs},
+           "tuned": tuned, "sweep": sweep_rows, "summary": summary,
+           "command": "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": common.machine_info(), "total_wall_s": total, "notes": notes, "results": rows}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -198,8 +310,9 @@ def main(argv=None) -> int:
             json.dump(out, f, indent=1)
         print(f"[quality] wrote {args.json}")
     if args.plots:
-        for p in plot(rows, args.plots):
-            print(f"[quality] wrote {p}")
+        for W in workers:
+            for p in plot([r for r in rows if r["workers"] == W and r["seed"] == 0], args.plots, f"_W{W}"):
+                print(f"[quality] wrote {p}")
     print(f"[quality] total {total:.1f}s")
     return 0
 
