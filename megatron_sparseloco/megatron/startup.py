@@ -69,18 +69,14 @@ def worker_map_lines(args, world_size: int, gpus_per_node: Optional[int] = None,
 
 def expected_rank_bytes(wrapper, args) -> Optional[int]:
     """Bytes this rank sends in one outer step (None when it depends on the round, as gossip does)."""
-    algo = args.sparseloco_algorithm
     if args.sparseloco_workers <= 1:
         return 0
     total = 0
     for s in wrapper.strategies:
-        if algo == "sparseloco" and hasattr(s, "buckets") and hasattr(s, "codec"):
-            from megatron_sparseloco.compress.sizing import payload_nbytes
-            total += sum(payload_nbytes(e - b, s.codec) for b, e in s.buckets())
-        elif algo in ("diloco", "average"):
-            total += s.params.numel * (2 if args.sparseloco_diloco_comm_dtype == "bf16" else 4)
-        else:
+        n = s.expected_payload_bytes()
+        if n is None:
             return None
+        total += n
     return total
 
 

@@ -101,5 +101,8 @@ class ModelAveraging(OuterStrategy):
         super().__init__(params, group, config if config is not None else AveragingConfig(), names, slices)
         self.check_group_layout()
 
+    def expected_payload_bytes(self) -> Optional[int]:
+        return self.params.numel * COMM_DTYPES[self.config.comm_dtype].itemsize
+
     def _outer_step(self, stats: OuterStepStats) -> None:
         dense_outer_step_(self, stats, self.config.comm_dtype)  # lr 1, no momentum: θ_outer − Δ̄

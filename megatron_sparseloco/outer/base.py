@@ -256,6 +256,11 @@ class OuterStrategy(abc.ABC):
         stats.skipped = True
         return False
 
+    def expected_payload_bytes(self) -> Optional[int]:
+        """Bytes this rank hands to the outer step's data collectives (without the 4-byte non-finite
+        flag), or None when that depends on the round (gossip) or the data (entropy coding: a bound)."""
+        return None
+
     @abc.abstractmethod
     def _outer_step(self, stats: OuterStepStats) -> None:
         """Compute Δ, communicate, update ``self.anchor`` and write it back (all buckets)."""

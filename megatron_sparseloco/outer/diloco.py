@@ -22,7 +22,7 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.outer.averaging import check_comm_dtype, dense_outer_step_
+from megatron_sparseloco.outer.averaging import COMM_DTYPES, check_comm_dtype, dense_outer_step_
 from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.registry import register_outer_strategy
 from megatron_sparseloco.outer.sgd import check_outer_sgd
@@ -59,6 +59,9 @@ class DiLoCo(OuterStrategy):
 
     def _extra_state(self) -> Dict[str, torch.Tensor]:
         return {} if self.momentum_buf is None else {"momentum": self.momentum_buf}
+
+    def expected_payload_bytes(self) -> Optional[int]:
+        return self.params.numel * COMM_DTYPES[self.config.comm_dtype].itemsize
 
     def _outer_step(self, stats: OuterStepStats) -> None:
         cfg: DiLoCoConfig = self.config

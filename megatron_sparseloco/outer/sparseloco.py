@@ -186,6 +186,12 @@ class SparseLoCo(OuterStrategy):
         span = first if first == last else f"{first}..{last}"
         return f"{self.name} bucket [{s}:{e}) ({span})"
 
+    def expected_payload_bytes(self) -> Optional[int]:
+        """Exact for packed indices; for entropy coding the upper bound (payloads are padded to it at most)."""
+        if self.plans is not None:
+            return sum(bucket_payload_nbytes(p) for p in self.plans)
+        return sum(payload_nbytes(e - s, self.codec) for s, e in self.buckets())
+
     # ------------------------------------------------------------------ the three phases
     def _compress(self, s: int, e: int, plan: Optional[BucketPlan], delta: torch.Tensor) -> Tuple[torch.Tensor, Decoded]:
         """Δ into ``delta``, e ← βe + Δ, encode e, e ← e − decode(sent). Returns (payload, what was sent)."""
