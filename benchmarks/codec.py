@@ -1,6 +1,7 @@
 """Codec benchmark: real payload sizes and encode / decode throughput against a memcpy of the same buffer.
 
     python benchmarks/codec.py [--quick] [--json PATH] [--device cpu|cuda] [--numel N] [--threads 1,0]
+    python benchmarks/codec.py --llama-1b [--json PATH]     # per-tensor payload of a 1B Llama's tensors
 
 One row per (threads, k, index coding) with C = 4096 and 2-bit values (plus a tile-mode row):
 payload_bytes (real, header and side info included), bits_per_param, ratio_vs_fp32, bits_per_index
@@ -25,6 +26,48 @@ from pathlib import Path
 import torch
 
 from megatron_sparseloco.compress import CodecConfig, analytic_bits_per_param, decode, encode, payload_nbytes
+from megatron_sparseloco.compress.segments import TensorSlice, bucket_payload_nbytes, encode_bucket, plan_buckets
+
+#: the tensor shapes of a 1B Llama (Llama-3.2-1B: hidden 2048, 16 layers, 32 query / 8 KV heads of 64,
+#: SwiGLU FFN 8192, vocabulary 128256, tied embeddings), as Megatron holds them (fused QKV and fc1)
+LLAMA_1B = (
+    [("embedding.word_embeddings.weight", (128256, 2048))]
+    + [item for i in range(16) for item in (
+        (f"layers.{i}.input_layernorm.weight", (2048,)),
+        (f"layers.{i}.self_attention.linear_qkv.weight", (2048 + 2 * 512, 2048)),
+        (f"layers.{i}.self_attention.linear_proj.weight", (2048, 2048)),
+        (f"layers.{i}.pre_mlp_layernorm.weight", (2048,)),
+        (f"layers.{i}.mlp.linear_fc1.weight", (2 * 8192, 2048)),
+        (f"layers.{i}.mlp.linear_fc2.weight", (2048, 8192)),
+    )]
+    + [("final_layernorm.weight", (2048,))]
+)
+
+
+def llama_payloads(k: int = 64, chunk: int = 4096) -> dict:
+    """Real per-tensor payload bytes (packed and entropy-coded indices, 2-bit values, 1-D dense) of the
+    Llama-1B tensor set, one whole tensor per rank; values torch.randn with a per-tensor fixed seed."""
+    numel = sum(math.prod(s) for _, s in LLAMA_1B)
+    out = {"model": "llama-1b shapes", "numel": numel, "k": k, "chunk": chunk, "tensors": len(LLAMA_1B)}
+    for coding in ("packed", "entropy"):
+        cfg = CodecConfig(chunk=chunk, k=k, index_coding=coding)
+        total = formula = 0
+        t0 = time.perf_counter()
+        for i, (name, shape) in enumerate(LLAMA_1B):
+            n = math.prod(shape)
+            (plan,) = plan_buckets([TensorSlice(shape, 0, n)], cfg, 1 << 31, True, [name])
+            x = torch.randn(n, generator=torch.Generator().manual_seed(i))
+            size = encode_bucket(x, plan, name).numel()
+            if coding == "packed" and size != bucket_payload_nbytes(plan):
+                raise AssertionError(f"{name}: payload {size} B, formula {bucket_payload_nbytes(plan)} B")
+            total += size
+            formula += bucket_payload_nbytes(plan)
+        out[coding] = {"payload_bytes": total, "bits_per_param": 8 * total / numel,
+                       "ratio_vs_fp32": 4 * numel / total, "encode_s": time.perf_counter() - t0,
+                       "size_formula_bytes": formula}
+        print(f"llama-1b {coding:8s} k={k}/{chunk}: {total} B, {8 * total / numel:.4f} bits/param, "
+              f"{4 * numel / total:.1f}x fewer than fp32", flush=True)
+    return out
 
 
 def cpu_model() -> str:
@@ -118,7 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--numel", type=int, help="buffer size (default 2**24, or 2**22 with --quick)")
     parser.add_argument("--threads", default="0", help="comma list of torch thread counts; 0 = torch default")
     parser.add_argument("--repeats", type=int, help="timed runs per measurement (median reported)")
+    parser.add_argument("--llama-1b", action="store_true", help="only the per-tensor payload size of a 1B Llama's tensors")
     args = parser.parse_args(argv)
+    if args.llama_1b:
+        result = llama_payloads()
+        result["command"] = " ".join(["python", "benchmarks/codec.py", *(argv if argv is not None else sys.argv[1:])])
+        result["cpu"] = cpu_model()
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+            print(f"wrote {args.json}")
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
     device = torch.device(args.device)

@@ -47,6 +47,7 @@ def interp(monkeypatch):
     if not INTERPRETED:
         pytest.skip("triton was imported in compiled mode (GPU present, or imported before this module)")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(fp.INTERPRETER_SWITCH, "1")
     yield
 
 

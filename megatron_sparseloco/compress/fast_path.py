@@ -7,7 +7,9 @@
 The Triton path runs when :func:`unsupported_reason` returns ``None``:
 
 * triton is importable, and the tensors are on CUDA. CPU tensors also qualify under
-  ``TRITON_INTERPRET=1``, which is how the tests run the kernels without a GPU.
+  ``TRITON_INTERPRET=1`` together with ``SPARSELOCO_INTERPRET_KERNELS=1``, which is how the kernel
+  tests run them without a GPU (elsewhere the interpreter would only slow CPU runs down).
+  ``SPARSELOCO_TRITON=0`` turns the kernels off everywhere.
 * ``chunk_mode="flat"``, ``index_coding="packed"``, ``value_bits`` 2 or 4, ``quant_group_chunks=0``
   (one quantiser per tensor), ``2 <= chunk <= 4096``, ``k < chunk`` (not dense).
 * fp32, contiguous input with at least one element (``delta`` also fp32 for the EF step).
@@ -123,8 +125,17 @@ def config_unsupported_reason(cfg: CodecConfig) -> str | None:
     return None
 
 
+#: ``SPARSELOCO_TRITON=0`` turns the kernels off everywhere (the torch codec, same bytes);
+#: ``SPARSELOCO_INTERPRET_KERNELS=1`` is needed for CPU tensors to take them in the Triton interpreter
+#: (the kernel tests set it; elsewhere the interpreter would only make CPU runs slow).
+TRITON_SWITCH = "SPARSELOCO_TRITON"
+INTERPRETER_SWITCH = "SPARSELOCO_INTERPRET_KERNELS"
+
+
 def device_unsupported_reason(device: torch.device) -> str | None:
     """Why tensors on ``device`` cannot take the Triton path, or None."""
+    if os.environ.get(TRITON_SWITCH, "1") == "0":
+        return f"{TRITON_SWITCH}=0"
     err = _triton_error()
     if err:
         return err
@@ -133,6 +144,8 @@ def device_unsupported_reason(device: torch.device) -> str | None:
             return "TRITON_INTERPRET=1 (now or when triton was imported) but the tensor is on CUDA"
         return None
     if device.type == "cpu" and _interpret():
+        if os.environ.get(INTERPRETER_SWITCH, "0") != "1":
+            return f"CPU tensor under TRITON_INTERPRET=1 without {INTERPRETER_SWITCH}=1 (interpreted kernels are for tests)"
         if not _triton_interpreted():
             return "TRITON_INTERPRET=1 was set after triton was imported; set it before the first import"
         return None
@@ -420,7 +433,8 @@ def _scatter_kernels(stacked, cfg, out, scales, counts):
     if head0.numel != numel:
         raise PayloadError(f"payloads describe {head0.numel} elements, out has {numel}")
     geo = _Geometry(numel, cfg)
-    side = stacked[:, HEADER_BYTES : geo.values_at].contiguous().view(torch.float32)
+    # reshape(-1) copies unless one row (then a view at a 4-byte offset): view as fp32 works for any row length
+    side = stacked[:, HEADER_BYTES : geo.values_at].reshape(-1).view(torch.float32).view(n_workers, -1)
     if not bool(torch.isfinite(side).all()):
         bad = int(torch.nonzero(~torch.isfinite(side).all(1))[0])
         raise PayloadError(f"payload {bad}: side info (quantiser shift / centroids) holds NaN or Inf")

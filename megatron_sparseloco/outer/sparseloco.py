@@ -66,7 +66,7 @@ from megatron_sparseloco.compress import (
     decode,
     payload_nbytes,
 )
-from megatron_sparseloco.compress.error_feedback import error_feedback_step_bucket
+from megatron_sparseloco.compress.fast_segments import decode_scatter_add_bucket_fast, error_feedback_step_bucket_fast
 # Triton kernels on CUDA for the configurations they cover; the torch codec (identical bytes) otherwise.
 from megatron_sparseloco.compress.fast_path import error_feedback_step_fast as error_feedback_step
 from megatron_sparseloco.compress.segments import BucketPlan, bucket_payload_nbytes, decode_bucket, plan_buckets
@@ -201,7 +201,7 @@ class SparseLoCo(OuterStrategy):
             payload, local = error_feedback_step(err, delta, cfg.ef_beta, self.codec, name)
             expected = payload_nbytes(e - s, self.codec)
         else:
-            payload, local = error_feedback_step_bucket(err, delta, cfg.ef_beta, plan, name)
+            payload, local = error_feedback_step_bucket_fast(err, delta, cfg.ef_beta, plan, name)
             expected = bucket_payload_nbytes(plan)
         if cfg.index_coding == "packed" and payload.numel() != expected:
             raise RuntimeError(f"{name}: codec produced {payload.numel()} bytes, the size formula promises {expected}")
@@ -216,9 +216,15 @@ class SparseLoCo(OuterStrategy):
         cfg: SparseLoCoConfig = self.config
         agg.zero_()
         counts.zero_()
+        clip_min, scales = 1.0, None
+        if plan is not None and not cfg.peer_norm_clip:  # fused decode + scatter-add (Triton where it applies)
+            try:
+                decode_scatter_add_bucket_fast(payloads, plan, agg, counts, skip=self.rank, skip_decoded=local)
+            except ValueError as exc:
+                raise type(exc)(f"{self._bucket_name(s, e)}: {exc}") from exc
+            return self._finish_bucket(s, e, agg, counts, clip_min)
         # our own payload was decoded by the EF step already (decode is deterministic)
         decoded = (local if w == self.rank else self._decode(p, plan, w, s, e) for w, p in enumerate(payloads))
-        clip_min, scales = 1.0, None
         if cfg.peer_norm_clip:
             decoded = list(decoded)
             norms = torch.stack([torch.linalg.vector_norm(d.values) for d in decoded])
@@ -228,6 +234,11 @@ class SparseLoCo(OuterStrategy):
             values = d.values if scales is None else d.values * scales[w]
             agg.index_add_(0, d.indices, values)
             counts.index_add_(0, d.indices, torch.ones_like(d.indices, dtype=self.count_dtype))
+        return self._finish_bucket(s, e, agg, counts, clip_min)
+
+    def _finish_bucket(self, s: int, e: int, agg: torch.Tensor, counts: torch.Tensor, clip_min: float):
+        """Mean (contributors or all), outer SGD, write back; returns (union, clip_min, update)."""
+        cfg: SparseLoCoConfig = self.config
         kept_union = int(torch.count_nonzero(counts).item())
         if cfg.reduce == "contributors":
             agg.div_(counts.clamp_min(1))
