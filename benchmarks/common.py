@@ -130,7 +130,7 @@ class RunCfg:
 
 
 def strategy_fields(run: RunCfg) -> Dict:
-    """The outer strategy and its config fields for a run (reference hyper-parameters, DESIGN §1,
+    """The outer strategy and its config fields for a run (reference hyper-parameters, docs/design.md §1,
     unless the run sets its outer lr / momentum)."""
     if run.method == "average":
         return dict()

@@ -4,7 +4,7 @@
 
 Needs root, ``ip`` and ``tc`` (iproute2; ``apt-get install iproute2``). Exits 2 with the reason when
 namespaces or tc are unavailable. Everything happens in namespaces created here and deleted at
-the end (also on error); no address outside them is used (DESIGN.md §4).
+the end (also on error); no address outside them is used (docs/design.md §4).
 
 Uniform link: one private namespace ``slb-u-<pid>``, its loopback up and shaped with
 ``tc qdisc replace dev lo root tbf rate 100mbit burst 512kb latency 100ms``; the W ranks run

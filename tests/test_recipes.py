@@ -65,7 +65,7 @@ def test_recipe_args_parse_and_validate(name, algo, monkeypatch):
         assert all(len(set(n)) * gpn == lay.ranks_per_worker for n in lay.worker_nodes), lay.worker_nodes
     if args.num_experts:
         assert world // W % (args.expert_model_parallel_size * (args.expert_tensor_parallel_size or 1)) == 0
-    # Paper defaults (DESIGN.md section 1.2).
+    # Paper defaults (docs/design.md §1.2).
     assert args.clip_grad == 1.0 and args.weight_decay == 0.1 and args.lr_decay_style == "cosine"
     assert args.sparseloco_inner_steps in (5, 15)
     if algo == "sparseloco":

@@ -42,7 +42,7 @@ if [[ -z "${PRETRAIN_SCRIPT:-}" ]]; then
     fi
 fi
 
-# Outer-step flags for ALGO. Defaults (DESIGN.md section 1; docs/recipes.md has the sources):
+# Outer-step flags for ALGO. Defaults (docs/design.md §1; docs/recipes.md has the sources):
 #   sparseloco: H=15 (reference code; Covenant-72B used 30), top-64 of 4096 (1.56 %), 2-bit values,
 #               error-feedback decay 0.95, outer SGD lr 1.0 without momentum.
 #   diloco:     H=15 here to match the SparseLoCo comparison (the DiLoCo paper used 500),
@@ -114,7 +114,7 @@ sparseloco_gpu_training_args() {
     )
 }
 
-# What CPU + gloo needs (DESIGN.md section 3): no fused CUDA kernels (they come from Apex / TE),
+# What CPU + gloo needs (docs/design.md §3): no fused CUDA kernels (they come from Apex / TE),
 # CPU initialisation. Used by the cpu_tiny_* recipes.
 sparseloco_cpu_args() {
     CPU_ARGS=(

@@ -2,7 +2,7 @@
 
 ``python -m megatron_sparseloco.data.build --out data/stdlib`` writes
 ``train_text_document.{bin,idx}``, ``valid_text_document.{bin,idx}`` and ``manifest.json``
-from the Python standard-library sources (DESIGN.md §4: real text nobody here wrote, present on
+from the Python standard-library sources (docs/design.md §4: real text nobody here wrote, present on
 every machine, no downloads). Train with Megatron's own ``--tokenizer-type NullTokenizer
 --vocab-size 257`` (bytes 0..255, EOD 256 = NullTokenizer's default ``vocab_size - 1``).
 

@@ -26,7 +26,7 @@ NONFINITE_POLICIES = ("skip", "abort")
 COMM_DTYPES = ("fp32", "bf16")
 CHUNKINGS = ("tensor", "flat")
 
-#: algorithm → (outer lr, outer momentum, nesterov); from the papers (DESIGN.md §1).
+#: algorithm → (outer lr, outer momentum, nesterov); from the papers (docs/design.md §1).
 ALGORITHM_DEFAULTS = {
     "sparseloco": (1.0, 0.0, False),   # EF plays momentum's role; reference α = 1
     "diloco": (0.7, 0.9, True),        # DiLoCo paper

@@ -1,6 +1,6 @@
 """GASLoC: a decentralised gossip outer step with outer momentum (arXiv 2606.11081, grounded form).
 
-No public code or pseudocode of GASLoC exists; this is the implementable form of DESIGN.md §1.3,
+No public code or pseudocode of GASLoC exists; this is the implementable form of docs/design.md §1.3,
 built from the paper's summary (gossip outer step, momentum on the gossip-mixed increment, one- or
 two-peer randomised matchings, reduces to DiLoCo on the complete graph). docs/gasloc.md lists which
 parts are read and which are our assumptions.

@@ -3,7 +3,7 @@
 Nothing in the production code path imports this module. Tests call :func:`apply_cpu_bridges`
 inside each rank (after ``import megatron.core``) and before building models or optimizers.
 
-megatron-core assumes CUDA in many places (DESIGN.md §3). Each assumption is answered by one
+megatron-core assumes CUDA in many places (docs/design.md §3). Each assumption is answered by one
 named :class:`Bridge` in :data:`BRIDGES` that records the megatron file/function it answers, why,
 and a ``check()`` that re-reads the installed megatron source and says whether the workaround is
 still needed. ``tests/test_cpu_bridges.py`` fails with the bridge's name when an upgrade fixes or
