@@ -20,7 +20,7 @@ def parse(argv, monkeypatch):
 
 
 @pytest.mark.parametrize("algo,lr,mom,nesterov", [
-    ("sparseloco", 1.0, 0.0, False), ("diloco", 0.7, 0.9, True), ("gasloc", 1.0, 0.9, False), ("average", 1.0, 0.0, False),
+    ("sparseloco", 1.5, 0.0, False), ("diloco", 0.7, 0.9, True), ("gasloc", 1.0, 0.9, False), ("average", 1.0, 0.0, False),
 ])
 def test_algorithm_defaults_resolved(algo, lr, mom, nesterov, monkeypatch):
     args = parse(BASE + ["--sparseloco-algorithm", algo, "--sparseloco-workers", "2"], monkeypatch)

@@ -28,7 +28,8 @@ CHUNKINGS = ("tensor", "flat")
 
 #: algorithm → (outer lr, outer momentum, nesterov); from the papers (docs/design.md §1).
 ALGORITHM_DEFAULTS = {
-    "sparseloco": (1.0, 0.0, False),   # EF plays momentum's role; reference α = 1
+    "sparseloco": (1.5, 0.0, False),   # EF plays momentum's role; reference α = 1, our sweep chose
+                                       # 1.5 of {0.8, 1, 1.2, 1.5} (docs/benchmarks.md)
     "diloco": (0.7, 0.9, True),        # DiLoCo paper
     "gasloc": (1.0, 0.9, False),       # heavy-ball on the gossip-mixed increment
     "average": (1.0, 0.0, False),      # plain model averaging

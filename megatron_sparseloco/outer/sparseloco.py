@@ -17,7 +17,8 @@ Per outer step, per bucket B (a flat range of this rank's shard), on worker r:
 
 Following production Templar, Δ enters the error feedback unscaled and lr is applied once, in the
 SGD step (the reference code multiplies by lr twice). Defaults: chunk 4096, k 64 (1.56 %), 2-bit
-values, β 0.95, contributors mean, lr 1, no momentum.
+values, β 0.95, contributors mean, lr 1.5 (the reference uses 1; 1.5 was best of {0.8, 1, 1.2, 1.5}
+in our quality benchmark, docs/benchmarks.md), no momentum, per-tensor chunking, 1-D tensors dense.
 
 ``peer_norm_clip``: before summing, worker w's decoded values in a bucket are scaled by
 min(1, median_w' ‖v_w'‖ / ‖v_w‖) (the lower median, ``torch.median``, of the W peers' norms in
@@ -89,7 +90,7 @@ class SparseLoCoConfig(OuterConfig):
     quant_group_chunks: int = 0  # flat chunking: 0 = one quantiser per bucket; g > 0: one per g chunks
     ef_beta: float = 0.95
     reduce: str = "contributors"
-    lr: float = 1.0
+    lr: float = 1.5              # the reference's α = 1; 1.5 won our outer-lr sweep (docs/benchmarks.md)
     momentum: float = 0.0
     nesterov: bool = False
     peer_norm_clip: bool = False
