@@ -370,18 +370,32 @@ def rank_torchft(rank: int, world: int, model: ModelCfg, runs: List[RunCfg], pat
 
 # ---------------------------------------------------------------------------- markdown tables (docs/benchmarks.md)
 def markdown_quality(data: Dict) -> str:
-    rows = data["results"]
-    dense = {r["H"]: r["bytes_sent_per_worker"] for r in rows if r["method"] == "diloco"}
-    out = ["| method | k | H | held-out loss | bytes sent / worker | × fewer than diloco (same H) | tokens | wall s |",
-           "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        name = r["method"] + (" (entropy idx)" if r.get("index_coding") == "entropy" else "")
-        ratio = ""
-        if r["H"] in dense and r["method"] not in ("diloco",):
-            ratio = f"{dense[r['H']] / r['bytes_sent_per_worker']:.1f}×"
-        out.append(f"| {name} | {r['k'] or ''} | {r['H'] or ''} | {r['held_out_loss']:.4f} | "
-                   f"{fmt_bytes(r['bytes_sent_per_worker'])} | {ratio} | {r['tokens']:,} | {r['wall_s']:.0f} |")
+    """Mean ± spread (max − min over seeds) per setting, with bytes and the ratio to dense DiLoCo."""
+    summary = data["summary"]
+    dense = {(g["workers"], g["steps"]): g["bytes_sent_per_worker"] for g in summary if g["method"] == "diloco"}
+    out = ["| W | steps | method | outer lr / μ | seeds | held-out loss mean | spread | bytes sent / worker | "
+           "× fewer than diloco |", "|---|---|---|---|---|---|---|---|---|"]
+    for g in sorted(summary, key=lambda g: (g["workers"], g["steps"], g["mean"])):
+        ref = dense.get((g["workers"], g["steps"]))
+        ratio = f"{ref / g['bytes_sent_per_worker']:.1f}×" if ref and g["method"] not in ("diloco", "ddp") else ""
+        lr = "" if g["outer_lr"] is None else f"{g['outer_lr']:g}" + (
+            "" if g["outer_momentum"] is None else f" / {g['outer_momentum']:g}")
+        name = g["label"].split(" lr=")[0].replace(" H=15", "")
+        out.append(f"| {g['workers']} | {g['steps']} | {name} | {lr} | {g['seeds']} | {g['mean']:.4f} | "
+                   f"{g['spread']:.4f} | {fmt_bytes(g['bytes_sent_per_worker'])} | {ratio} |")
     return "\n".join(out)
+
+
+def merge_quality(parts: List[Dict]) -> Dict:
+    """One results document from several quality.py JSONs (e.g. one per W, run in pieces)."""
+    merged = dict(parts[0])
+    merged["results"] = [r for p in parts for r in p["results"]]
+    merged["summary"] = [g for p in parts for g in p["summary"]]
+    merged["workers"] = sorted({w for p in parts for w in p["workers"]})
+    merged["commands"] = [p["command"] for p in parts]
+    merged["total_wall_s"] = sum(p["total_wall_s"] for p in parts)
+    merged["sweep"] = [r for p in parts for r in p.get("sweep", [])]
+    return merged
 
 
 def markdown_network(data: Dict, case: str) -> str:
