@@ -39,6 +39,23 @@ class CommCounter:
         self.by_kind = {}
 
 
+def collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """The device a tensor must live on for a collective over ``group``: CUDA for NCCL, else CPU.
+
+    NCCL refuses CPU tensors ("No backend type associated with device type cpu"); gloo takes CPU
+    tensors (and, for most ops, CUDA ones through a host copy), so small host-side bookkeeping
+    collectives use this instead of hard-coding a device.
+    """
+    if dist.is_initialized() and torch.cuda.is_available():
+        try:
+            backend = str(dist.get_backend(group)).lower()
+        except (RuntimeError, ValueError):
+            backend = ""
+        if "nccl" in backend:
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _group_size(group: Optional[dist.ProcessGroup]) -> int:
     if group is None and not dist.is_initialized():
         return 1

@@ -16,6 +16,8 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_sparseloco.comm.collectives import collective_device
+
 
 def worker_totals(wrapper, intra_group: Optional[dist.ProcessGroup]) -> Dict[str, float]:
     """This worker's outer-loop totals (an all-reduce over ``intra_group``, the worker's ranks)."""
@@ -24,7 +26,7 @@ def worker_totals(wrapper, intra_group: Optional[dist.ProcessGroup]) -> Dict[str
         float(wrapper.log.bytes_sent), float(wrapper.log.bytes_received), float(wrapper.log.numel),
         float(last.get("bytes_sent", 0.0)), last.get("delta_norm", 0.0) ** 2, last.get("error_norm", 0.0) ** 2,
         last.get("update_norm", 0.0) ** 2,
-    ], dtype=torch.float64)
+    ], dtype=torch.float64, device=collective_device(intra_group))  # NCCL refuses CPU tensors
     if intra_group is not None and dist.is_initialized() and dist.get_world_size(intra_group) > 1:
         dist.all_reduce(vals, group=intra_group)
     steps = max(wrapper.log.outer_steps, 1)

@@ -105,13 +105,17 @@ def log_startup(wrapper, args) -> None:
 
     numel = sum(s.params.numel for s in wrapper.strategies)
     mine = expected_rank_bytes(wrapper, args)
-    vals = torch.tensor([float(numel), float(mine if mine is not None else -1)], dtype=torch.float64)
+    from megatron_sparseloco.comm.collectives import collective_device
+
     group = None
     if dist.is_initialized():
         from megatron.core import parallel_state
         group = parallel_state.get_intra_distributed_optimizer_instance_group()
+    dev = collective_device(group)  # NCCL refuses CPU tensors
+    vals = torch.tensor([float(numel), float(mine if mine is not None else -1)], dtype=torch.float64, device=dev)
+    if group is not None:
         if dist.get_world_size(group) > 1:
-            unknown = torch.tensor([1.0 if mine is None else 0.0], dtype=torch.float64)
+            unknown = torch.tensor([1.0 if mine is None else 0.0], dtype=torch.float64, device=dev)
             dist.all_reduce(unknown, group=group)
             dist.all_reduce(vals, group=group)
             if unknown.item():
