@@ -253,3 +253,49 @@ def test_plan_splits_large_slices_at_tile_rows():
 def test_chunk_not_a_square_uses_flat_chunks_inside_tensors():
     plans = plan_buckets([TensorSlice((32, 32), 0, 1024)], CodecConfig(chunk=128, k=4), 1 << 20, True, ["w"])
     assert [s.geometry for s in plans[0].segments] == ["flat"]
+
+
+def _one_plan():
+    sls = layout_slices("pos1of3")
+    (plan,) = plan_buckets([sl for _, sl in sls], CodecConfig(**BASE), 1 << 20, True, [n for n, _ in sls])
+    return plan
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (lambda p: torch.cat([torch.tensor(list(b"XXXX"), dtype=torch.uint8), p[4:]]), "magic"),
+    (lambda p: p[:-1], "truncated"),
+    (lambda p: torch.cat([p, p[:2]]), "trailing"),
+    (lambda p: p[:20], "fewer than"),
+])
+def test_bucket_payload_defects_are_refused(corrupt, match):
+    from megatron_sparseloco.compress import PayloadError
+    from megatron_sparseloco.compress.segments import decode_bucket, encode_bucket
+    plan = _one_plan()
+    payload = encode_bucket(torch.randn(plan.numel, generator=torch.Generator().manual_seed(1)), plan)
+    with pytest.raises(PayloadError, match=match):
+        decode_bucket(corrupt(payload), plan)
+
+
+def test_bucket_payload_from_another_layout_names_the_segment():
+    from megatron_sparseloco.compress import PayloadError
+    from megatron_sparseloco.compress.segments import decode_bucket, encode_bucket
+    plan = _one_plan()
+    payload = encode_bucket(torch.randn(plan.numel, generator=torch.Generator().manual_seed(1)), plan)
+    i, seg = next((i, s) for i, s in enumerate(plan.segments) if s.geometry != "flat")
+    segs = list(plan.segments)
+    segs[i] = type(seg)(seg.offset, seg.numel, "flat", 0, seg.name)  # what a mis-planned worker expects
+    other = type(plan)(plan.start, plan.end, tuple(segs), plan.codec)
+    with pytest.raises(PayloadError, match=f"segment {i} \\({seg.name}\\)"):
+        decode_bucket(payload, other)
+
+
+def test_strategy_names_the_worker_of_a_malformed_payload():
+    from megatron_sparseloco.compress import PayloadError
+    sls = layout_slices("whole")
+    params = take(full_params(), sls)
+    strat = build_outer_strategy("sparseloco", params, None, names=[n for n, _ in sls],
+                                 slices=[sl for _, sl in sls], **CONFIGS["tensor"])
+    plan = strat.plans[0]
+    good = torch.zeros(1, dtype=torch.uint8)
+    with pytest.raises(PayloadError, match="worker 3"):
+        strat._decode(good, plan, 3, plan.start, plan.end)

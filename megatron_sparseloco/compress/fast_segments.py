@@ -39,8 +39,8 @@ from megatron_sparseloco.compress.segments import (
     SEGMENT_ENTRY_BYTES,
     BucketPlan,
     Segment,
-    _pack_header,
-    _read_table,
+    pack_bucket_header,
+    read_bucket_table,
     decode_bucket,
     segment_config,
     segment_layout,
@@ -152,7 +152,7 @@ def error_feedback_step_bucket_fast(error: torch.Tensor, delta: torch.Tensor, be
         lengths.append(n)
         indices.append(idx + seg.offset)
         values.append(val)
-    head = torch.frombuffer(bytearray(_pack_header(plan, lengths)), dtype=torch.uint8).to(error.device)
+    head = torch.frombuffer(bytearray(pack_bucket_header(plan, lengths)), dtype=torch.uint8).to(error.device)
     payload = torch.cat([head] + parts)
     return payload, Decoded(plan.numel, torch.cat(indices), torch.cat(values), plan.codec)
 
@@ -175,7 +175,7 @@ def decode_scatter_add_bucket_fast(payloads: Sequence[torch.Tensor], plan: Bucke
         if w == skip:
             continue
         try:
-            lengths[w] = _read_table(p, plan)
+            lengths[w] = read_bucket_table(p, plan)
         except PayloadError as exc:
             raise PayloadError(f"payload {w}: {exc}") from exc
     at0 = BUCKET_HEADER_BYTES + SEGMENT_ENTRY_BYTES * len(plan.segments)

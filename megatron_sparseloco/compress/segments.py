@@ -212,7 +212,7 @@ def bucket_payload_nbytes(plan: BucketPlan) -> int:
 
 
 # ---------------------------------------------------------------------------------- encode / decode
-def _pack_header(plan: BucketPlan, index_lengths: Sequence[int]) -> bytes:
+def pack_bucket_header(plan: BucketPlan, index_lengths: Sequence[int]) -> bytes:
     c = plan.codec
     head = BUCKET_HEADER.pack(MAGIC, VERSION, c.value_bits, INDEX_CODING_IDS[c.index_coding], 0,
                               c.chunk, c.k, tile_edge(c.chunk), len(plan.segments), plan.numel)
@@ -233,12 +233,12 @@ def encode_bucket(x: torch.Tensor, plan: BucketPlan, name: str = "bucket") -> to
         cfg = segment_config(plan.codec, seg.geometry)
         part = x[seg.offset:seg.offset + seg.numel].view(seg.shape)
         bodies.append(encode_body(part, cfg, name=f"{name}: {seg.name}"))
-    head = _pack_header(plan, [b.index.numel() for b in bodies])
+    head = pack_bucket_header(plan, [b.index.numel() for b in bodies])
     head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(x.device)
     return torch.cat([head_t] + [p for b in bodies for p in b.parts()])
 
 
-def _read_table(payload: torch.Tensor, plan: BucketPlan) -> list[int]:
+def read_bucket_table(payload: torch.Tensor, plan: BucketPlan) -> list[int]:
     """Check the header and table against ``plan``; return each segment's index length."""
     if payload.numel() < BUCKET_HEADER_BYTES:
         raise PayloadError(f"bucket payload has {payload.numel()} bytes, fewer than the {BUCKET_HEADER_BYTES}-byte header")
@@ -285,7 +285,7 @@ def decode_bucket(payload: torch.Tensor, plan: BucketPlan, device: torch.device 
         raise PayloadError("decode_bucket: payload must be a 1-D torch.uint8 tensor")
     if device is not None:
         payload = payload.to(device)
-    lengths = _read_table(payload, plan)
+    lengths = read_bucket_table(payload, plan)
     at = BUCKET_HEADER_BYTES + SEGMENT_ENTRY_BYTES * len(plan.segments)
     layouts = [segment_layout(s, plan.codec) for s in plan.segments]
     cfgs = [segment_config(plan.codec, s.geometry) for s in plan.segments]
