@@ -31,7 +31,8 @@ import torch.distributed as dist
 from megatron_sparseloco.megatron import checkpointing as ckpt
 from megatron_sparseloco.megatron.consistency import DivergenceError, check_identical_across_workers
 from megatron_sparseloco.megatron.main_params import main_param_shards, member_optimizers
-from megatron_sparseloco.megatron.outer_group import OuterStepWatch, WorkerLostError, build_outer_group
+from megatron_sparseloco.megatron.outer_group import (OuterStepWatch, WorkerLostError, build_outer_group,
+                                                       single_rank_group)
 from megatron_sparseloco.megatron.worker_isolation import (
     cross_worker_group,
     intra_worker_group,
@@ -89,7 +90,10 @@ class OuterLoopOptimizer:
         self.config = config.validate()
         self.num_workers = isolate_workers(self.model_chunks)
         base_group = group if group is not None else cross_worker_group(self.model_chunks)
-        if self.config.outer_timeout_s is not None and self.num_workers > 1:
+        if self.num_workers == 1:
+            # One worker: the outer step runs on this rank's shard alone (see single_rank_group).
+            self.group = single_rank_group()
+        elif self.config.outer_timeout_s is not None:
             self.group = build_outer_group(base_group, self.config.outer_timeout_s)
         else:
             self.group = base_group
