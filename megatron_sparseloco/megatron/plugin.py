@@ -1,6 +1,6 @@
 """Install the plugin into megatron.training without editing Megatron.
 
-``install()`` wraps three module attributes that megatron.training looks up at call time:
+``install()`` wraps module attributes that megatron.training looks up at call time:
 
 - ``megatron.training.arguments.add_megatron_arguments``: also adds the ``--sparseloco-*`` group,
   so any pretrain script's ``parse_args`` / ``parse_and_validate_args`` accepts our flags;
@@ -10,7 +10,10 @@
 - ``megatron.training.training.get_megatron_optimizer``: wraps the optimizer in
   ``OuterLoopOptimizer`` when ``--sparseloco-algorithm`` is set;
 - ``megatron.training.training.training_log``: after Megatron's own line, a ``sparseloco |`` line
-  and ``sparseloco/*`` TensorBoard / W&B scalars at every ``--log-interval``.
+  and ``sparseloco/*`` TensorBoard / W&B scalars at every ``--log-interval``;
+- ``megatron.training.training.train_step``: with W > 1 its loss all-reduce runs over the worker's
+  data-parallel group; the optimizer wrap also scopes Megatron's timer barriers and rerun-machine
+  flags to the worker (``worker_local``), so inner steps issue no cross-worker collective.
 
 With ``--sparseloco-algorithm`` unset the plugin changes nothing.
 """
@@ -48,7 +51,15 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
     )
     global ACTIVE
     ACTIVE = OuterLoopOptimizer(optimizer, model_chunks, strategy_factory_from_args(args), config, group=group)
+    from megatron.training.global_vars import get_timers
+
+    from megatron_sparseloco.megatron.worker_local import make_training_reductions_worker_local
+    make_training_reductions_worker_local(ACTIVE.num_workers, get_timers())
     return ACTIVE
+
+
+def _active_workers() -> int:
+    return ACTIVE.num_workers if ACTIVE is not None else 1
 
 
 def log_outer_metrics(iteration: int) -> None:
@@ -114,7 +125,10 @@ def install() -> None:
         log_outer_metrics(iteration)
         return out
 
+    from megatron_sparseloco.megatron.worker_local import wrap_train_step
+
     margs.add_megatron_arguments = add_megatron_arguments
+    mtrain.train_step = wrap_train_step(mtrain.train_step, _active_workers)
     mtrain.training_log = training_log
     margs.validate_args = validate_args
     mtrain.get_megatron_optimizer = get_megatron_optimizer
