@@ -157,3 +157,21 @@ def test_stalled_worker_fails_the_job_fast_naming_it(tmp_path):
     assert "--sparseloco-outer-timeout" in message, message
     waited = float(failed.group(1)) - float(stall.group(1))
     assert waited < timeout_s + 15, waited
+
+
+# ------------------------------------------------------------------------------------------ tied
+@pytest.mark.multirank
+@pytest.mark.megatron
+@pytest.mark.timeout(300)
+def test_tied_embeddings_identical_across_pipeline_stages(tmp_path):
+    """PP 2 with tied embeddings (Megatron's default), 2 SparseLoCo workers (4 ranks): after the
+    last outer step the first stage's word embeddings and the last stage's output layer are
+    bitwise identical (before: each copy was compressed with its own error feedback)."""
+    res, ranks = launch(tmp_path, "tied", nproc=4, workers=2, algorithm="sparseloco",
+                        extra=["--pipeline-model-parallel-size", "2", "--sparseloco-topk", "8",
+                               "--sparseloco-chunk-size", "256"])
+    assert res["returncode"] == 0, tail(res)
+    assert all(r["outer_steps"] == 2 for r in ranks)
+    assert_tied_copies_identical(ranks)
+    assert_identical_replicas(ranks)
+    assert not crossing_inner_calls(ranks)

@@ -7,6 +7,7 @@ call the outer step of the chosen strategy:
     for each member optimizer m (dense / expert DistributedOptimizer ...):
         strategy_m.step()                      # Δ = θ_outer − θ_local, communicate, update θ_outer,
                                                # θ_local ← θ_outer on m's fp32 main-param shards
+    copy tied params (embedding / output layer) from the first pipeline stage (``tied``)
     m._copy_main_params_to_model_params()      # fp32 main → bf16/fp32 model params (param buffer)
     all-gather params inside the worker        # DDP start_param_sync(force_sync=True)
 
@@ -33,6 +34,7 @@ from megatron_sparseloco.megatron.consistency import DivergenceError, check_iden
 from megatron_sparseloco.megatron.main_params import main_param_shards, member_optimizers
 from megatron_sparseloco.megatron.outer_group import (OuterStepWatch, WorkerLostError, build_outer_group,
                                                        single_rank_group)
+from megatron_sparseloco.megatron.tied import TiedParamSync
 from megatron_sparseloco.megatron.worker_isolation import (
     cross_worker_group,
     intra_worker_group,
@@ -118,6 +120,9 @@ class OuterLoopOptimizer:
         self.strategy_of: List[Optional[OuterStrategy]] = [
             strategy_factory(s.tensors, self.group, s.names) if s.tensors else None for s in self.shards]
         self.strategies: List[OuterStrategy] = [s for s in self.strategy_of if s is not None]
+        # Params Megatron ties across pipeline stages (embedding / output layer): copied from the
+        # first stage after every outer step, so the copies stay bitwise identical.
+        self.tied = TiedParamSync(self.shards, self.strategy_of)
         # θ_outer is (re-)anchored on the params at the first step unless a checkpoint's outer
         # state was loaded: Megatron may load params after building the optimizer (checkpoint
         # without outer state, --no-load-optim, --finetune).
@@ -176,6 +181,7 @@ class OuterLoopOptimizer:
             if self.num_workers > 1 and not isinstance(exc, NonFiniteError):
                 raise self.watch.fail(step_no, exc, self.config.outer_timeout_s or 0.0) from exc
             raise
+        self.tied.sync(self.shards, self.strategy_of)
         self._publish_main_params()
         if timer is not None:
             timer.stop()
