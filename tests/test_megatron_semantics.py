@@ -175,3 +175,47 @@ def test_tied_embeddings_identical_across_pipeline_stages(tmp_path):
     assert_tied_copies_identical(ranks)
     assert_identical_replicas(ranks)
     assert not crossing_inner_calls(ranks)
+
+
+# ------------------------------------------------------------------------------------------ precision-aware
+@pytest.mark.parametrize("flags,named", [
+    (["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer"),
+    (["--use-precision-aware-optimizer", "--optimizer-cpu-offload"], "--optimizer-cpu-offload"),
+])
+def test_precision_aware_optimizer_and_cpu_offload_refused_by_flag_validation(flags, named, monkeypatch):
+    """Their masters live in the optimizer state: refused by the flag validation (before any model
+    is built), naming the flag. Before: accepted, and the outer step silently covered nothing."""
+    import sys
+
+    from megatron.training.arguments import parse_args
+
+    from megatron_sparseloco.megatron.arguments import (SparseLoCoArgumentError, add_sparseloco_args,
+                                                        validate_sparseloco_args)
+    argv = ["--use-distributed-optimizer", "--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "2"] + flags
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    args = parse_args(add_sparseloco_args)
+    if named == "--optimizer-cpu-offload":
+        args.use_precision_aware_optimizer = False  # the offload flag alone must be named too
+    with pytest.raises(SparseLoCoArgumentError, match=named + ".*Fix: drop " + named):
+        validate_sparseloco_args(args, world_size=2)
+
+
+def test_precision_aware_main_params_never_skipped_silently():
+    """A distributed optimizer without fp32 main shards (precision-aware: None) is an error naming
+    the flags, not an outer step that skips the parameter."""
+    import torch
+
+    from megatron_sparseloco.megatron.main_params import main_param_shards
+
+    class Range:
+        def __init__(self, n):
+            self.start, self.end, self.size = 0, n, n
+
+    p = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    fake = type("DistributedOptimizer", (), {})()
+    fake.model_float16_groups, fake.shard_fp32_from_float16_groups = [[p]], [[None]]
+    fake.model_fp32_groups, fake.shard_fp32_groups = [[]], [[]]
+    fake.buffers, fake.data_parallel_group = [], None
+    fake._get_model_param_range_map = lambda param: {"param": Range(param.numel())}
+    with pytest.raises(AssertionError, match="--use-precision-aware-optimizer"):
+        main_param_shards(fake)
