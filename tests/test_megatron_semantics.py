@@ -9,7 +9,14 @@ checked (issue 16):
 - inner_isolation: no collective whose group spans two workers between outer steps (loss
   reduction, timer barriers, rerun-machine flags are worker-local);
 - stalled: a worker stopped with SIGSTOP fails the healthy workers within
-  --sparseloco-outer-timeout + a margin, naming the missing worker and its rank.
+  --sparseloco-outer-timeout + a margin, naming the missing worker and its rank;
+- tied / virtual_pipeline: PP 2 (and 2 virtual stages per rank) keep the tied embedding and
+  output layer bitwise identical;
+- precision_aware: --use-precision-aware-optimizer / --optimizer-cpu-offload refused by flag
+  validation, and a missing fp32 main param is an error, never skipped;
+- inner_steps_changed / plain_megatron: resuming with another H is announced; the plugin off opens
+  a plugin checkpoint (model + worker 0's optimizer state) naming the flags that continue the loop;
+- matrix cells: gasloc × TP 2, average × W = 1 × EP 2 (MoE).
 """
 from __future__ import annotations
 
@@ -238,3 +245,38 @@ def test_virtual_pipeline_two_workers_in_example_script(tmp_path):
     assert_tied_copies_identical(ranks)
     assert_identical_replicas(ranks)
     assert not crossing_inner_calls(ranks)
+
+
+# ------------------------------------------------------------------------------------------ resume
+@pytest.mark.multirank
+@pytest.mark.megatron
+@pytest.mark.timeout(1200)
+def test_inner_steps_changed_on_resume_and_plain_megatron_opening_plugin_checkpoint(tmp_path):
+    """One 2-worker checkpoint (H = 2, saved at iteration 3, one step into round 2), then:
+    - inner_steps_changed: resuming with H = 3 is announced (old and new H, where the next outer
+      step falls, the flag to keep the saved rounds) and the outer step comes at inner step 6;
+    - plain_megatron: loading it with the plugin off (no --sparseloco-algorithm) trains on, with a
+      message naming the flags that continue the outer loop (before: a bare assert len(steps) == 1)."""
+    ckpt = str(tmp_path / "ckpt")
+    res, _ = launch(tmp_path, "save", workers=2, algorithm="diloco", H=2, iters=3, timeout=400,
+                    extra=["--save", ckpt, "--save-interval", "3", "--ckpt-format", "torch_dist"])
+    assert res["returncode"] == 0, tail(res)
+
+    res, ranks = launch(tmp_path, "resume_h3", workers=2, algorithm="diloco", H=3, iters=6, timeout=400,
+                        extra=["--load", ckpt, "--ckpt-format", "torch_dist"])
+    assert res["returncode"] == 0, tail(res)
+    log = "\n".join(res["log_lines"])
+    assert ("saved with --sparseloco-inner-steps 2 at inner step 3" in log
+            and "this run uses --sparseloco-inner-steps 3" in log
+            and "the next outer step runs after 3 more inner step(s) (at inner step 6)" in log
+            and "Resume with --sparseloco-inner-steps 2" in log), tail(res)
+    assert [r["outer_steps"] for r in ranks] == [2, 2]  # 1 before the save, 1 at inner step 6
+    assert_identical_replicas(ranks)
+
+    cmd_extra = ["--load", ckpt, "--ckpt-format", "torch_dist"]
+    res, _ = launch(tmp_path, "plain", workers=2, algorithm="none", iters=5, extra=cmd_extra, timeout=400)
+    assert res["returncode"] == 0, tail(res)
+    log = "\n".join(res["log_lines"])
+    assert "this checkpoint was written with the outer loop on (2 workers" in log, tail(res)
+    assert "--sparseloco-algorithm diloco --sparseloco-workers 2 --sparseloco-inner-steps 2" in log, tail(res)
+    assert sorted(i for i, _ in res["train_loss"]) == [4, 5], tail(res)

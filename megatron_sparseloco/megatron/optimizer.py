@@ -227,7 +227,8 @@ class OuterLoopOptimizer:
         return {"format": ckpt.FORMAT_VERSION, "num_workers": self.num_workers, "algorithms": self.algorithms,
                 "states": {f"m{i}": sorted(ckpt.elementwise_state(sh, st))
                            for i, (sh, st) in enumerate(zip(self.shards, self.strategy_of))},
-                "inner_calls": self.inner_calls, "outer_steps": self.log.outer_steps}
+                "inner_calls": self.inner_calls, "outer_steps": self.log.outer_steps,
+                "inner_steps": self.config.inner_steps}
 
     def state_dict(self):
         raise RuntimeError(
@@ -257,6 +258,11 @@ class OuterLoopOptimizer:
                 return sd  # a checkpoint without outer state
             if saved is not None:
                 ckpt.check_saved_metadata(saved, self.num_workers, self.algorithms)
+                change = ckpt.describe_inner_steps_change(saved, self.config.inner_steps)
+                if change:
+                    logger.warning(change)
+                    if not dist.is_initialized() or dist.get_rank() == 0:
+                        print(change, flush=True)
             sd[ckpt.OUTER_KEY] = {"tensors": ckpt.build_load_request(self.strategy_of, self.shards, self.worker_index,
                                                                      metas, saved)}
             return sd

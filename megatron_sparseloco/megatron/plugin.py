@@ -32,6 +32,7 @@ ACTIVE = None
 def wrap_optimizer_from_args(optimizer, model_chunks, args):
     """The OuterLoopOptimizer for validated ``args`` (or ``optimizer`` itself when the plugin is off)."""
     if getattr(args, "sparseloco_algorithm", None) is None:
+        _open_plugin_checkpoints_without_plugin(optimizer)
         return optimizer
     import torch.distributed as dist
 
@@ -56,6 +57,49 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
     from megatron_sparseloco.megatron.worker_local import make_training_reductions_worker_local
     make_training_reductions_worker_local(ACTIVE.num_workers, get_timers())
     return ACTIVE
+
+
+def plain_load_message(saved: dict) -> str:
+    algos = ",".join(saved.get("algorithms") or []) or "?"
+    return (f"sparseloco: this checkpoint was written with the outer loop on ({saved.get('num_workers')} workers, "
+            f"--sparseloco-algorithm {algos}, {saved.get('outer_steps')} outer steps). Without --sparseloco-algorithm "
+            "it loads as a plain Megatron checkpoint: the model and worker 0's inner optimizer state; the other "
+            "workers' state, θ_outer and the error feedback are ignored. To continue the outer loop pass "
+            f"--sparseloco-algorithm {algos.split(',')[0]} --sparseloco-workers {saved.get('num_workers')} "
+            f"--sparseloco-inner-steps {saved.get('inner_steps', 'H')}")
+
+
+def _open_plugin_checkpoints_without_plugin(optimizer) -> None:
+    """Plugin off: a plugin checkpoint still loads (model + worker 0's optimizer state), announced.
+
+    megatron-core 0.19.2 without Apex/TE cannot load any checkpoint into a fresh distributed
+    optimizer (``assert len(steps) == 1``: torch creates Adam's ``step`` only at the first step);
+    the same placeholders the outer loop adds before a load (``checkpointing.ensure_adam_step_state``)
+    are added here, on load only. Nothing else changes.
+    """
+    if optimizer is None or getattr(optimizer, "_sparseloco_plain_loader", False):
+        return
+    orig = optimizer.sharded_state_dict
+
+    @functools.wraps(orig)
+    def sharded_state_dict(model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        if is_loading:
+            from megatron_sparseloco.megatron import checkpointing as ckpt
+            from megatron_sparseloco.megatron.main_params import member_optimizers
+            metadata = kwargs.get("metadata")
+            saved = metadata.get(ckpt.METADATA_KEY) if isinstance(metadata, dict) else None
+            if saved is not None:
+                message = plain_load_message(saved)
+                logger.warning(message)
+                import torch.distributed as dist
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    print(message, flush=True)
+            ckpt.ensure_adam_step_state([m for m in member_optimizers(optimizer)
+                                         if not getattr(m, "is_stub_optimizer", False)])
+        return orig(model_sharded_state_dict, is_loading, **kwargs)
+
+    optimizer.sharded_state_dict = sharded_state_dict
+    optimizer._sparseloco_plain_loader = True
 
 
 def _active_workers() -> int:
