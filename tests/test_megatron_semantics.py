@@ -280,3 +280,40 @@ def test_inner_steps_changed_on_resume_and_plain_megatron_opening_plugin_checkpo
     assert "this checkpoint was written with the outer loop on (2 workers" in log, tail(res)
     assert "--sparseloco-algorithm diloco --sparseloco-workers 2 --sparseloco-inner-steps 2" in log, tail(res)
     assert sorted(i for i, _ in res["train_loss"]) == [4, 5], tail(res)
+
+
+# ------------------------------------------------------------------------------------------ matrix
+def assert_identical_within_worker(ranks):
+    """gasloc: workers differ by design; ranks of one worker at one place still agree."""
+    by_key = {}
+    for r in ranks:
+        worker = {int(k): v for k, v in r["worker_of"].items()}[r["rank"]]
+        by_key.setdefault((worker, r["pp_rank"], r["tp_rank"], r["ep_rank"]), []).append(r)
+    for group in by_key.values():
+        for other in group[1:]:
+            assert other["params"] == group[0]["params"], (group[0]["rank"], other["rank"])
+
+
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-router-topk", "2",
+       "--moe-token-dispatcher-type", "alltoall", "--no-bias-gelu-fusion", "--disable-bias-linear"]
+
+
+@pytest.mark.multirank
+@pytest.mark.megatron
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("cell", [
+    dict(nproc=4, workers=2, algorithm="gasloc", extra=["--tensor-model-parallel-size", "2"]),
+    dict(nproc=2, workers=1, algorithm="average", extra=["--expert-model-parallel-size", "2"] + MOE),
+], ids=["gasloc-W2-TP2", "average-single_worker-EP2-moe"])
+def test_matrix_single_worker_and_inner_isolation_cells(tmp_path, cell):
+    """The configuration cells the other tests here do not cover (together with them every algorithm
+    meets W ∈ {1, 2}, DP2-in-worker, TP2, PP2 tied, VPP, EP2): 4 iterations, 2 outer steps each."""
+    res, ranks = launch(tmp_path, cell["algorithm"], **cell)
+    assert res["returncode"] == 0, tail(res)
+    assert all(r["outer_steps"] == 2 for r in ranks)
+    assert not crossing_inner_calls(ranks)
+    assert_outer_step_stays_at_its_position(ranks)
+    if cell["algorithm"] == "gasloc":
+        assert_identical_within_worker(ranks)
+    else:
+        assert_identical_replicas(ranks)
