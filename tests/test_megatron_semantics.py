@@ -258,9 +258,17 @@ def test_inner_steps_changed_on_resume_and_plain_megatron_opening_plugin_checkpo
     - plain_megatron: loading it with the plugin off (no --sparseloco-algorithm) trains on, with a
       message naming the flags that continue the outer loop (before: a bare assert len(steps) == 1)."""
     ckpt = str(tmp_path / "ckpt")
-    res, _ = launch(tmp_path, "save", workers=2, algorithm="diloco", H=2, iters=3, timeout=400,
-                    extra=["--save", ckpt, "--save-interval", "3", "--ckpt-format", "torch_dist"])
+    # Same --train-iters in every run (Megatron's LR schedule refuses a change); the later runs
+    # start from the iteration-3 checkpoint alone (as tests/test_checkpoint_resume.py does).
+    import shutil
+    full = str(tmp_path / "ckpt_full")
+    res, _ = launch(tmp_path, "save", workers=2, algorithm="diloco", H=2, iters=6, timeout=400,
+                    extra=["--save", full, "--save-interval", "3", "--ckpt-format", "torch_dist"])
     assert res["returncode"] == 0, tail(res)
+    os.makedirs(ckpt)
+    shutil.copytree(os.path.join(full, "iter_0000003"), os.path.join(ckpt, "iter_0000003"))
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")
 
     res, ranks = launch(tmp_path, "resume_h3", workers=2, algorithm="diloco", H=3, iters=6, timeout=400,
                         extra=["--load", ckpt, "--ckpt-format", "torch_dist"])
@@ -274,12 +282,12 @@ def test_inner_steps_changed_on_resume_and_plain_megatron_opening_plugin_checkpo
     assert_identical_replicas(ranks)
 
     cmd_extra = ["--load", ckpt, "--ckpt-format", "torch_dist"]
-    res, _ = launch(tmp_path, "plain", workers=2, algorithm="none", iters=5, extra=cmd_extra, timeout=400)
+    res, _ = launch(tmp_path, "plain", workers=2, algorithm="none", iters=6, extra=cmd_extra, timeout=400)
     assert res["returncode"] == 0, tail(res)
     log = "\n".join(res["log_lines"])
     assert "this checkpoint was written with the outer loop on (2 workers" in log, tail(res)
     assert "--sparseloco-algorithm diloco --sparseloco-workers 2 --sparseloco-inner-steps 2" in log, tail(res)
-    assert sorted(i for i, _ in res["train_loss"]) == [4, 5], tail(res)
+    assert sorted(i for i, _ in res["train_loss"]) == [4, 5, 6], tail(res)
 
 
 # ------------------------------------------------------------------------------------------ matrix
