@@ -39,6 +39,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
+from megatron.core.utils import get_attr_wrapped_model
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
@@ -146,7 +147,8 @@ def forward_step(data_iterator, model):
     """One micro-batch forward; Megatron calls the returned closure on the output."""
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
-    tokens, labels, loss_mask, position_ids = get_batch(data_iterator, getattr(model, "vp_stage", None))
+    # The virtual-pipeline stage sits on the GPTModel inside the DDP / Float16Module wrappers.
+    tokens, labels, loss_mask, position_ids = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
     timers("batch-generator").stop()
     output_tensor = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)

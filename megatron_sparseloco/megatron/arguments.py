@@ -245,6 +245,10 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
         ("overlap_param_gather_with_optimizer_step", "the outer step rewrites params after the optimizer step"),
         ("calculate_per_token_loss", "per-token loss normalisation all-reduces token counts across all workers"),
         ("moe_router_enable_expert_bias", "the expert-bias update all-reduces token counts across all workers every step"),
+        ("use_precision_aware_optimizer", "its fp32 master params live in the optimizer state, where the outer step "
+         "cannot read or write them (the workers would never sync)"),
+        ("optimizer_cpu_offload", "its fp32 master params live in the offloaded optimizer state, where the outer step "
+         "cannot read or write them (the workers would never sync)"),
     ):
         if getattr(args, dest, False):
             raise SparseLoCoArgumentError(f"--{dest.replace('_', '-')} cannot be combined with --sparseloco-algorithm "

@@ -318,6 +318,24 @@ def restore_scalars(shards_list, worker: int, worker_rank: int, worker_size: int
 FACTS_BEFORE_RECORDED = {"chunking": "flat"}
 
 
+def describe_inner_steps_change(saved: dict, inner_steps: int) -> Optional[str]:
+    """What a resume with another ``--sparseloco-inner-steps`` does (None when unchanged or unknown).
+
+    Rounds are counted by the inner-call counter: an outer step runs whenever it reaches a
+    multiple of H. A new H keeps every state and re-aligns the rounds to multiples of the new H.
+    """
+    old = saved.get("inner_steps")
+    if old is None or int(old) == int(inner_steps):
+        return None
+    old, calls = int(old), int(saved["inner_calls"])
+    wait = (-calls) % inner_steps or inner_steps
+    return (f"sparseloco: the checkpoint was saved with --sparseloco-inner-steps {old} at inner step {calls} "
+            f"({calls % old} of {old} into its round); this run uses --sparseloco-inner-steps {inner_steps}. "
+            f"Rounds re-align to multiples of {inner_steps}: the next outer step runs after {wait} more inner "
+            f"step(s) (at inner step {calls + wait}); θ_outer, error feedback, momentum and the inner optimizer "
+            f"state are kept. Resume with --sparseloco-inner-steps {old} to keep the saved rounds")
+
+
 def check_saved_metadata(saved: dict, num_workers: int, algorithms: List[str], facts: Optional[dict] = None) -> None:
     """Fail before anything is read when the checkpoint's outer state cannot fit this run."""
     version = saved.get("format")

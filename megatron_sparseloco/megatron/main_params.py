@@ -77,8 +77,17 @@ def main_param_shards(optimizer) -> MainParamShards:
 
     def add(model_groups, main_groups):
         for model_group, main_group in zip(model_groups, main_groups):
+            if len(model_group) != len(main_group):
+                raise AssertionError(f"{type(optimizer).__name__}: {len(model_group)} model params but "
+                                     f"{len(main_group)} main params in a param group")
             for model_param, main in zip(model_group, main_group):
-                if main is None or main.numel() == 0:
+                if main is None:
+                    # Never skip a parameter silently: the outer step would not cover it.
+                    raise AssertionError(
+                        f"{names.get(id(model_param), '?')}: {type(optimizer).__name__} keeps no fp32 main param for it "
+                        "(--use-precision-aware-optimizer / --optimizer-cpu-offload keep the masters in the "
+                        "optimizer state), so the outer step cannot cover it. Fix: drop those flags")
+                if main.numel() == 0:
                     continue
                 if main.dtype != torch.float32:
                     raise TypeError(f"main param of {names.get(id(model_param), '?')} is {main.dtype}, expected fp32")
@@ -92,6 +101,13 @@ def main_param_shards(optimizer) -> MainParamShards:
         add(optimizer.model_fp32_groups, optimizer.shard_fp32_groups)
         out.all_model_params = [p for buffer in optimizer.buffers for p in buffer.param_index_map]
         out.shard_group = optimizer.data_parallel_group
+        # The shards must cover everything the optimizer updates on this rank.
+        owned = sum(optimizer._get_model_param_range_map(p)["param"].size
+                    for group in (optimizer.model_float16_groups, optimizer.model_fp32_groups) for g in group for p in g)
+        covered = sum(t.numel() for t in out.tensors)
+        if covered != owned:
+            raise AssertionError(f"{type(optimizer).__name__}: the outer step would cover {covered} of the {owned} "
+                                 "elements this rank's optimizer updates")
     elif hasattr(optimizer, "fp32_from_float16_groups"):              # Float16OptimizerWithFloat16Params
         add(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
         add(optimizer.fp32_from_fp32_groups, optimizer.fp32_from_fp32_groups)

@@ -7,6 +7,7 @@ call the outer step of the chosen strategy:
     for each member optimizer m (dense / expert DistributedOptimizer ...):
         strategy_m.step()                      # Δ = θ_outer − θ_local, communicate, update θ_outer,
                                                # θ_local ← θ_outer on m's fp32 main-param shards
+    copy tied params (embedding / output layer) from the first pipeline stage (``tied``)
     m._copy_main_params_to_model_params()      # fp32 main → bf16/fp32 model params (param buffer)
     all-gather params inside the worker        # DDP start_param_sync(force_sync=True)
 
@@ -31,7 +32,9 @@ import torch.distributed as dist
 from megatron_sparseloco.megatron import checkpointing as ckpt
 from megatron_sparseloco.megatron.consistency import DivergenceError, check_identical_across_workers
 from megatron_sparseloco.megatron.main_params import main_param_shards, member_optimizers
-from megatron_sparseloco.megatron.outer_group import OuterStepWatch, WorkerLostError, build_outer_group
+from megatron_sparseloco.megatron.outer_group import (OuterStepWatch, WorkerLostError, build_outer_group,
+                                                       single_rank_group)
+from megatron_sparseloco.megatron.tied import TiedParamSync
 from megatron_sparseloco.megatron.worker_isolation import (
     cross_worker_group,
     intra_worker_group,
@@ -90,7 +93,10 @@ class OuterLoopOptimizer:
         self.config = config.validate()
         self.num_workers = isolate_workers(self.model_chunks)
         base_group = group if group is not None else cross_worker_group(self.model_chunks)
-        if self.config.outer_timeout_s is not None and self.num_workers > 1:
+        if self.num_workers == 1:
+            # One worker: the outer step runs on this rank's shard alone (see single_rank_group).
+            self.group = single_rank_group()
+        elif self.config.outer_timeout_s is not None:
             self.group = build_outer_group(base_group, self.config.outer_timeout_s)
         else:
             self.group = base_group
@@ -115,6 +121,9 @@ class OuterLoopOptimizer:
         self.strategy_of: List[Optional[OuterStrategy]] = [
             strategy_factory(s.tensors, self.group, s.names, s.slices()) if s.tensors else None for s in self.shards]
         self.strategies: List[OuterStrategy] = [s for s in self.strategy_of if s is not None]
+        # Params Megatron ties across pipeline stages (embedding / output layer): copied from the
+        # first stage after every outer step, so the copies stay bitwise identical.
+        self.tied = TiedParamSync(self.shards, self.strategy_of)
         # θ_outer is (re-)anchored on the params at the first step unless a checkpoint's outer
         # state was loaded: Megatron may load params after building the optimizer (checkpoint
         # without outer state, --no-load-optim, --finetune).
@@ -173,6 +182,7 @@ class OuterLoopOptimizer:
             if self.num_workers > 1 and not isinstance(exc, NonFiniteError):
                 raise self.watch.fail(step_no, exc, self.config.outer_timeout_s or 0.0) from exc
             raise
+        self.tied.sync(self.shards, self.strategy_of)
         self._publish_main_params()
         if timer is not None:
             timer.stop()
@@ -223,7 +233,8 @@ class OuterLoopOptimizer:
                 "states": {f"m{i}": sorted(ckpt.elementwise_state(sh, st))
                            for i, (sh, st) in enumerate(zip(self.shards, self.strategy_of))},
                 "inner_calls": self.inner_calls, "outer_steps": self.log.outer_steps,
-                "facts": self.checkpoint_facts()}
+                "facts": self.checkpoint_facts(),
+                "inner_steps": self.config.inner_steps}
 
     def checkpoint_facts(self) -> dict:
         """The strategies' settings a resume must keep (e.g. SparseLoCo's chunking), with their flags."""
@@ -261,6 +272,11 @@ class OuterLoopOptimizer:
                 return sd  # a checkpoint without outer state
             if saved is not None:
                 ckpt.check_saved_metadata(saved, self.num_workers, self.algorithms, self.checkpoint_facts())
+                change = ckpt.describe_inner_steps_change(saved, self.config.inner_steps)
+                if change:
+                    logger.warning(change)
+                    if not dist.is_initialized() or dist.get_rank() == 0:
+                        print(change, flush=True)
             sd[ckpt.OUTER_KEY] = {"tensors": ckpt.build_load_request(self.strategy_of, self.shards, self.worker_index,
                                                                      metas, saved)}
             return sd

@@ -36,6 +36,20 @@ def build_outer_group(base_group: Optional[dist.ProcessGroup], timeout_s: float)
     return group
 
 
+def single_rank_group() -> Optional[dist.ProcessGroup]:
+    """A process group of this rank alone: the outer group of one worker (W = 1).
+
+    With one worker the outer step still runs (a lookahead step on θ_outer for DiLoCo, the
+    compressed update with error feedback for SparseLoCo), but it must talk to no one: the
+    default group (``None``) would join ranks holding *different* shards of the same worker.
+    Only this rank takes part in creating it (``use_local_synchronization``), so it is cheap at
+    any scale. None without torch.distributed.
+    """
+    if not dist.is_initialized():
+        return None
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
 def _default_store():
     try:
         from torch.distributed.distributed_c10d import _get_default_store

@@ -1,6 +1,6 @@
 """Install the plugin into megatron.training without editing Megatron.
 
-``install()`` wraps three module attributes that megatron.training looks up at call time:
+``install()`` wraps module attributes that megatron.training looks up at call time:
 
 - ``megatron.training.arguments.add_megatron_arguments``: also adds the ``--sparseloco-*`` group,
   so any pretrain script's ``parse_args`` / ``parse_and_validate_args`` accepts our flags;
@@ -10,7 +10,10 @@
 - ``megatron.training.training.get_megatron_optimizer``: wraps the optimizer in
   ``OuterLoopOptimizer`` when ``--sparseloco-algorithm`` is set;
 - ``megatron.training.training.training_log``: after Megatron's own line, a ``sparseloco |`` line
-  and ``sparseloco/*`` TensorBoard / W&B scalars at every ``--log-interval``.
+  and ``sparseloco/*`` TensorBoard / W&B scalars at every ``--log-interval``;
+- ``megatron.training.training.train_step``: with W > 1 its loss all-reduce runs over the worker's
+  data-parallel group; the optimizer wrap also scopes Megatron's timer barriers and rerun-machine
+  flags to the worker (``worker_local``), so inner steps issue no cross-worker collective.
 
 With ``--sparseloco-algorithm`` unset the plugin changes nothing.
 """
@@ -64,6 +67,7 @@ def explain_resume_error(exc: BaseException):
 def wrap_optimizer_from_args(optimizer, model_chunks, args):
     """The OuterLoopOptimizer for validated ``args`` (or ``optimizer`` itself when the plugin is off)."""
     if getattr(args, "sparseloco_algorithm", None) is None:
+        _open_plugin_checkpoints_without_plugin(optimizer)
         return optimizer
     import torch.distributed as dist
 
@@ -86,7 +90,58 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
     from megatron_sparseloco.megatron.startup import log_startup, warn_if_outer_state_not_loaded
     log_startup(ACTIVE, args)               # rank 0: resolved settings, worker map, expected bytes
     warn_if_outer_state_not_loaded(args)
+    from megatron.training.global_vars import get_timers
+
+    from megatron_sparseloco.megatron.worker_local import make_training_reductions_worker_local
+    make_training_reductions_worker_local(ACTIVE.num_workers, get_timers())
     return ACTIVE
+
+
+def plain_load_message(saved: dict) -> str:
+    algos = ",".join(saved.get("algorithms") or []) or "?"
+    return (f"sparseloco: this checkpoint was written with the outer loop on ({saved.get('num_workers')} workers, "
+            f"--sparseloco-algorithm {algos}, {saved.get('outer_steps')} outer steps). Without --sparseloco-algorithm "
+            "it loads as a plain Megatron checkpoint: the model and worker 0's inner optimizer state; the other "
+            "workers' state, θ_outer and the error feedback are ignored. To continue the outer loop pass "
+            f"--sparseloco-algorithm {algos.split(',')[0]} --sparseloco-workers {saved.get('num_workers')} "
+            f"--sparseloco-inner-steps {saved.get('inner_steps', 'H')}")
+
+
+def _open_plugin_checkpoints_without_plugin(optimizer) -> None:
+    """Plugin off: a plugin checkpoint still loads (model + worker 0's optimizer state), announced.
+
+    megatron-core 0.19.2 without Apex/TE cannot load any checkpoint into a fresh distributed
+    optimizer (``assert len(steps) == 1``: torch creates Adam's ``step`` only at the first step);
+    the same placeholders the outer loop adds before a load (``checkpointing.ensure_adam_step_state``)
+    are added here, on load only. Nothing else changes.
+    """
+    if optimizer is None or getattr(optimizer, "_sparseloco_plain_loader", False):
+        return
+    orig = optimizer.sharded_state_dict
+
+    @functools.wraps(orig)
+    def sharded_state_dict(model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        if is_loading:
+            from megatron_sparseloco.megatron import checkpointing as ckpt
+            from megatron_sparseloco.megatron.main_params import member_optimizers
+            metadata = kwargs.get("metadata")
+            saved = metadata.get(ckpt.METADATA_KEY) if isinstance(metadata, dict) else None
+            if saved is not None:
+                message = plain_load_message(saved)
+                logger.warning(message)
+                import torch.distributed as dist
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    print(message, flush=True)
+            ckpt.ensure_adam_step_state([m for m in member_optimizers(optimizer)
+                                         if not getattr(m, "is_stub_optimizer", False)])
+        return orig(model_sharded_state_dict, is_loading, **kwargs)
+
+    optimizer.sharded_state_dict = sharded_state_dict
+    optimizer._sparseloco_plain_loader = True
+
+
+def _active_workers() -> int:
+    return ACTIVE.num_workers if ACTIVE is not None else 1
 
 
 def log_outer_metrics(iteration: int) -> None:
@@ -166,7 +221,10 @@ def install() -> None:
             raise RuntimeError(better) from exc
 
     mtrain.load_checkpoint = load_checkpoint
+    from megatron_sparseloco.megatron.worker_local import wrap_train_step
+
     margs.add_megatron_arguments = add_megatron_arguments
+    mtrain.train_step = wrap_train_step(mtrain.train_step, _active_workers)
     mtrain.training_log = training_log
     margs.validate_args = validate_args
     mtrain.get_megatron_optimizer = get_megatron_optimizer
