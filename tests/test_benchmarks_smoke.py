@@ -1,8 +1,9 @@
 """Smoke tests of benchmarks/quality.py and benchmarks/network.py (tiny step counts, schema checks).
 
-quality.py --quick --steps 15: every method (ddp, diloco, sparseloco k ∈ {32, 64, 128} + the
-entropy-coded row, gasloc, torchft_diloco) produces a finite held-out loss and bytes > 0, and the
-JSON has the documented schema. network.py --smoke: runs inside a private network namespace with a
+quality.py --quick --steps 15 --seeds 2 with every method (ddp, average, diloco, sparseloco
+k ∈ {32, 64, 128}, the entropy-coded and flat-chunking rows, gasloc, torchft_diloco) produces a
+finite held-out loss and bytes > 0, one row per method × seed, a summary with mean and spread, and
+the JSON has the documented schema. network.py --smoke: runs inside a private network namespace with a
 shaped loopback; skipped (with the reason network.py prints) where root / netns / tc are missing.
 """
 from __future__ import annotations
@@ -37,18 +38,24 @@ def _have_torchft() -> bool:
 
 def test_quality_quick_schema(tmp_path):
     out = tmp_path / "quality.json"
-    cmd = [sys.executable, QUALITY, "--quick", "--steps", "15", "--json", str(out), "--plots", str(tmp_path)]
-    if not _have_torchft():
-        cmd.append("--no-torchft")
+    methods = "ddp,average,diloco,gasloc,sparseloco:32,sparseloco:64,sparseloco:128,sparseloco:64:entropy,sparseloco:64:flat"
+    if _have_torchft():
+        methods += ",torchft_diloco"
+    cmd = [sys.executable, QUALITY, "--quick", "--steps", "15", "--seeds", "2", "--methods", methods,
+           "--json", str(out), "--plots", str(tmp_path)]
     r = _run(cmd, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     data = json.loads(out.read_text())
     rows = data["results"]
     methods = {row["method"] for row in rows}
-    expected = {"ddp", "diloco", "sparseloco", "gasloc"} | ({"torchft_diloco"} if _have_torchft() else set())
+    expected = {"ddp", "average", "diloco", "sparseloco", "gasloc"} | ({"torchft_diloco"} if _have_torchft() else set())
     assert expected <= methods, (methods, data.get("notes"))
     assert {row["k"] for row in rows if row["method"] == "sparseloco"} == {32, 64, 128}
     assert any(row.get("index_coding") == "entropy" for row in rows)
+    assert any(row.get("chunking") == "flat" for row in rows)
+    assert sorted({row["seed"] for row in rows}) == [0, 1]
+    assert len(rows) == 2 * len(methods.split(","))
+    assert all(g["seeds"] == 2 and g["spread"] >= 0 for g in data["summary"])
     tokens = {row["tokens"] for row in rows}
     assert len(tokens) == 1 and tokens.pop() > 0, "every method must see the same number of tokens"
     for row in rows:
@@ -60,8 +67,8 @@ def test_quality_quick_schema(tmp_path):
     for row in rows:
         if row["method"] == "sparseloco":
             assert row["bytes_sent_per_worker"] * 50 < dense, row
-    assert (tmp_path / "quality_loss_vs_tokens.png").stat().st_size > 0
-    assert (tmp_path / "quality_loss_vs_bytes.png").stat().st_size > 0
+    assert (tmp_path / "quality_loss_vs_tokens_W2.png").stat().st_size > 0
+    assert (tmp_path / "quality_loss_vs_bytes_W2.png").stat().st_size > 0
 
 
 def _slb_namespaces() -> set:
