@@ -1,0 +1,464 @@
+"""Cost model of one outer step: bytes per worker and time on a link, against H inner steps of compute.
+
+``python -m megatron_sparseloco.costmodel --preset llama-8b --workers 4,16,64 --bandwidth-gbps 1,10,100``
+
+**Shards.** A worker is ``TP·PP·DP`` ranks (DP = data-parallel ranks inside the worker). The model is
+a list of parameter shapes (presets :data:`PRESETS`, or ``--params N`` for a synthetic stack of
+4096-wide matrices). A rank's piece is built like megatron-core lays it out, with the evenness the
+brief assumes:
+
+* TP: column-parallel weights (QKV, FC1, embedding and output layer, vocabulary-parallel) are cut
+  along dim 0, row-parallel ones (attention projection, FC2) along dim 1, 1-D norms are replicated;
+  every TP rank holds the same shapes, so its payload is computed once and counted ``TP`` times.
+* PP: stage ``p`` holds layers ``[p·L/PP, (p+1)·L/PP)``; the embedding is on the first stage, the
+  final norm and the output layer on the last.
+* DP (distributed optimizer): the stage's parameters, concatenated in model order, are cut into DP
+  contiguous ranges of equal size (``[j·M/DP, (j+1)·M/DP)``); a range cuts 2-D weights mid-row
+  anywhere, as Megatron's does. (Megatron shards each of its gradient buckets, not the whole buffer,
+  and orders parameters in reverse; both move a few mid-row cuts, i.e. a few hundred bytes.)
+
+Each rank's SparseLoCo payload is then **exact** for packed indices: the strategy's own planner
+(``compress.segments.plan_buckets``, ``bucket_payload_nbytes``) over the rank's slices, with the
+strategy's bucket size. ``P_rank`` below is that sum over the rank's buckets, ``P = Σ_ranks P_rank``
+the worker's payload, ``b_rank`` the rank's bucket count, ``n_rank`` its element count.
+
+**Counted bytes** (what the strategies' ``CommCounter`` reports: the bytes a rank hands to each
+collective, summed over the worker's ranks; a 4-byte fp32 non-finite flag all-reduce per rank and
+step; nothing at W = 1):
+
+    allgather       sent = Σ_r (4 + P_r)            received = Σ_r (4 + (W−1)·P_r)
+    DiLoCo fp32     sent = received = Σ_r (4 + 4·n_r)          (bf16: 2·n_r)
+
+**Wire bytes and time.** A worker's ranks share one link of bandwidth ``bw`` (bit/s, full duplex)
+and one-way latency ``α``; the cross-worker groups (one per rank position) run at the same time, so
+the bytes add up on the link and the latencies of each group's sequential collectives do not:
+
+    allgather (ring)       wire = (W−1)·P                   T = c·(W−1)·α + 8·(W−1)·P / bw
+    DiLoCo (ring all-red.) wire = 2·(W−1)/W · D              T = c·2(W−1)·α + 8·wire / bw,  D = Σ_r s·n_r
+    reduce-scatter         wire = 2·(W−1)/W · P + 2(W−1)·O   T = c·2(W−1)·α + 8·wire / bw
+
+with ``c = max_r (b_r + 1)`` sequential collectives per group (its buckets and the flag, whose
+``2(W−1)`` latency hops are counted as those of one more collective) and ``s`` = 4 (fp32) or 2 (bf16).
+Reduce-scatter is the design of ``--sparseloco-aggregation reduce-scatter`` (docs/scaling.md):
+each bucket is cut into W owner ranges; a worker sends owner ``j`` only its payload's part in range
+``j`` (an all-to-all, ``(W−1)/W·P`` out and in), the owner re-encodes the contributor mean of its
+range at the same density, and an all-gather of the W re-encoded ranges (``(W−1)/W·P`` in) gives
+everyone the update. ``O`` is the per-piece overhead, estimated as a 32-byte bucket header plus the
+44 bytes of table entry and 2-bit side info of ``⌈s_b/W⌉ + 1`` segments per piece (``s_b`` segments
+in the bucket), summed over buckets; the reduce-scatter numbers are this formula, not a measurement.
+
+**Compute.** One inner step costs ``6·N·T`` FLOPs (N model parameters, T tokens per inner step per
+worker); a worker of ``G = TP·PP·DP`` accelerators at peak ``F`` FLOP/s and utilisation ``u`` spends
+
+    T_compute = H · 6·N·T / (u·F·G)
+
+on H inner steps; ``ratio = T_outer / T_compute`` is the share of an un-overlapped outer step, and a
+mode *fits* a budget (10 % by default) when ``ratio ≤ budget``. ``max W`` is the largest W that fits
+(every time above is non-decreasing in W).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_sparseloco.compress.config import CodecConfig
+from megatron_sparseloco.compress.segments import (
+    BUCKET_HEADER_BYTES,
+    SEGMENT_ENTRY_BYTES,
+    TensorSlice,
+    bucket_payload_nbytes,
+    plan_buckets,
+)
+
+FLAG_BYTES = 4  #: the non-finite flag all-reduce (one fp32) of every outer step
+MODES = ("allgather", "reduce-scatter", "diloco-fp32", "diloco-bf16")
+DENSE_ITEMSIZE = {"diloco-fp32": 4, "diloco-bf16": 2}
+
+
+# ---------------------------------------------------------------------------------- models
+@dataclass(frozen=True)
+class Param:
+    """One model parameter: ``tp_dim`` is the dim TP cuts (None: replicated); ``stage`` is
+    ``"first"`` (embedding), ``"last"`` (final norm, output layer) or the layer index."""
+
+    name: str
+    shape: Tuple[int, ...]
+    tp_dim: Optional[int]
+    stage: object
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    params: Tuple[Param, ...]
+    layers: int
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(p.shape) for p in self.params)
+
+
+def llama_like(name: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
+               qkv_bias: bool = False, tied: bool = False) -> Model:
+    """A Llama / Qwen2 style decoder in megatron-core's naming (SwiGLU FC1 = 2·ffn rows, GQA)."""
+    head_dim = hidden // heads
+    qkv_rows = hidden + 2 * kv_heads * head_dim
+    ps = [Param("embedding.word_embeddings.weight", (vocab, hidden), 0, "first")]
+    for i in range(layers):
+        pre = f"decoder.layers.{i}."
+        ps += [Param(pre + "self_attention.linear_qkv.layer_norm_weight", (hidden,), None, i),
+               Param(pre + "self_attention.linear_qkv.weight", (qkv_rows, hidden), 0, i)]
+        if qkv_bias:
+            ps.append(Param(pre + "self_attention.linear_qkv.bias", (qkv_rows,), 0, i))
+        ps += [Param(pre + "self_attention.linear_proj.weight", (hidden, hidden), 1, i),
+               Param(pre + "mlp.linear_fc1.layer_norm_weight", (hidden,), None, i),
+               Param(pre + "mlp.linear_fc1.weight", (2 * ffn, hidden), 0, i),
+               Param(pre + "mlp.linear_fc2.weight", (hidden, ffn), 1, i)]
+    ps.append(Param("decoder.final_layernorm.weight", (hidden,), None, "last"))
+    if not tied:
+        ps.append(Param("output_layer.weight", (vocab, hidden), 0, "last"))
+    return Model(name, tuple(ps), layers)
+
+
+#: named shape sets (public model configurations)
+PRESETS = {
+    "llama-1b": lambda: llama_like("llama-1b", 128256, 2048, 16, 32, 8, 8192, tied=True),
+    "llama-8b": lambda: llama_like("llama-8b", 128256, 4096, 32, 32, 8, 14336),
+    "72b": lambda: llama_like("72b", 152064, 8192, 80, 64, 8, 29568, qkv_bias=True),  # Qwen2-72B shapes
+}
+
+#: per preset: a plausible worker (TP, PP, DP) and tokens per inner step per worker for the doc table
+PRESET_WORKER = {
+    "llama-1b": dict(tp=1, pp=1, dp=8, tokens=1 << 20),
+    "llama-8b": dict(tp=1, pp=1, dp=8, tokens=1 << 20),
+    "72b": dict(tp=8, pp=4, dp=2, tokens=1 << 21),
+}
+
+
+def synthetic(numel: int, width: int = 4096) -> Model:
+    """``--params N``: ⌊N/width²⌋ square ``width x width`` matrices, the rest as one ragged matrix
+    of ``width`` columns plus a 1-D tensor (one layer each, TP along dim 0)."""
+    n_sq, rest = divmod(int(numel), width * width)
+    ps = [Param(f"w{i}", (width, width), 0, i) for i in range(n_sq)]
+    rows, tail = divmod(rest, width)
+    if rows:
+        ps.append(Param("w_rest", (rows, width), 0, n_sq))
+    if tail:
+        ps.append(Param("b_rest", (tail,), None, n_sq))
+    return Model(f"synthetic-{numel}", tuple(ps), max(1, len(ps)))
+
+
+# ---------------------------------------------------------------------------------- shards
+class CostModelError(ValueError):
+    pass
+
+
+def _tp_shape(p: Param, tp: int) -> Tuple[int, ...]:
+    if p.tp_dim is None or tp == 1:
+        return p.shape
+    if p.shape[p.tp_dim] % tp:
+        raise CostModelError(f"{p.name}: dim {p.tp_dim} of {p.shape} is not divisible by TP={tp}")
+    s = list(p.shape)
+    s[p.tp_dim] //= tp
+    return tuple(s)
+
+
+def stage_params(model: Model, tp: int, pp: int, stage: int) -> List[Tuple[str, Tuple[int, ...]]]:
+    """(name, TP-local shape) of the parameters of pipeline stage ``stage``, in model order."""
+    lo, hi = stage * model.layers // pp, (stage + 1) * model.layers // pp
+    out = []
+    for p in model.params:
+        on = (p.stage == "first" and stage == 0) or (p.stage == "last" and stage == pp - 1) \
+            or (isinstance(p.stage, int) and lo <= p.stage < hi)
+        if on:
+            out.append((p.name, _tp_shape(p, tp)))
+    return out
+
+
+def dp_slices(params: Sequence[Tuple[str, Tuple[int, ...]]], dp: int, pos: int) -> List[Tuple[str, TensorSlice]]:
+    """The slices of range ``[pos·M/dp, (pos+1)·M/dp)`` of the concatenated parameters."""
+    sizes = [math.prod(s) for _, s in params]
+    total = sum(sizes)
+    lo, hi = pos * total // dp, (pos + 1) * total // dp
+    out, off = [], 0
+    for (name, shape), n in zip(params, sizes):
+        a, b = max(lo, off), min(hi, off + n)
+        if a < b:
+            out.append((name, TensorSlice(tuple(shape), a - off, b - off)))
+        off += n
+    return out
+
+
+@dataclass
+class SparseSettings:
+    chunk: int = 4096
+    k: int = 64
+    value_bits: int = 2
+    bucket_numel: int = 1 << 24
+    dense_1d: bool = True
+
+    def codec(self) -> CodecConfig:
+        return CodecConfig(chunk=self.chunk, k=self.k, value_bits=self.value_bits, index_coding="packed")
+
+
+@dataclass
+class RankCost:
+    """What one rank holds and sends (packed indices: exact)."""
+
+    numel: int
+    payload: int        # Σ bucket_payload_nbytes over its buckets
+    buckets: int        # SparseLoCo buckets (sequential all-gathers)
+    dense_buckets: int  # DiLoCo buckets (sequential all-reduces)
+    segments: Tuple[int, ...] = ()  # segments per SparseLoCo bucket
+    side_bytes: int = 20            # side info per segment (4·(1 + 2^value_bits); 0 for raw values)
+
+    def piece_overhead(self, W: int) -> int:
+        """Reduce-scatter estimate O: per bucket 32 + (24 + side)·(⌈s_b/W⌉ + 1) bytes."""
+        return sum(BUCKET_HEADER_BYTES + (SEGMENT_ENTRY_BYTES + self.side_bytes) * (-(-s // W) + 1)
+                   for s in self.segments)
+
+
+def rank_cost(slices: Sequence[TensorSlice], sparse: SparseSettings,
+              names: Optional[Sequence[str]] = None) -> RankCost:
+    """Exact SparseLoCo payload of one rank holding ``slices``, via the strategy's own planner."""
+    numel = sum(sl.numel for sl in slices)
+    plans = plan_buckets(list(slices), sparse.codec(), sparse.bucket_numel, sparse.dense_1d, names)
+    side = 4 * (1 + (1 << sparse.value_bits)) if sparse.value_bits < 16 else 0
+    return RankCost(numel=numel, payload=sum(bucket_payload_nbytes(p) for p in plans), buckets=len(plans),
+                    dense_buckets=-(-numel // sparse.bucket_numel), segments=tuple(len(p.segments) for p in plans),
+                    side_bytes=side)
+
+
+def worker_ranks(model: Model, tp: int, pp: int, dp: int, sparse: SparseSettings) -> List[Tuple[RankCost, int]]:
+    """[(cost of a rank, how many ranks of the worker have it)]: one entry per (stage, DP position);
+    the TP ranks of a position hold the same shapes (multiplicity ``tp``)."""
+    if pp > model.layers:
+        raise CostModelError(f"PP={pp} exceeds the model's {model.layers} layers")
+    out = []
+    for stage in range(pp):
+        params = stage_params(model, tp, pp, stage)
+        for pos in range(dp):
+            sls = dp_slices(params, dp, pos)
+            out.append((rank_cost([s for _, s in sls], sparse, [n for n, _ in sls]), tp))
+    return out
+
+
+# ---------------------------------------------------------------------------------- the model
+@dataclass
+class Link:
+    bandwidth_bps: float   # bit/s, each direction
+    latency_s: float       # one-way, per ring hop
+
+
+@dataclass
+class Compute:
+    inner_steps: int       # H
+    tokens: float          # per inner step per worker
+    mfu: float
+    peak_flops: float      # per accelerator
+
+
+@dataclass
+class ModeCost:
+    mode: str
+    W: int
+    payload_bytes: int          # the worker's own payload per outer step (dense: the dense vector)
+    bytes_sent: int             # counted (CommCounter), summed over the worker's ranks
+    bytes_received: int
+    wire_bytes: float           # per direction on the worker's link
+    time_s: float
+    compute_s: float
+    ratio: float
+    exact: bool                 # counted bytes exact (False: the reduce-scatter design estimate)
+
+
+def mode_cost(mode: str, ranks: Sequence[Tuple[RankCost, int]], W: int, link: Link,
+              compute_s: float) -> ModeCost:
+    """One mode at W workers; see the module docstring for every formula."""
+    if mode not in MODES:
+        raise CostModelError(f"mode must be one of {MODES}, got {mode!r}")
+    flag = FLAG_BYTES if W > 1 else 0
+    n_ranks = sum(m for _, m in ranks)
+    if mode in DENSE_ITEMSIZE:
+        s = DENSE_ITEMSIZE[mode]
+        payload = sum(m * s * r.numel for r, m in ranks)
+        sent = recv = (n_ranks * flag + payload) if W > 1 else 0
+        wire = 2 * (W - 1) / W * payload
+        hops = max(r.dense_buckets + 1 for r, _ in ranks) * 2 * (W - 1)
+        exact = True
+    else:
+        payload = sum(m * r.payload for r, m in ranks)
+        if mode == "allgather":
+            sent = n_ranks * flag + payload if W > 1 else 0
+            recv = n_ranks * flag + (W - 1) * payload if W > 1 else 0
+            wire = (W - 1) * payload
+            hops = max(r.buckets + 1 for r, _ in ranks) * (W - 1)
+            exact = True
+        else:  # reduce-scatter: the design formula (estimate)
+            over = sum(m * r.piece_overhead(W) for r, m in ranks)
+            wire = 2 * (W - 1) / W * payload + 2 * (W - 1) * over
+            sent = recv = int(round(n_ranks * flag + wire)) if W > 1 else 0
+            hops = max(r.buckets + 1 for r, _ in ranks) * 2 * (W - 1)
+            exact = False
+    t = hops * link.latency_s + 8.0 * wire / link.bandwidth_bps
+    return ModeCost(mode, W, int(payload), int(sent), int(recv), float(wire), t, compute_s,
+                    t / compute_s if compute_s > 0 else math.inf, exact)
+
+
+def compute_seconds(numel: int, c: Compute, gpus: int) -> float:
+    """H · 6·N·T / (u·F·G)."""
+    return c.inner_steps * 6.0 * numel * c.tokens / (c.mfu * c.peak_flops * gpus)
+
+
+def max_workers(mode: str, ranks, link: Link, compute_s: float, budget: float, limit: int = 1 << 20) -> int:
+    """Largest W in [1, limit] with ratio ≤ budget (1 if none: W = 1 communicates nothing)."""
+    fits = lambda w: mode_cost(mode, ranks, w, link, compute_s).ratio <= budget  # noqa: E731
+    if fits(limit):
+        return limit
+    lo, hi = 1, 2
+    while hi < limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit)
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+@dataclass
+class Scenario:
+    model: str
+    numel: int
+    tp: int
+    pp: int
+    dp: int
+    payload_bytes: int
+    bits_per_param: float
+    compute_s: float
+    rows: List[dict] = field(default_factory=list)
+    max_w: List[dict] = field(default_factory=list)
+
+
+def scenario(model: Model, tp: int, pp: int, dp: int, sparse: SparseSettings, compute: Compute,
+             workers: Sequence[int], bandwidths_gbps: Sequence[float], latency_s: float,
+             budget: float = 0.1, modes: Sequence[str] = MODES) -> Scenario:
+    ranks = worker_ranks(model, tp, pp, dp, sparse)
+    comp = compute_seconds(model.numel, compute, tp * pp * dp)
+    payload = sum(m * r.payload for r, m in ranks)
+    sc = Scenario(model.name, model.numel, tp, pp, dp, payload, 8.0 * payload / model.numel, comp)
+    for bw in bandwidths_gbps:
+        link = Link(bw * 1e9, latency_s)
+        for W in workers:
+            for mode in modes:
+                sc.rows.append({"bandwidth_gbps": bw, **asdict(mode_cost(mode, ranks, W, link, comp))})
+        for mode in modes:
+            sc.max_w.append({"bandwidth_gbps": bw, "mode": mode,
+                             "max_w": max_workers(mode, ranks, link, comp, budget)})
+    return sc
+
+
+# ---------------------------------------------------------------------------------- output
+def _gb(b: float) -> str:
+    return f"{b / 1e9:.3g}"
+
+
+def _time(t: float) -> str:
+    return f"{t:.3g}" if t < 1e4 else f"{t:.3e}"
+
+
+def markdown(sc: Scenario, budget: float, compute: Compute, latency_s: float) -> str:
+    lines = [f"### {sc.model}: N = {sc.numel / 1e9:.3f} B parameters, worker TP={sc.tp} PP={sc.pp} DP={sc.dp} "
+             f"({sc.tp * sc.pp * sc.dp} accelerators)", "",
+             f"SparseLoCo payload per worker: {sc.payload_bytes} B ({_gb(sc.payload_bytes)} GB, "
+             f"{sc.bits_per_param:.4f} bit/param, {32 / sc.bits_per_param:.1f}x below fp32); "
+             f"H = {compute.inner_steps} inner steps of {compute.tokens:.4g} tokens = {_time(sc.compute_s)} s "
+             f"(MFU {compute.mfu}, {compute.peak_flops / 1e12:g} TFLOP/s peak); latency {latency_s * 1e3:g} ms.", "",
+             "Each cell: bytes received per worker per outer step (counted, GB) / outer-step time (s) / "
+             f"ratio to the compute time; ✗ = over the {budget:.0%} budget; ~ = design estimate.", ""]
+    modes = list(dict.fromkeys(r["mode"] for r in sc.rows))
+    lines += ["| link Gbit/s | W | " + " | ".join(m + (" ~" if m == "reduce-scatter" else "") for m in modes) + " |",
+              "|---:|---:|" + "---:|" * len(modes)]
+    cells: Dict[tuple, List[str]] = {}
+    for r in sc.rows:
+        mark = "" if r["ratio"] <= budget else " ✗"
+        cells.setdefault((r["bandwidth_gbps"], r["W"]), []).append(
+            f"{_gb(r['bytes_received'])} / {_time(r['time_s'])} / {r['ratio']:.3g}{mark}")
+    for (bw, W), cs in cells.items():
+        lines.append(f"| {bw:g} | {W} | " + " | ".join(cs) + " |")
+    lines += ["", f"Largest W within the {budget:.0%} budget:", "",
+              "| link Gbit/s | " + " | ".join(dict.fromkeys(m["mode"] for m in sc.max_w)) + " |",
+              "|---:|" + "---:|" * len(dict.fromkeys(m["mode"] for m in sc.max_w))]
+    for bw in dict.fromkeys(m["bandwidth_gbps"] for m in sc.max_w):
+        best = [str(m["max_w"]) if m["max_w"] > 1 else "none" for m in sc.max_w if m["bandwidth_gbps"] == bw]
+        lines.append(f"| {bw:g} | " + " | ".join(best) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _floats(s: str) -> List[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def _ints(s: str) -> List[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_sparseloco.costmodel",
+                                description="Bytes and time of one outer step per mode (docs/scaling.md).")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", default="llama-8b",
+                     help=f"comma-separated presets ({', '.join(PRESETS)}); each uses its own worker layout "
+                          "and tokens unless --tp/--pp/--dp/--tokens are given")
+    src.add_argument("--params", type=float, default=None, help="model size N (a synthetic 4096-wide stack)")
+    p.add_argument("--tp", type=int, default=None)
+    p.add_argument("--pp", type=int, default=None)
+    p.add_argument("--dp", type=int, default=None, help="data-parallel ranks inside one worker")
+    p.add_argument("--workers", default="4,16,64,256,1024", help="W values, comma-separated")
+    p.add_argument("--bandwidth-gbps", default="1,10,100", help="link bandwidths, Gbit/s, comma-separated")
+    p.add_argument("--latency-ms", type=float, default=20.0, help="one-way latency per hop")
+    p.add_argument("--inner-steps", type=int, default=30, help="H")
+    p.add_argument("--tokens", type=float, default=None, help="tokens per inner step per worker")
+    p.add_argument("--mfu", type=float, default=0.4)
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="per accelerator (H100 dense bf16: 989)")
+    p.add_argument("--budget", type=float, default=0.1, help="fits when outer step / compute ≤ budget")
+    p.add_argument("--topk", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--value-bits", type=int, default=2)
+    p.add_argument("--bucket-size", type=int, default=1 << 24)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    args = p.parse_args(argv)
+    if args.params is not None:
+        models = [(synthetic(int(args.params)), dict(tp=1, pp=1, dp=8, tokens=1 << 20))]
+    else:
+        names = [n for n in args.preset.split(",") if n]
+        for n in names:
+            if n not in PRESETS:
+                p.error(f"unknown preset {n!r}; choose from {', '.join(PRESETS)}")
+        models = [(PRESETS[n](), PRESET_WORKER[n]) for n in names]
+    sparse = SparseSettings(chunk=args.chunk, k=args.topk, value_bits=args.value_bits, bucket_numel=args.bucket_size)
+    modes = [m for m in args.modes.split(",") if m]
+    out = []
+    for model, dflt in models:
+        tp, pp, dp = (args.tp or dflt["tp"]), (args.pp or dflt["pp"]), (args.dp or dflt["dp"])
+        compute = Compute(args.inner_steps, args.tokens or dflt["tokens"], args.mfu, args.peak_tflops * 1e12)
+        try:
+            sc = scenario(model, tp, pp, dp, sparse, compute, _ints(args.workers), _floats(args.bandwidth_gbps),
+                          args.latency_ms / 1e3, args.budget, modes)
+        except CostModelError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(markdown(sc, args.budget, compute, args.latency_ms / 1e3))
+        out.append(asdict(sc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

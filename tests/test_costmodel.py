@@ -1,0 +1,144 @@
+"""The cost model (megatron_sparseloco/costmodel.py) against the strategies' own byte counters.
+
+One spawn per W in {2, 4, 8, 16} (gloo, one rank per worker, tiny tensors): every rank holds the
+same shard position of a tiny Llama-like model cut by the cost model's own TP/PP/DP rules (mid-row
+cuts, several buckets, dense 1-D segments), runs one outer step of SparseLoCo (all-gather) and of
+DiLoCo in fp32 and bf16, and the counted bytes sent / received must EQUAL the model's prediction.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_sparseloco import costmodel as cm
+from megatron_sparseloco.compress.segments import TensorSlice
+
+TINY = dict(vocab=40, hidden=16, layers=4, heads=2, kv_heads=1, ffn=24, qkv_bias=True)
+SPARSE = cm.SparseSettings(chunk=64, k=4, value_bits=2, bucket_numel=700)
+LAYOUT = dict(tp=2, pp=2, dp=3, stage=0, pos=1)  # the shard a rank of stage 0, DP position 1 holds
+WORLDS = (2, 4, 8, 16)
+
+
+def tiny_model():
+    return cm.llama_like("tiny", **TINY)
+
+
+def shard():
+    lay = LAYOUT
+    params = cm.stage_params(tiny_model(), lay["tp"], lay["pp"], lay["stage"])
+    return cm.dp_slices(params, lay["dp"], lay["pos"])
+
+
+def one_step(rank: int, world: int):
+    from megatron_sparseloco.outer import build_outer_strategy
+
+    sls = shard()
+    names, slices = [n for n, _ in sls], [s for _, s in sls]
+    jobs = {"allgather": ("sparseloco", dict(chunk=SPARSE.chunk, k=SPARSE.k, value_bits=SPARSE.value_bits,
+                                             bucket_numel=SPARSE.bucket_numel)),
+            "diloco-fp32": ("diloco", dict(bucket_numel=SPARSE.bucket_numel, comm_dtype="fp32")),
+            "diloco-bf16": ("diloco", dict(bucket_numel=SPARSE.bucket_numel, comm_dtype="bf16"))}
+    out = {}
+    for mode, (algo, fields) in jobs.items():
+        g = torch.Generator().manual_seed(rank)
+        params = [torch.randn(sl.numel, generator=g) for sl in slices]
+        strat = build_outer_strategy(algo, params, None, names=names, slices=slices, **fields)
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=g) * 1e-2)
+        st = strat.step().as_dict()
+        out[mode] = {k: st[k] for k in ("bytes_sent", "bytes_received")}
+        out[mode]["payload_bytes"] = st.get("payload_bytes")
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    from megatron_sparseloco.testing.multirank import run_ranks
+
+    return {w: run_ranks(one_step, w, timeout=400) for w in WORLDS}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", WORLDS)
+def test_counted_bytes_equal_the_model(measured, world):
+    rank = cm.rank_cost([s for _, s in shard()], SPARSE, [n for n, _ in shard()])
+    link = cm.Link(1e9, 0.0)
+    for mode in ("allgather", "diloco-fp32", "diloco-bf16"):
+        pred = cm.mode_cost(mode, [(rank, 1)], world, link, compute_s=1.0)
+        for r, res in enumerate(measured[world]):
+            assert res[mode]["bytes_sent"] == pred.bytes_sent, (mode, r)
+            assert res[mode]["bytes_received"] == pred.bytes_received, (mode, r)
+    assert all(res["allgather"]["payload_bytes"] == rank.payload for res in measured[world])
+
+
+def test_shard_fixture_exercises_cuts_buckets_and_dense_segments():
+    from megatron_sparseloco.compress.segments import plan_buckets
+
+    sls = shard()
+    plans = plan_buckets([s for _, s in sls], SPARSE.codec(), SPARSE.bucket_numel, True, [n for n, _ in sls])
+    geoms = {s.geometry for p in plans for s in p.segments}
+    assert len(plans) >= 2 and {"flat", "tile2d", "dense"} <= geoms
+
+
+def test_shards_cover_the_model_exactly():
+    """TP·(Σ over stages and DP positions) of the slices = every element once (TP-cut params) or TP
+    times (replicated norms)."""
+    model, tp, pp, dp = tiny_model(), 2, 2, 3
+    held = {}
+    for stage in range(pp):
+        params = cm.stage_params(model, tp, pp, stage)
+        covered = {n: [] for n, _ in params}
+        for pos in range(dp):
+            for n, sl in cm.dp_slices(params, dp, pos):
+                covered[n].append((sl.start, sl.end))
+        for n, shape in params:
+            spans = sorted(covered[n])
+            assert spans[0][0] == 0 and spans[-1][1] == math.prod(shape)
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), n
+            held[n] = math.prod(shape)
+    for p in model.params:
+        assert held[p.name] * (tp if p.tp_dim is not None else 1) == math.prod(p.shape), p.name
+    assert set(held) == {p.name for p in model.params}
+
+
+def test_worker_payload_is_the_sum_over_its_ranks():
+    model, tp, pp, dp = tiny_model(), 2, 2, 3
+    ranks = cm.worker_ranks(model, tp, pp, dp, SPARSE)
+    assert sum(m for _, m in ranks) == tp * pp * dp
+    expect = 0
+    for stage in range(pp):
+        for pos in range(dp):
+            sls = cm.dp_slices(cm.stage_params(model, tp, pp, stage), dp, pos)
+            expect += tp * cm.rank_cost([s for _, s in sls], SPARSE).payload
+    assert sum(m * r.payload for r, m in ranks) == expect
+    W, link = 8, cm.Link(1e10, 1e-3)
+    ag = cm.mode_cost("allgather", ranks, W, link, 1.0)
+    assert ag.bytes_received == tp * pp * dp * cm.FLAG_BYTES + (W - 1) * expect
+    c = max(r.buckets for r, _ in ranks) + 1
+    assert ag.time_s == pytest.approx(c * (W - 1) * 1e-3 + 8 * (W - 1) * expect / 1e10)
+    dense = cm.mode_cost("diloco-fp32", ranks, W, link, 1.0)
+    assert dense.wire_bytes == pytest.approx(2 * (W - 1) / W * 4 * sum(m * r.numel for r, m in ranks))
+
+
+def test_presets_have_their_published_sizes_and_compute_formula():
+    assert cm.PRESETS["llama-8b"]().numel == 8_030_261_248
+    assert 72.0e9 < cm.PRESETS["72b"]().numel < 73.0e9
+    c = cm.Compute(inner_steps=10, tokens=1000, mfu=0.5, peak_flops=1e12)
+    assert cm.compute_seconds(2_000_000, c, gpus=4) == pytest.approx(10 * 6 * 2e6 * 1000 / (0.5 * 1e12 * 4))
+
+
+def test_max_workers_is_the_last_w_within_budget():
+    ranks = [(cm.rank_cost([TensorSlice((256, 64), 0, 256 * 64)], SPARSE), 1)]
+    link, comp = cm.Link(1e6, 1e-3), 1.0
+    w = cm.max_workers("allgather", ranks, link, comp, 0.1)
+    assert cm.mode_cost("allgather", ranks, w, link, comp).ratio <= 0.1
+    assert cm.mode_cost("allgather", ranks, w + 1, link, comp).ratio > 0.1
+
+
+def test_cli_prints_a_table(capsys):
+    assert cm.main(["--params", "20000000", "--workers", "4,16", "--bandwidth-gbps", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "| 10 | 16 |" in out and "allgather" in out and "Largest W" in out
