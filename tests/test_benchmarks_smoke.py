@@ -38,10 +38,10 @@ def _have_torchft() -> bool:
 
 def test_quality_quick_schema(tmp_path):
     out = tmp_path / "quality.json"
-    methods = "ddp,average,diloco,gasloc,sparseloco:32,sparseloco:64,sparseloco:128,sparseloco:64:entropy,sparseloco:64:flat"
+    asked = "ddp,average,diloco,gasloc,sparseloco:32,sparseloco:64,sparseloco:128,sparseloco:64:entropy,sparseloco:64:flat"
     if _have_torchft():
-        methods += ",torchft_diloco"
-    cmd = [sys.executable, QUALITY, "--quick", "--steps", "15", "--seeds", "2", "--methods", methods,
+        asked += ",torchft_diloco"
+    cmd = [sys.executable, QUALITY, "--quick", "--steps", "15", "--seeds", "2", "--methods", asked,
            "--json", str(out), "--plots", str(tmp_path)]
     r = _run(cmd, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
@@ -54,7 +54,7 @@ def test_quality_quick_schema(tmp_path):
     assert any(row.get("index_coding") == "entropy" for row in rows)
     assert any(row.get("chunking") == "flat" for row in rows)
     assert sorted({row["seed"] for row in rows}) == [0, 1]
-    assert len(rows) == 2 * len(methods.split(","))
+    assert len(rows) == 2 * len(asked.split(","))
     assert all(g["seeds"] == 2 and g["spread"] >= 0 for g in data["summary"])
     tokens = {row["tokens"] for row in rows}
     assert len(tokens) == 1 and tokens.pop() > 0, "every method must see the same number of tokens"

@@ -25,7 +25,7 @@ CONFIGS = {
     "bits4_groups": dict(SMALL, value_bits=4, quant_group_chunks=1, k=9),
     "entropy": dict(SMALL, index_coding="entropy"),
     "defaults": dict(chunking="flat"),
-    "dense_raw": dict(chunk=64, k=64, value_bits=32, bucket_numel=128, chunking="flat"),
+    "dense_raw": dict(chunk=64, k=64, value_bits=32, bucket_numel=128, chunking="flat", lr=1.0),
     "dense_q": dict(chunk=64, k=64, bucket_numel=128, chunking="flat"),
 }
 
