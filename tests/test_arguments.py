@@ -127,3 +127,22 @@ def test_every_algorithm_builds_its_strategy_from_flags(monkeypatch):
         validate_sparseloco_args(args, world_size=4)
         strategy = strategy_factory_from_args(args)([torch.zeros(8192)], None, ["w"])
         assert strategy.name == args.sparseloco_algorithm
+
+
+def test_aggregation_flag_reaches_the_strategy(monkeypatch):
+    import torch
+
+    from megatron_sparseloco.megatron.strategy_from_args import strategy_factory_from_args
+    args = parse(BASE + ["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "2",
+                         "--sparseloco-aggregation", "reduce-scatter"], monkeypatch)
+    validate_sparseloco_args(args, world_size=4)
+    strategy = strategy_factory_from_args(args)([torch.zeros(8192)], None, ["w"])
+    assert strategy.config.aggregation == "reduce-scatter" and strategy.reduce_scatter is not None
+
+
+@pytest.mark.parametrize("extra", [["--sparseloco-chunking", "flat"], ["--sparseloco-index-coding", "entropy"]])
+def test_reduce_scatter_needs_tensor_chunking_and_packed_indices(extra, monkeypatch):
+    args = parse(BASE + ["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "2",
+                         "--sparseloco-aggregation", "reduce-scatter", *extra], monkeypatch)
+    with pytest.raises(SparseLoCoArgumentError, match="--sparseloco-aggregation"):
+        validate_sparseloco_args(args, world_size=4)

@@ -20,7 +20,9 @@ collective on the group before (Megatron does at setup).
 Byte accounting (kind ``"p2p"``): for an N-byte tensor and P peers, N·P sent and N·P received;
 one call counts as one collective. ``exchange_payloads`` sends 1-D uint8 payloads whose sizes
 may differ: it first exchanges the sizes (one int64 per peer, kind ``"p2p_sizes"``), then the
-payloads at their exact sizes (p2p has no need of padding).
+payloads at their exact sizes (p2p has no need of padding). ``exchange_pieces`` is an all-to-all
+of pieces whose sizes both sides know (SparseLoCo's reduce-scatter aggregation), kind
+``"all_to_all"``: the bytes of the non-empty pieces sent and received.
 """
 from __future__ import annotations
 
@@ -95,4 +97,20 @@ def exchange_payloads(payload: torch.Tensor, peers: Sequence[int], group: Option
     received = {p: torch.empty(int(sizes[p].item()), dtype=torch.uint8, device=payload.device) for p in peers}
     _p2p({p: send for p in peers}, received, group)
     counter.add("p2p", send.numel() * len(peers), sum(r.numel() for r in received.values()))
+    return received
+
+
+def exchange_pieces(pieces: Dict[int, torch.Tensor], recv_sizes: Dict[int, int],
+                    group: Optional[dist.ProcessGroup], counter: CommCounter) -> Dict[int, torch.Tensor]:
+    """An all-to-all of 1-D uint8 pieces whose sizes both sides know: ``pieces[p]`` goes to peer p,
+    ``recv_sizes[p]`` bytes come from peer p (no size exchange; empty ones are skipped), in one
+    ``batch_isend_irecv``. Counted as one collective of kind ``"all_to_all"``."""
+    peers = _check_peers(sorted(set(pieces) | set(recv_sizes)), group)
+    if not peers:
+        return {}
+    device = next(iter(pieces.values())).device if pieces else torch.device("cpu")
+    send = {p: pieces.get(p, torch.zeros(0, dtype=torch.uint8, device=device)).contiguous() for p in peers}
+    received = {p: torch.empty(int(recv_sizes.get(p, 0)), dtype=torch.uint8, device=device) for p in peers}
+    _p2p(send, received, group)
+    counter.add("all_to_all", sum(t.numel() for t in send.values()), sum(t.numel() for t in received.values()))
     return received

@@ -25,6 +25,7 @@ TOPOLOGIES = ("ring", "exponential", "random1", "random2", "complete")
 NONFINITE_POLICIES = ("skip", "abort")
 COMM_DTYPES = ("fp32", "bf16")
 CHUNKINGS = ("tensor", "flat")
+AGGREGATIONS = ("allgather", "reduce-scatter")
 
 #: algorithm → (outer lr, outer momentum, nesterov); from the papers (docs/design.md §1).
 ALGORITHM_DEFAULTS = {
@@ -46,6 +47,7 @@ FLAG_DEFAULTS = {
     "sparseloco_reduce": "contributors",
     "sparseloco_index_coding": "packed",
     "sparseloco_chunking": "tensor",
+    "sparseloco_aggregation": "allgather",
     "sparseloco_dense_1d": True,
     "sparseloco_bucket_size": 1 << 24,
     "sparseloco_diloco_comm_dtype": "fp32",
@@ -111,6 +113,11 @@ def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="sparseloco only: 'tensor' (default, as the reference) compresses every parameter on its "
                         "own (own quantiser, 64x64 tiles for 2-D weights); 'flat' chunks the shard's flat range "
                         "across parameters with one quantiser per bucket (kept for comparison).")
+    g.add_argument("--sparseloco-aggregation", choices=AGGREGATIONS, default=None,
+                   help="sparseloco only: 'allgather' (default) sends every worker's payload to every worker "
+                        "(W-1 payloads received); 'reduce-scatter' sends each bucket range's owner only that "
+                        "range, owners re-encode the mean and all-gather it (about 2 payloads received; needs "
+                        "--sparseloco-chunking tensor and packed indices; docs/scaling.md).")
     g.add_argument("--sparseloco-dense-1d", action=argparse.BooleanOptionalAction, default=None,
                    help="sparseloco with --sparseloco-chunking tensor: send 1-D tensors (norms, biases) whole, "
                         "2-bit quantised (default on, as the reference); off: Top-k like the rest.")
@@ -305,9 +312,15 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
             raise SparseLoCoArgumentError(
                 f"{_flags_only(stray)} to the sparseloco codec, which {algo} "
                 f"does not use here. Fix: drop them" + (" or add --sparseloco-gossip-compress" if algo == "gasloc" else ""))
-    for dest in ("sparseloco_reduce", "sparseloco_chunking", "sparseloco_dense_1d"):
+    for dest in ("sparseloco_reduce", "sparseloco_chunking", "sparseloco_dense_1d", "sparseloco_aggregation"):
         if algo != "sparseloco" and dest in given:
             _fail(dest, f"only applies to sparseloco, not {algo}", "drop it")
+    if args.sparseloco_aggregation == "reduce-scatter" and algo == "sparseloco":
+        if args.sparseloco_chunking != "tensor":
+            _fail("sparseloco_aggregation", "reduce-scatter needs per-tensor segments", "use --sparseloco-chunking tensor")
+        if args.sparseloco_index_coding != "packed":
+            _fail("sparseloco_aggregation", "reduce-scatter needs piece sizes known up front",
+                  "use --sparseloco-index-coding packed")
     if args.sparseloco_chunking == "flat" and "sparseloco_dense_1d" in given:
         _fail("sparseloco_dense_1d", "only applies to --sparseloco-chunking tensor (flat chunking does not see "
               "tensors)", "drop it or use --sparseloco-chunking tensor")

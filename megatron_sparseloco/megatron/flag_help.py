@@ -30,7 +30,7 @@ GROUPS: List[Tuple[str, Tuple[str, ...]]] = [
     ("outer optimiser (sparseloco, diloco, gasloc; average is lr 1, no momentum)",
      ("sparseloco_outer_lr", "sparseloco_outer_momentum", "sparseloco_outer_nesterov")),
     ("sparseloco codec (sparseloco; gasloc with --sparseloco-gossip-compress)",
-     A.CODEC_FLAGS + ("sparseloco_reduce", "sparseloco_chunking", "sparseloco_dense_1d")),
+     A.CODEC_FLAGS + ("sparseloco_reduce", "sparseloco_chunking", "sparseloco_dense_1d", "sparseloco_aggregation")),
     ("diloco / average", ("sparseloco_diloco_comm_dtype",)),
     ("gasloc", A.GOSSIP_FLAGS + ("sparseloco_inner_steps_per_worker",)),
 ]
@@ -40,6 +40,7 @@ _NOTES = {
     "sparseloco_consistency_check_interval": "not gasloc",
     "sparseloco_ef_decay": "sparseloco only",
     "sparseloco_reduce": "sparseloco only",
+    "sparseloco_aggregation": "sparseloco only",
 }
 
 

@@ -24,6 +24,7 @@ def outer_config_fields(args: argparse.Namespace, worker_index: int = 0) -> Dict
     if algo == "sparseloco":
         return {**common, **codec, "index_coding": args.sparseloco_index_coding, "reduce": args.sparseloco_reduce,
                 "chunking": args.sparseloco_chunking, "dense_1d": args.sparseloco_dense_1d,
+                "aggregation": args.sparseloco_aggregation,
                 "lr": args.sparseloco_outer_lr, "momentum": args.sparseloco_outer_momentum,
                 "nesterov": args.sparseloco_outer_nesterov}
     if algo == "gasloc":

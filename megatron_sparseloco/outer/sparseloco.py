@@ -47,6 +47,13 @@ Every rank decodes every payload (its own was decoded by the EF step; decoding i
 and sums them in group-rank order with the same operations, so the aggregate — and θ_outer — are
 bitwise identical on all workers.
 
+Aggregation (``aggregation``): ``"allgather"`` (default, above) or ``"reduce-scatter"``: each
+worker sends each bucket's owner only its payload's part in the owner's range, owners aggregate and
+re-encode their range with an owner error feedback (``owner_k`` / ``owner_value_bits``, default the
+worker codec's), and an all-gather of the re-encoded ranges gives every worker the same update;
+about 2·(W−1)/W payloads received instead of W − 1 (``outer/sparse_reduce_scatter.py``,
+docs/scaling.md). Tensor chunking, packed indices and no peer-norm clipping only.
+
 State: the anchor, the error-feedback buffer (shard-sized fp32, different on every worker: it
 must not be deduplicated as a data-parallel replica when checkpointing), and the momentum buffer
 when μ > 0.
@@ -73,9 +80,11 @@ from megatron_sparseloco.compress.fast_path import error_feedback_step_fast as e
 from megatron_sparseloco.compress.segments import BucketPlan, bucket_payload_nbytes, decode_bucket, plan_buckets
 from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.registry import register_outer_strategy
+from megatron_sparseloco.outer.sparse_reduce_scatter import SparseReduceScatter
 from megatron_sparseloco.outer.sgd import check_outer_sgd, outer_sgd_
 
 REDUCE_MODES = ("contributors", "all")
+AGGREGATIONS = ("allgather", "reduce-scatter")
 CHUNKINGS = ("tensor", "flat")
 
 
@@ -94,11 +103,19 @@ class SparseLoCoConfig(OuterConfig):
     momentum: float = 0.0
     nesterov: bool = False
     peer_norm_clip: bool = False
+    aggregation: str = "allgather"  # or "reduce-scatter" (outer/sparse_reduce_scatter.py)
+    owner_k: int = 0                # reduce-scatter owner codec: values kept per chunk (0: k)
+    owner_value_bits: int = 0       # reduce-scatter owner codec: value bits (0: value_bits)
 
     def codec(self) -> CodecConfig:
         """The flat codec (flat chunking), or the base the per-tensor segments derive theirs from."""
         return CodecConfig(chunk=self.chunk, k=self.k, value_bits=self.value_bits, index_coding=self.index_coding,
                            chunk_mode="flat", quant_group_chunks=self.quant_group_chunks)
+
+    def owner_codec(self) -> CodecConfig:
+        """The codec owners re-encode their range's aggregate with (reduce-scatter)."""
+        return CodecConfig(chunk=self.chunk, k=self.owner_k or self.k, value_bits=self.owner_value_bits or self.value_bits,
+                           index_coding=self.index_coding, chunk_mode="flat")
 
     def validate(self) -> "SparseLoCoConfig":
         super().validate()
@@ -121,6 +138,20 @@ class SparseLoCoConfig(OuterConfig):
         check_outer_sgd(self.lr, self.momentum, self.nesterov)
         if not isinstance(self.peer_norm_clip, bool):
             raise ConfigError(f"peer_norm_clip must be True or False, got {self.peer_norm_clip!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if self.aggregation == "reduce-scatter":
+            for bad, why in ((self.chunking != "tensor", "chunking='tensor'"),
+                             (self.index_coding != "packed", "index_coding='packed' (piece sizes known up front)"),
+                             (self.peer_norm_clip, "peer_norm_clip=False")):
+                if bad:
+                    raise ConfigError(f"aggregation='reduce-scatter' needs {why}")
+            try:
+                self.owner_codec().validate()
+            except CodecConfigError as exc:
+                raise ConfigError(f"SparseLoCoConfig owner codec (owner_k, owner_value_bits): {exc}") from exc
+        elif self.owner_k or self.owner_value_bits:
+            raise ConfigError("owner_k / owner_value_bits apply to aggregation='reduce-scatter' only")
         return self
 
     @property
@@ -151,6 +182,10 @@ class SparseLoCo(OuterStrategy):
         if cfg.momentum != 0.0:
             self.momentum_buf = torch.zeros(self.params.numel, dtype=torch.float32, device=self.device)
         self.count_dtype = torch.uint8 if self.world_size <= 255 else torch.int32
+        self.reduce_scatter: Optional[SparseReduceScatter] = None
+        if cfg.aggregation == "reduce-scatter":
+            self.reduce_scatter = SparseReduceScatter(self.plans, cfg.owner_codec(), self.world_size, self.rank,
+                                                      self.params.numel, self.device)
         self.check_group_layout()
 
     def buckets(self) -> Iterator[Tuple[int, int]]:
@@ -180,6 +215,8 @@ class SparseLoCo(OuterStrategy):
         state = {"error_feedback": self.error}
         if self.momentum_buf is not None:
             state["momentum"] = self.momentum_buf
+        if self.reduce_scatter is not None:
+            state["owner_error_feedback"] = self.reduce_scatter.error
         return state
 
     def _bucket_name(self, s: int, e: int) -> str:
@@ -189,6 +226,8 @@ class SparseLoCo(OuterStrategy):
 
     def expected_payload_bytes(self) -> Optional[int]:
         """Exact for packed indices; for entropy coding the upper bound (payloads are padded to it at most)."""
+        if self.reduce_scatter is not None:
+            return self.reduce_scatter.expected_sent_bytes()
         if self.plans is not None:
             return sum(bucket_payload_nbytes(p) for p in self.plans)
         return sum(payload_nbytes(e - s, self.codec) for s, e in self.buckets())
@@ -237,14 +276,17 @@ class SparseLoCo(OuterStrategy):
             counts.index_add_(0, d.indices, torch.ones_like(d.indices, dtype=self.count_dtype))
         return self._finish_bucket(s, e, agg, counts, clip_min)
 
-    def _finish_bucket(self, s: int, e: int, agg: torch.Tensor, counts: torch.Tensor, clip_min: float):
-        """Mean (contributors or all), outer SGD, write back; returns (union, clip_min, update)."""
+    def _finish_bucket(self, s: int, e: int, agg: torch.Tensor, counts: Optional[torch.Tensor], clip_min: float,
+                       kept_union: int = 0):
+        """Mean (contributors or all; ``counts=None``: ``agg`` is the update already), outer SGD,
+        write back; returns (union, clip_min, update)."""
         cfg: SparseLoCoConfig = self.config
-        kept_union = int(torch.count_nonzero(counts).item())
-        if cfg.reduce == "contributors":
-            agg.div_(counts.clamp_min(1))
-        elif self.world_size > 1:
-            agg.div_(self.world_size)
+        if counts is not None:
+            kept_union = int(torch.count_nonzero(counts).item())
+            if cfg.reduce == "contributors":
+                agg.div_(counts.clamp_min(1))
+            elif self.world_size > 1:
+                agg.div_(self.world_size)
         mom = None if self.momentum_buf is None else self.momentum_buf[s:e]
         update = outer_sgd_(self.anchor[s:e], agg, mom, cfg.lr, cfg.momentum, cfg.nesterov)
         self.write_back(s, e)
@@ -258,9 +300,9 @@ class SparseLoCo(OuterStrategy):
         counts_buf = torch.empty(largest, dtype=self.count_dtype, device=self.device)
         f64 = dict(dtype=torch.float64, device=self.device)
         delta_sq, error_sq, upd_sq = torch.zeros((), **f64), torch.zeros((), **f64), torch.zeros((), **f64)
-        kept_local = kept_union = payload_bytes = 0
+        kept_local = kept_union = payload_bytes = applied_total = 0
         clip_min = 1.0
-        for s, e, plan in self._bucket_plans():
+        for b, (s, e, plan) in enumerate(self._bucket_plans()):
             n = e - s
             with self._timer(stats, "time_compress_s"):
                 delta = self.pseudo_gradient(s, e, out=work[:n])
@@ -269,6 +311,17 @@ class SparseLoCo(OuterStrategy):
                 error_sq += torch.linalg.vector_norm(self.error[s:e], dtype=torch.float64).square()
                 kept_local += int(local.indices.numel())
                 payload_bytes += int(payload.numel())
+            if self.reduce_scatter is not None:  # pieces to owners, owners' re-encoded ranges to all
+                with self._timer(stats, "time_communicate_s"):
+                    union, applied = self.reduce_scatter.aggregate(b, plan, payload, self.group, self.counter,
+                                                                   work[:n], counts_buf[:n], cfg.reduce,
+                                                                   self._bucket_name(s, e))
+                with self._timer(stats, "time_apply_s"):
+                    _, _, update = self._finish_bucket(s, e, work[:n], None, 1.0)
+                kept_union += union
+                applied_total += applied
+                upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
+                continue
             with self._timer(stats, "time_communicate_s"):
                 payloads = all_gather_payloads(payload, self.group, self.counter, equal_sizes=packed)
             with self._timer(stats, "time_apply_s"):
@@ -288,6 +341,8 @@ class SparseLoCo(OuterStrategy):
         })
         if cfg.peer_norm_clip:
             stats.extra["peer_clip_scale_min"] = clip_min
+        if self.reduce_scatter is not None:  # aggregate_density: of the ranges this rank owns
+            stats.extra["update_density"] = applied_total / numel  # elements the owners' re-encoding sent
 
     def _decode(self, payload: torch.Tensor, plan: Optional[BucketPlan], worker: int, s: int, e: int) -> Decoded:
         if plan is not None:

@@ -1,0 +1,84 @@
+"""Bytes received per worker per outer step, all-gather against reduce-scatter, measured on CPU (gloo).
+
+    python benchmarks/aggregation_bytes.py --worlds 2,4,8,16 --json docs/results/aggregation_bytes.json \
+        --plot docs/results/aggregation_bytes.png
+
+One spawn of W gloo ranks per W (one rank per worker); every rank holds the same shard (a few
+Llama-like 2-D weights and norms, 1.44 M elements), runs one SparseLoCo outer step with each
+aggregation, and reports its counted bytes (``OuterStepStats``) and its own payload size. Printed
+per W: received / own payload for both modes (targets at W = 16: reduce-scatter ≤ 3, all-gather
+= W − 1 = 15 plus the 4-byte flag).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = [("qkv", (768, 512)), ("ln1", (512,)), ("proj", (512, 512)), ("fc1", (1024, 512)), ("ln2", (512,)),
+          ("fc2", (512, 512))]
+
+
+def one_step(rank: int, world: int):
+    import torch
+
+    from megatron_sparseloco.outer import build_outer_strategy
+
+    out = {}
+    for mode in ("allgather", "reduce-scatter"):
+        g = torch.Generator().manual_seed(rank)
+        params = [torch.randn(*s, generator=g) for _, s in SHAPES]
+        strat = build_outer_strategy("sparseloco", params, None, names=[n for n, _ in SHAPES], aggregation=mode)
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=g) * 1e-2)
+        st = strat.step().as_dict()
+        out[mode] = {k: st[k] for k in ("bytes_sent", "bytes_received", "payload_bytes")}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worlds", default="2,4,8,16")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    args = p.parse_args(argv)
+    from megatron_sparseloco.testing.multirank import run_ranks
+
+    rows = []
+    for w in [int(x) for x in args.worlds.split(",") if x]:
+        res = run_ranks(one_step, w, timeout=1800)
+        for mode in ("allgather", "reduce-scatter"):
+            recv = max(r[mode]["bytes_received"] for r in res)
+            own = res[0][mode]["payload_bytes"]
+            rows.append({"W": w, "mode": mode, "bytes_received_max": recv, "payload_bytes": own,
+                         "received_over_payload": recv / own,
+                         "per_rank": [r[mode] for r in res]})
+            print(f"W={w:3d} {mode:15s} received {recv:10d} B = {recv / own:6.2f} x own payload ({own} B)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shapes": SHAPES, "rows": rows}, f, indent=1)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for mode in ("allgather", "reduce-scatter"):
+            pts = [(r["W"], r["received_over_payload"]) for r in rows if r["mode"] == mode]
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=mode)
+        ax.set_xlabel("workers W")
+        ax.set_ylabel("bytes received per worker / own payload")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

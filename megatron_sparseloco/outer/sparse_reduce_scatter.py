@@ -1,0 +1,325 @@
+"""SparseLoCo aggregation by reduce-scatter (``--sparseloco-aggregation reduce-scatter``).
+
+All-gather makes every worker receive the W − 1 other payloads (``(W−1)·P`` bytes). Here every
+bucket is owned piecewise by the W workers, and each worker receives about ``2·(W−1)/W·P``:
+
+Ownership. A bucket's segments are cut into *units* that keep their chunks whole — a tile row
+(``t·cols`` elements) of a ``tile2d`` segment, ``C`` elements of a ``flat`` or ``dense`` one — and
+owner ``j`` holds the units whose first element lies in ``[j·n/W, (j+1)·n/W)`` (n = bucket size):
+a contiguous range ``R_j = [a_j, b_j)`` of the bucket, balanced in elements, empty when the bucket
+has fewer units than workers. A unit range of a segment is a *sub-segment*: the same geometry and
+exactly the parent's chunks (so the same kept counts and compact indices).
+
+Per outer step and bucket, on worker w (after the EF step that produced its payload ``P_w``)::
+
+    1. piece_{w→j} = the part of P_w inside R_j: for each sub-segment, the parent segment's side
+       info (copied) and its kept values [K_lo, K_hi) in chunk-major order — codes and compact
+       indices repacked at the same widths.  Sizes depend only on the plan, so no size exchange.
+    2. exchange: piece_{w→j} to owner j for every j ≠ w (batched isend/irecv, ``comm/p2p.py``)
+    3. owner j decodes its W pieces (validated, a bad one rejected naming the worker) and computes
+       the same aggregate as all-gather on R_j, summing in worker order:
+           S[i] = Σ_w v_w[i],  c[i] = #{w : i ∈ idx_w},  A = S / max(c, 1)   (contributors)  or S / W
+    4. owner error feedback f_j (shard-sized, non-zero on R_j only):
+           f ← f + A ;  Q_j = encode(f) with the owner codec ;  f ← f − decode(Q_j)
+       the owner codec is the worker codec with ``owner_k`` / ``owner_value_bits`` (default: the
+       same density and bits: Top-k per chunk of the aggregate, one quantiser per sub-segment).
+       Mass is conserved exactly: decode(Q_j) + f_new = f_old + A (the EF identity of the codec).
+    5. all-gather of the W payloads Q_j (padded to the largest, the sizes being known), and on every
+       worker u[R_j] = decode(Q_j): the same bytes everywhere, so θ_outer stays bitwise identical.
+
+With a lossless owner codec (``owner_k = chunk``, ``owner_value_bits = 32``) ``f`` stays 0 and ``u``
+equals all-gather's aggregate bit for bit. Bytes per worker and bucket: sent ``Σ_{j≠w} |piece_j| +
+max_j |Q_j|``, received ``Σ_{w'≠w} |piece_w| + (W−1)·max_j |Q_j|``, both ≈ 2·(W−1)/W·P plus the
+16-byte piece header and copied side info per sub-segment (docs/scaling.md).
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_sparseloco.comm.collectives import CommCounter, all_gather_payloads
+from megatron_sparseloco.comm.p2p import exchange_pieces
+from megatron_sparseloco.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
+from megatron_sparseloco.compress.codec import _check_strictly_increasing
+from megatron_sparseloco.compress.config import CodecConfig
+from megatron_sparseloco.compress.errors import PayloadError
+from megatron_sparseloco.compress.quantizer import dequantise, side_words
+from megatron_sparseloco.compress.segments import (
+    BUCKET_HEADER_BYTES,
+    SEGMENT_ENTRY_BYTES,
+    BucketPlan,
+    Segment,
+    bucket_payload_nbytes,
+    decode_bucket,
+    encode_bucket,
+    segment_config,
+    segment_layout,
+    tile_edge,
+)
+from megatron_sparseloco.compress.sizing import fixed_sections_nbytes, packed_index_bits
+
+PIECE_MAGIC = b"SLCP"
+PIECE_VERSION = 1
+PIECE_HEADER = struct.Struct("<4sBBHII")  # magic | version | value_bits | reserved | owner | n_subs
+PIECE_HEADER_BYTES = PIECE_HEADER.size    # 16
+
+
+@dataclass(frozen=True)
+class SubSegment:
+    """Chunks [chunk_lo, chunk_hi) of parent segment ``parent`` = its kept values [k_lo, k_hi)."""
+
+    parent: int
+    segment: Segment  # offset relative to the bucket
+    k_lo: int
+    k_hi: int
+
+    @property
+    def kept(self) -> int:
+        return self.k_hi - self.k_lo
+
+
+@dataclass(frozen=True)
+class OwnerRange:
+    owner: int
+    start: int                     # bucket-relative [start, end)
+    end: int
+    subs: Tuple[SubSegment, ...]
+    plan: Optional[BucketPlan]     # the owner codec's plan of [start, end) (None when empty)
+    piece_nbytes: int              # size of every worker's piece for this owner (0 when empty)
+    aggregate_nbytes: int          # size of Q_j (0 when empty)
+
+
+def _unit(seg: Segment, codec: CodecConfig) -> int:
+    return tile_edge(codec.chunk) * seg.cols if seg.geometry == "tile2d" else codec.chunk
+
+
+def _chunk_units(seg: Segment, codec: CodecConfig) -> int:
+    """Chunks per unit (tiles per tile row, or 1)."""
+    if seg.geometry != "tile2d":
+        return 1
+    t = tile_edge(codec.chunk)
+    return -(-seg.cols // t)
+
+
+def owner_ranges(plan: BucketPlan, world: int, owner_codec: CodecConfig) -> List[OwnerRange]:
+    """The W owner ranges of one bucket (see the module docstring)."""
+    units = []  # (bucket offset, numel, segment index, unit index)
+    for i, seg in enumerate(plan.segments):
+        u = _unit(seg, plan.codec)
+        for j, lo in enumerate(range(0, seg.numel, u)):
+            units.append((seg.offset + lo, min(u, seg.numel - lo), i, j))
+    kept_cum = []
+    for seg in plan.segments:
+        lay = segment_layout(seg, plan.codec)
+        n_valid, _ = lay.chunk_valid_and_width(torch.device("cpu"))
+        kept_cum.append([0] + torch.cumsum(lay.kept_counts(n_valid), 0).tolist())
+    n = plan.numel
+    out = []
+    for j in range(world):
+        lo, hi = j * n // world, (j + 1) * n // world
+        mine = [u for u in units if lo <= u[0] < hi]
+        subs: List[SubSegment] = []
+        for unit in mine:  # merge consecutive units of one segment
+            off, size, i, uj = unit
+            if subs and subs[-1].parent == i:
+                prev = subs[-1]
+                s = prev.segment
+                subs[-1] = SubSegment(i, Segment(s.offset, s.numel + size, s.geometry, s.cols, s.name), prev.k_lo, 0)
+            else:
+                seg = plan.segments[i]
+                subs.append(SubSegment(i, Segment(off, size, seg.geometry, seg.cols, seg.name), 0, 0))
+        fixed = []
+        for sub in subs:  # kept range from the parent's chunk range
+            seg = plan.segments[sub.parent]
+            u, cpu = _unit(seg, plan.codec), _chunk_units(seg, plan.codec)
+            c_lo = (sub.segment.offset - seg.offset) // u * cpu
+            c_hi = min(-(-(sub.segment.offset + sub.segment.numel - seg.offset) // u) * cpu, len(kept_cum[sub.parent]) - 1)
+            fixed.append(SubSegment(sub.parent, sub.segment, kept_cum[sub.parent][c_lo], kept_cum[sub.parent][c_hi]))
+        if not fixed:
+            out.append(OwnerRange(j, lo, lo, (), None, 0, 0))
+            continue
+        start, end = fixed[0].segment.offset, fixed[-1].segment.offset + fixed[-1].segment.numel
+        rebased = tuple(Segment(s.segment.offset - start, s.segment.numel, s.segment.geometry, s.segment.cols,
+                                s.segment.name) for s in fixed)
+        oplan = BucketPlan(plan.start + start, plan.start + end, rebased, owner_codec)
+        out.append(OwnerRange(j, start, end, tuple(fixed), oplan, piece_nbytes(plan, fixed),
+                              bucket_payload_nbytes(oplan)))
+    return out
+
+
+def _sub_sizes(plan: BucketPlan, sub: SubSegment) -> Tuple[int, int, int]:
+    """(side, values, indices) bytes of one sub-segment in a piece."""
+    seg = plan.segments[sub.parent]
+    cfg = segment_config(plan.codec, seg.geometry)
+    lay = segment_layout(seg, plan.codec)
+    side, _ = fixed_sections_nbytes(lay, cfg)
+    index = 0 if cfg.is_dense else packed_nbytes(sub.kept, packed_index_bits(lay))
+    return side, packed_nbytes(sub.kept, cfg.value_bits), index
+
+
+def piece_nbytes(plan: BucketPlan, subs: Sequence[SubSegment]) -> int:
+    return PIECE_HEADER_BYTES + sum(sum(_sub_sizes(plan, s)) for s in subs)
+
+
+def _segment_sections(plan: BucketPlan) -> List[Tuple[int, int, int, int]]:
+    """Byte offsets (side, values, indices, end) of each segment body in a packed bucket payload."""
+    at = BUCKET_HEADER_BYTES + SEGMENT_ENTRY_BYTES * len(plan.segments)
+    out = []
+    for seg in plan.segments:
+        cfg = segment_config(plan.codec, seg.geometry)
+        lay = segment_layout(seg, plan.codec)
+        side, values = fixed_sections_nbytes(lay, cfg)
+        index = 0 if cfg.is_dense else packed_nbytes(lay.total_kept, packed_index_bits(lay))
+        out.append((at, at + side, at + side + values, at + side + values + index))
+        at += side + values + index
+    return out
+
+
+class SparseReduceScatter:
+    """The reduce-scatter machinery of one SparseLoCo strategy (tensor chunking, packed indices)."""
+
+    def __init__(self, plans: Sequence[BucketPlan], owner_codec: CodecConfig, world: int, rank: int,
+                 numel: int, device: torch.device):
+        self.world, self.rank, self.device = world, rank, device
+        self.ranges = [owner_ranges(p, world, owner_codec) for p in plans]
+        self.sections = [_segment_sections(p) for p in plans]
+        #: owner error feedback f (non-zero only on the ranges this rank owns)
+        self.error = torch.zeros(numel, dtype=torch.float32, device=device)
+
+    def expected_sent_bytes(self) -> int:
+        total = 0
+        for ranges in self.ranges:
+            total += sum(r.piece_nbytes for r in ranges if r.owner != self.rank)
+            total += max(r.aggregate_nbytes for r in ranges)
+        return total
+
+    # ------------------------------------------------------------------ pieces
+    def make_piece(self, b: int, plan: BucketPlan, payload: torch.Tensor, owner: int) -> torch.Tensor:
+        rng = self.ranges[b][owner]
+        if not rng.subs:
+            return torch.zeros(0, dtype=torch.uint8, device=payload.device)
+        head = PIECE_HEADER.pack(PIECE_MAGIC, PIECE_VERSION, plan.codec.value_bits, 0, owner, len(rng.subs))
+        parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8).to(payload.device)]
+        for sub in rng.subs:
+            seg = plan.segments[sub.parent]
+            cfg = segment_config(plan.codec, seg.geometry)
+            lay = segment_layout(seg, plan.codec)
+            s_at, v_at, i_at, end = self.sections[b][sub.parent]
+            parts.append(payload[s_at:v_at])
+            if cfg.is_quantised:
+                codes = unpack_bits(payload[v_at:i_at], cfg.value_bits, lay.total_kept)[sub.k_lo:sub.k_hi]
+                parts.append(pack_bits(codes, cfg.value_bits))
+            else:
+                width = cfg.value_bits // 8
+                parts.append(payload[v_at + sub.k_lo * width:v_at + sub.k_hi * width])
+            if not cfg.is_dense:
+                local = unpack_bits(payload[i_at:end], packed_index_bits(lay), lay.total_kept)[sub.k_lo:sub.k_hi]
+                parts.append(pack_bits(local, packed_index_bits(lay)))
+        piece = torch.cat(parts)
+        assert piece.numel() == rng.piece_nbytes, (piece.numel(), rng.piece_nbytes)
+        return piece
+
+    def decode_piece(self, b: int, plan: BucketPlan, piece: torch.Tensor, owner: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(positions relative to the owner range's start, fp32 values); PayloadError on any defect."""
+        rng = self.ranges[b][owner]
+        if piece.dtype != torch.uint8 or piece.dim() != 1 or piece.numel() != rng.piece_nbytes:
+            raise PayloadError(f"piece has {piece.numel()} bytes ({piece.dtype}), expected {rng.piece_nbytes}")
+        head = PIECE_HEADER.unpack(piece[:PIECE_HEADER_BYTES].cpu().numpy().tobytes())
+        want = (PIECE_MAGIC, PIECE_VERSION, plan.codec.value_bits, 0, owner, len(rng.subs))
+        if head != want:
+            raise PayloadError(f"piece header (magic, version, value_bits, reserved, owner, subs) = {head}, "
+                               f"expected {want}")
+        at, idx_all, val_all = PIECE_HEADER_BYTES, [], []
+        for sub in rng.subs:
+            seg = plan.segments[sub.parent]
+            cfg = segment_config(plan.codec, seg.geometry)
+            lay = segment_layout(sub.segment, plan.codec)
+            side_n, val_n, idx_n = _sub_sizes(plan, sub)
+            side_b, val_b = piece[at:at + side_n], piece[at + side_n:at + side_n + val_n]
+            idx_b = piece[at + side_n + val_n:at + side_n + val_n + idx_n]
+            at += side_n + val_n + idx_n
+            n_valid, width = lay.chunk_valid_and_width(piece.device)
+            if lay.total_kept != sub.kept:
+                raise PayloadError(f"sub-segment {sub.segment.name}: plan keeps {lay.total_kept}, piece {sub.kept}")
+            if cfg.is_dense:
+                chunk_ids, local, pos = lay.all_positions(piece.device)
+            else:
+                kept = lay.kept_counts(n_valid)
+                chunk_ids = torch.repeat_interleave(torch.arange(lay.n_chunks, device=piece.device), kept)
+                local = unpack_bits(idx_b, packed_index_bits(lay), sub.kept)
+                try:
+                    _check_strictly_increasing(local, chunk_ids)
+                except PayloadError as exc:
+                    raise PayloadError(f"segment {sub.segment.name}: {exc}") from exc
+                if bool((local >= n_valid[chunk_ids]).any()):
+                    raise PayloadError(f"segment {sub.segment.name}: an index is beyond its chunk")
+                pos = lay.compact_to_global(chunk_ids, local, width)
+            if cfg.is_quantised:
+                side = side_b.clone().view(torch.float32).view(-1, side_words(cfg.n_bins))
+                if not bool(torch.isfinite(side).all()):
+                    raise PayloadError(f"segment {sub.segment.name}: side info holds NaN or Inf")
+                codes = unpack_bits(val_b, cfg.value_bits, sub.kept)
+                values = dequantise(codes, torch.zeros_like(codes), side)
+            else:
+                values = val_b.clone().view(torch.bfloat16 if cfg.value_bits == 16 else torch.float32).to(torch.float32)
+                if not bool(torch.isfinite(values).all()):
+                    raise PayloadError(f"segment {sub.segment.name}: raw values hold NaN or Inf")
+            idx_all.append(pos + (sub.segment.offset - rng.start))
+            val_all.append(values)
+        return torch.cat(idx_all), torch.cat(val_all)
+
+    # ------------------------------------------------------------------ the step of one bucket
+    def aggregate(self, b: int, plan: BucketPlan, payload: torch.Tensor, group, counter: CommCounter,
+                  out: torch.Tensor, counts: torch.Tensor, reduce: str, name: str) -> Tuple[int, int]:
+        """Fill ``out`` (bucket-sized) with the update u of this bucket; returns (owned elements chosen
+        by some worker, elements of u sent by the owners)."""
+        ranges = self.ranges[b]
+        pieces = {j: self.make_piece(b, plan, payload, j) for j in range(self.world)}
+        mine = ranges[self.rank]
+        recv_sizes = {w: mine.piece_nbytes for w in range(self.world) if w != self.rank}
+        got = exchange_pieces({j: p for j, p in pieces.items() if j != self.rank}, recv_sizes, group, counter)
+        got[self.rank] = pieces[self.rank]
+        chosen = 0
+        q = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        if mine.plan is not None:
+            n = mine.end - mine.start
+            agg, cnt = out[:n], counts[:n]
+            agg.zero_()
+            cnt.zero_()
+            for w in range(self.world):
+                try:
+                    idx, val = self.decode_piece(b, plan, got[w], self.rank)
+                except PayloadError as exc:
+                    raise PayloadError(f"{name}: piece of worker {w} for owner {self.rank}: {exc}") from exc
+                agg.index_add_(0, idx, val)
+                cnt.index_add_(0, idx, torch.ones_like(idx, dtype=cnt.dtype))
+            chosen = int(torch.count_nonzero(cnt).item())
+            if reduce == "contributors":
+                agg.div_(cnt.clamp_min(1))
+            elif self.world > 1:
+                agg.div_(self.world)
+            s0 = plan.start + mine.start
+            f = self.error[s0:s0 + n]
+            f.add_(agg)
+            q = encode_bucket(f, mine.plan, f"{name} owner {self.rank}")
+            sent = decode_bucket(q, mine.plan, device=self.device)
+            f.index_put_((sent.indices,), f[sent.indices] - sent.values)
+        width = max(r.aggregate_nbytes for r in ranges)
+        padded = torch.zeros(width, dtype=torch.uint8, device=self.device)
+        padded[:q.numel()] = q
+        gathered = all_gather_payloads(padded, group, counter, equal_sizes=True)
+        out.zero_()
+        applied = 0
+        for r in ranges:
+            if r.plan is None:
+                continue
+            try:
+                dec = decode_bucket(gathered[r.owner][:r.aggregate_nbytes], r.plan, device=self.device)
+            except PayloadError as exc:
+                raise PayloadError(f"{name}: aggregate of owner {r.owner}: {exc}") from exc
+            out[r.start + dec.indices] = dec.values
+            applied += int(dec.indices.numel())
+        return chosen, applied
