@@ -256,7 +256,7 @@ def test_chunk_not_a_square_uses_flat_chunks_inside_tensors():
 
 
 def _one_plan():
-    sls = layout_slices("pos1of3")
+    sls = layout_slices("whole")  # tile2d, dense and flat segments
     (plan,) = plan_buckets([sl for _, sl in sls], CodecConfig(**BASE), 1 << 20, True, [n for n, _ in sls])
     return plan
 

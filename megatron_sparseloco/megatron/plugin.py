@@ -115,7 +115,7 @@ def _open_plugin_checkpoints_without_plugin(optimizer) -> None:
     the same placeholders the outer loop adds before a load (``checkpointing.ensure_adam_step_state``)
     are added here, on load only. Nothing else changes.
     """
-    if optimizer is None or getattr(optimizer, "_sparseloco_plain_loader", False):
+    if not hasattr(optimizer, "sharded_state_dict") or getattr(optimizer, "_sparseloco_plain_loader", False):
         return
     orig = optimizer.sharded_state_dict
 
