@@ -156,7 +156,7 @@ def test_h1_averaging_equals_megatron_ddp(world):
 
 
 def _sparseloco_rank(rank, world, outer_steps, H):
-    from megatron_sparseloco.compress import CodecConfig, payload_nbytes
+    from megatron_sparseloco.compress import CodecConfig
     from megatron_sparseloco.testing.megatron_harness import params_fingerprint, train_step
     ddp, opt, batches = _setup(1, 1, 1, False, 2, lr=3e-3)
     outer = _wrap(opt, ddp, "sparseloco", H, k=64, chunk=4096, value_bits=2, lr=1.0)
@@ -166,12 +166,13 @@ def _sparseloco_rank(rank, world, outer_steps, H):
         losses.append(train_step(ddp, outer, batches, seq_len=SEQ, micro_batch_size=MBS))
         if outer.inner_calls % H == 0:
             per_step.append(outer.log.last["bytes_sent"])
+    from megatron_sparseloco.compress.segments import bucket_payload_nbytes, plan_buckets
     numels = [s.params.numel for s in outer.strategies]
-    buckets = [s.config.bucket_numel for s in outer.strategies]
     expected = 0
-    for n, b in zip(numels, buckets):
-        for start in range(0, n, b):
-            expected += payload_nbytes(min(b, n - start), CodecConfig(chunk=4096, k=64, value_bits=2))
+    for s in outer.strategies:  # per-tensor buckets planned from the shards' slices (the default chunking)
+        for plan in plan_buckets(s.slices, CodecConfig(chunk=4096, k=64, value_bits=2), s.config.bucket_numel,
+                                 True, s.names):
+            expected += bucket_payload_nbytes(plan)
     return {"losses": losses, "per_step": per_step, "expected_payload": expected, "numel": sum(numels),
             "params": params_fingerprint(ddp)}
 
@@ -188,7 +189,7 @@ def test_sparseloco_lowers_loss_with_predicted_bytes():
         # the non-finite guard adds one 4-byte flag per strategy per outer step
         guard = 4 * 1
         assert all(b == r["expected_payload"] + guard for b in r["per_step"]), (r["per_step"][:3], r["expected_payload"])
-        assert r["expected_payload"] * 100 < r["numel"] * 4  # far below dense fp32
+        assert r["expected_payload"] * 50 < r["numel"] * 4  # far below dense fp32 (1-D tensors go whole)
     for name, t in res[0]["params"].items():
         assert torch.equal(t, res[1]["params"][name])
 

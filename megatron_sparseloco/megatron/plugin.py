@@ -136,7 +136,19 @@ def _open_plugin_checkpoints_without_plugin(optimizer) -> None:
                                          if not getattr(m, "is_stub_optimizer", False)])
         return orig(model_sharded_state_dict, is_loading, **kwargs)
 
+    orig_load = optimizer.load_state_dict
+
+    @functools.wraps(orig_load)
+    def load_state_dict(state_dict):
+        # no_grad: megatron-core 0.19.2's DistributedOptimizer copies loaded values into fp32 main
+        # params that are views of model params (leaves requiring grad) in place (as in
+        # OuterLoopOptimizer.load_state_dict)
+        import torch
+        with torch.no_grad():
+            return orig_load(state_dict)
+
     optimizer.sharded_state_dict = sharded_state_dict
+    optimizer.load_state_dict = load_state_dict
     optimizer._sparseloco_plain_loader = True
 
 
