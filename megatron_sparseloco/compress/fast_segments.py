@@ -178,23 +178,22 @@ def decode_scatter_add_bucket_fast(payloads: Sequence[torch.Tensor], plan: Bucke
             lengths[w] = read_bucket_table(p, plan)
         except PayloadError as exc:
             raise PayloadError(f"payload {w}: {exc}") from exc
-    at0 = BUCKET_HEADER_BYTES + SEGMENT_ENTRY_BYTES * len(plan.segments)
-    for w in lengths:  # whole-payload length check before any kernel runs
-        total = at0 + sum(body_nbytes(segment_layout(s, plan.codec), segment_config(plan.codec, s.geometry), n)
-                          for s, n in zip(plan.segments, lengths[w]))
-        if payloads[w].numel() != total:
-            raise PayloadError(f"payload {w}: {payloads[w].numel()} bytes, its table describes {total}")
+    # each segment body's byte offset per payload, computed once; the whole length is checked
+    # before any kernel runs
+    fixed = [(segment_layout(s, plan.codec), segment_config(plan.codec, s.geometry)) for s in plan.segments]
+    offsets = {}
+    for w in lengths:
+        offsets[w] = [BUCKET_HEADER_BYTES + SEGMENT_ENTRY_BYTES * len(plan.segments)]
+        for (layout, cfg), n in zip(fixed, lengths[w]):
+            offsets[w].append(offsets[w][-1] + body_nbytes(layout, cfg, n))
+        if payloads[w].numel() != offsets[w][-1]:
+            raise PayloadError(f"payload {w}: {payloads[w].numel()} bytes, its table describes {offsets[w][-1]}")
     kernel_segs = [segment_unsupported_reason(s, plan.codec, out.device) is None for s in plan.segments]
     if not any(kernel_segs) or W == 0:
         return _torch_bucket_scatter(payloads, plan, out, counts, skip, skip_decoded)
-    offsets = {w: [at0] for w in lengths}
-    for w in lengths:
-        for s, n in zip(plan.segments, lengths[w]):
-            offsets[w].append(offsets[w][-1] + body_nbytes(segment_layout(s, plan.codec),
-                                                          segment_config(plan.codec, s.geometry), n))
     for i, (seg, use_kernel) in enumerate(zip(plan.segments, kernel_segs)):
         sl = slice(seg.offset, seg.offset + seg.numel)
-        cfg, layout = segment_config(plan.codec, seg.geometry), segment_layout(seg, plan.codec)
+        layout, cfg = fixed[i]
         if not use_kernel:
             for w in range(W):
                 if w == skip:
