@@ -17,6 +17,10 @@ cross workers). After ``train`` returns, each rank writes ``<dir>/rank<r>.json``
   last stage's ``output_layer.weight`` (where this rank holds them);
 - ``pp_rank``, ``tp_rank``, ``ep_rank``: the rank's place (to pair ranks holding the same shard).
 
+With env ``SEMANTICS_DUMP=1`` each rank also writes its model params (``{name: tensor}``, ``torch.save``)
+after every outer step to ``<dir>/outer<step>_rank<r>.pt`` (then they hold θ_outer) and at the start
+of ``train`` to ``<dir>/start_rank<r>.pt`` (what a load put there) — also with the plugin off.
+
 Fault injection (env ``STALL_RANK=r``, ``STALL_AT_ITER=n``): global rank r stops itself with SIGSTOP
 at the start of iteration n (a stalled worker: alive, connections open, silent); a rank whose
 train_step raises prints ``semantics_launcher: rank <r> failed t=<time>: <error>``.
@@ -38,6 +42,13 @@ OUT = os.environ["SEMANTICS_OUT"]
 #: optional fault injection: this global rank stops itself (SIGSTOP) at the start of that iteration
 STALL_RANK = int(os.environ.get("STALL_RANK", "-1"))
 STALL_AT = int(os.environ.get("STALL_AT_ITER", "0"))
+DUMP = os.environ.get("SEMANTICS_DUMP") == "1"
+
+
+def _dump(chunks, name: str) -> None:
+    params = {f"{i}.{n}": p.detach().cpu().clone() for i, c in enumerate(chunks) for n, p in c.named_parameters()}
+    os.makedirs(OUT, exist_ok=True)
+    torch.save(params, os.path.join(OUT, f"{name}_rank{dist.get_rank()}.pt"))
 
 
 def _sha(t: torch.Tensor) -> str:
@@ -92,7 +103,10 @@ def _install():
 
         self._publish_main_params = publish_spied
         try:
-            return orig_outer(self)
+            out = orig_outer(self)
+            if DUMP:
+                _dump(self.model_chunks, f"outer{self.log.outer_steps}")
+            return out
         finally:
             del self._publish_main_params
             if spy is not None:
@@ -106,6 +120,9 @@ def _install():
     orig_train = mtrain.train
 
     def train(*a, **kw):
+        if DUMP:
+            model = kw["model"] if "model" in kw else a[1]
+            _dump(model if isinstance(model, list) else [model], "start")
         with WhereSpy() as spy:
             state["spy"] = spy
             try:

@@ -16,6 +16,8 @@ checked (issue 16):
   validation, and a missing fp32 main param is an error, never skipped;
 - inner_steps_changed / plain_megatron: resuming with another H is announced; the plugin off opens
   a plugin checkpoint (model + worker 0's optimizer state) naming the flags that continue the loop;
+- checkpoint_model: the model part of a checkpoint saved mid-round is θ_outer (gasloc: the
+  workers' mean), read back bit for bit by a plain Megatron load of the model alone;
 - matrix cells: gasloc × TP 2, average × W = 1 × EP 2 (MoE).
 """
 from __future__ import annotations
@@ -288,6 +290,59 @@ def test_inner_steps_changed_on_resume_and_plain_megatron_opening_plugin_checkpo
     assert "this checkpoint was written with the outer loop on (2 workers" in log, tail(res)
     assert "--sparseloco-algorithm diloco --sparseloco-workers 2 --sparseloco-inner-steps 2" in log, tail(res)
     assert sorted(i for i, _ in res["train_loss"]) == [4, 5, 6], tail(res)
+
+
+# ------------------------------------------------------------------------------------------ checkpoint model
+def _load_dumps(out_dir, name):
+    import torch
+    paths = sorted(glob.glob(os.path.join(out_dir, f"{name}_rank*.pt")), key=lambda p: int(p.split("rank")[-1][:-3]))
+    return [torch.load(p) for p in paths]
+
+
+@pytest.mark.multirank
+@pytest.mark.megatron
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("cell", [
+    dict(nproc=4, workers=2, algorithm="sparseloco"),   # 2 ranks per worker: DP 2 inside each
+    dict(nproc=2, workers=2, algorithm="gasloc"),
+], ids=["sparseloco-W2-DP2", "gasloc-W2"])
+def test_checkpoint_model_is_theta_outer_when_saved_mid_round(tmp_path, cell):
+    """H = 2, saved at iteration 3 (one inner step into round 2, the workers' params differ): a
+    plain Megatron run (plugin off) loading the model alone (--no-load-optim) starts from θ_outer
+    of outer step 1 bit for bit (gasloc: the workers' mean of it); before, each shard was whichever
+    data-parallel replica the save strategy picked, a model no worker ever had."""
+    import torch
+    ckpt = str(tmp_path / "ckpt")
+    env = {"SEMANTICS_DUMP": "1"}
+    res, ranks = launch(tmp_path, "save", H=2, iters=3, timeout=300, env=env,
+                        extra=["--save", ckpt, "--save-interval", "3", "--ckpt-format", "torch_dist"], **cell)
+    assert res["returncode"] == 0, tail(res)
+    assert all(r["outer_steps"] == 1 for r in ranks)
+    theta_outer = _load_dumps(str(tmp_path / "save"), "outer1")
+    assert len(theta_outer) == cell["nproc"]
+    worker_of = {int(k): v for k, v in ranks[0]["worker_of"].items()}
+    if cell["algorithm"] == "gasloc":
+        assert worker_of == {0: 0, 1: 1}
+        mean = {k: (theta_outer[0][k] + theta_outer[1][k]) / 2 for k in theta_outer[0]}
+        expected = [mean, mean]
+    else:
+        expected = theta_outer
+    # the saved iteration is mid-round: the workers' params at the save differ from θ_outer
+    by_worker = {}
+    for r in ranks:
+        by_worker.setdefault(worker_of[r["rank"]], r["params"])
+    assert by_worker[0] != by_worker[1]
+
+    res, _ = launch(tmp_path, "model_only", algorithm="none", H=2, iters=3, timeout=300, env=env,
+                    nproc=cell["nproc"], workers=cell["workers"],
+                    extra=["--load", ckpt, "--no-load-optim", "--ckpt-format", "torch_dist"])
+    assert res["returncode"] == 0, tail(res)
+    loaded = _load_dumps(str(tmp_path / "model_only"), "start")
+    assert len(loaded) == cell["nproc"]
+    for rank, (got, want) in enumerate(zip(loaded, expected)):
+        assert sorted(got) == sorted(want), rank
+        diff = [k for k in want if not torch.equal(got[k], want[k])]
+        assert not diff, (rank, diff)
 
 
 # ------------------------------------------------------------------------------------------ matrix

@@ -4,8 +4,8 @@ What a worker must keep across a restart, beyond what Megatron saves:
 
 - per element: θ_outer, the strategy's buffers (error feedback, outer momentum), and the worker's
   *own* fp32 main params and Adam moments — Megatron treats data-parallel replicas and
-  distributed-optimizer instances as copies and keeps one (worker 0's), but DiLoCo workers are not
-  copies between outer steps;
+  distributed-optimizer instances as copies and keeps one of each shard, but DiLoCo workers are not
+  copies between outer steps (the model part itself holds θ_outer: ``model_holds_outer_params``);
 - scalars: the inner-call counter (so a resume in the middle of an inner loop runs the outer step
   at the same iteration), outer steps, Adam ``step`` per worker, cumulative byte counters.
 
@@ -111,11 +111,14 @@ def _inner_elementwise_names(shards: MainParamShards) -> List[str]:
     return names or []
 
 
-def elementwise_state(shards: MainParamShards, strategy) -> Dict[str, List[torch.Tensor]]:
+def elementwise_state(shards: MainParamShards, strategy,
+                      local_main_params: Optional[List[torch.Tensor]] = None) -> Dict[str, List[torch.Tensor]]:
     """``{state name: [live tensor holding shard i's elements]}`` for one member optimizer.
 
     ``outer.*``: slices of the strategy's flat vectors (``strategy.params`` is ``shards.tensors``
-    in order); ``inner.main_param``: the fp32 main-param shards; ``inner.*``: Adam moments.
+    in order); ``inner.main_param``: the fp32 main-param shards — or ``local_main_params``, the
+    worker's θ_local set aside while a save has put θ_outer into the live shards
+    (``OuterLoopOptimizer.model_holds_outer_params``); ``inner.*``: Adam moments.
     """
     out: Dict[str, List[torch.Tensor]] = {}
     if strategy is not None:
@@ -124,7 +127,7 @@ def elementwise_state(shards: MainParamShards, strategy) -> Dict[str, List[torch
             raise AssertionError("strategy does not cover the member's main-param shards")
         for k, v in strategy.elementwise_state().items():
             out[f"outer.{k}"] = [v[offsets[i]:offsets[i + 1]] for i in range(len(shards.tensors))]
-    out["inner.main_param"] = list(shards.tensors)
+    out["inner.main_param"] = list(local_main_params if local_main_params is not None else shards.tensors)
     inner = _inner_optimizer(shards)
     for k in _inner_elementwise_names(shards):
         out[f"inner.{k}"] = [inner.state[t][k] for t in shards.tensors]
@@ -181,18 +184,21 @@ def _key(worker: int, state: str, meta) -> str:
     return f"{STATE_PREFIX}.worker{worker}.{state}.{meta.key}"
 
 
-def build_save_state(strategies_by_member, shards_list, worker: int, metas: Dict[int, object]) -> Dict[str, dict]:
+def build_save_state(strategies_by_member, shards_list, worker: int, metas: Dict[int, object],
+                     local_main_params: Optional[List[List[torch.Tensor]]] = None) -> Dict[str, dict]:
     """Sharded tensors of the whole params this rank owns, for every per-element state.
 
     ``metas``: ``model_param_metadata`` of the model's sharded state dict. Point-to-point within
     each member's shard group (``model_space``); every rank writes what it owns.
+    ``local_main_params`` (per member): the worker's θ_local when the live shards hold θ_outer.
     """
     out: Dict[str, dict] = {}
     for mi, (shards, strategy) in enumerate(zip(shards_list, strategies_by_member)):
+        local = local_main_params[mi] if local_main_params is not None else None
         table = piece_table(shards)
         split = shards.shard_group is not None
         member: Dict[str, dict] = {}
-        for name, pieces in sorted(elementwise_state(shards, strategy).items()):
+        for name, pieces in sorted(elementwise_state(shards, strategy, local).items()):
             member[name] = {}
             for j, whole in gather_owned_whole_params(shards, table, pieces).items():
                 meta = _metadata_of(metas, shards.all_model_params[j], f"#{j}")

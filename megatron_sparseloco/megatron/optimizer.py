@@ -22,6 +22,7 @@ asserts that all workers start from identical parameters (θ_outer is initialise
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
@@ -129,6 +130,8 @@ class OuterLoopOptimizer:
         # without outer state, --no-load-optim, --finetune).
         self._anchor_at_first_step = True
         self._param_keys: Dict[int, str] = {}   # id(model param) -> checkpoint key, set by sharded_state_dict
+        #: per member, this worker's θ_local while a checkpoint save has put θ_outer in the params
+        self._local_during_save: Optional[List[List[torch.Tensor]]] = None
 
     # ------------------------------------------------------------------ the loop
     def is_outer_step_due(self) -> bool:
@@ -222,6 +225,50 @@ class OuterLoopOptimizer:
         merged["skipped"] = float(any(s.skipped for s in stats))
         self.log.last = merged
 
+    # ------------------------------------------------------------------ checkpoint model = θ_outer
+    @contextlib.contextmanager
+    def model_holds_outer_params(self):
+        """Inside the block the model (and the fp32 main params) hold θ_outer; after it, θ_local again.
+
+        Megatron keeps one data-parallel replica of each model shard in a checkpoint, and which
+        replica writes a shard is the save strategy's choice; mid-round the workers' θ_local differ,
+        so the model part would be a mixture no worker ever had. ``megatron.training``'s
+        ``save_checkpoint`` runs inside this block (``plugin.install``), so the model part — what
+        ``--no-load-optim``, ``--finetune``, export and evaluation read, and the wrapped optimizer's
+        own fp32 master copies — is
+
+            θ_outer                     (sparseloco, diloco, average: identical on every worker)
+            (1/W) Σ_w θ_outer,w         (gasloc: the workers' mean, which gossip preserves;
+                                         one all-reduce over the workers at each save)
+
+        while each worker's own θ_local goes into its per-worker outer state
+        (``inner.main_param``), so a resume with the plugin stays bitwise. Costs one copy of this
+        rank's fp32 shard and two in-worker param all-gathers per save. Nothing changes before
+        the first step (θ_outer is anchored on the params then) or for a rank without shards.
+        """
+        if self._anchor_at_first_step or self._local_during_save is not None or not self.strategies:
+            yield
+            return
+        with torch.no_grad():
+            self._local_during_save = [[t.detach().clone() for t in sh.tensors] for sh in self.shards]
+            for strategy in self.strategies:
+                outer = strategy.anchor
+                if not self.config.identical_across_workers and self.num_workers > 1:
+                    outer = outer.clone()
+                    dist.all_reduce(outer, group=self.group)
+                    outer.div_(self.num_workers)
+                strategy.params.write(0, strategy.params.numel, outer)
+            self._publish_main_params()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for shards, local in zip(self.shards, self._local_during_save):
+                    for t, saved in zip(shards.tensors, local):
+                        t.copy_(saved)
+                self._local_during_save = None
+                self._publish_main_params()
+
     # ------------------------------------------------------------------ state
     @property
     def algorithms(self) -> List[str]:
@@ -286,7 +333,8 @@ class OuterLoopOptimizer:
         record = ckpt.rank_record(self.shards, self.worker_index, self.worker_rank, self.worker_size, self.log,
                                   self._param_keys)
         sd[ckpt.OUTER_KEY] = {
-            "tensors": ckpt.build_save_state(self.strategy_of, self.shards, self.worker_index, metas),
+            "tensors": ckpt.build_save_state(self.strategy_of, self.shards, self.worker_index, metas,
+                                             self._local_during_save),
             "ranks": ckpt.gather_rank_records(record),
             "scalars": facts,
         }

@@ -11,6 +11,9 @@
   ``OuterLoopOptimizer`` when ``--sparseloco-algorithm`` is set;
 - ``megatron.training.training.training_log``: after Megatron's own line, a ``sparseloco |`` line
   and ``sparseloco/*`` TensorBoard / W&B scalars at every ``--log-interval``;
+- ``megatron.training.training.save_checkpoint`` (and ``megatron.training.checkpointing``'s): the
+  save runs with θ_outer in the model, so the checkpoint's model part is the synced model and not
+  a mixture of the workers' mid-round params (``OuterLoopOptimizer.model_holds_outer_params``);
 - ``megatron.training.training.train_step``: with W > 1 its loss all-reduce runs over the worker's
   data-parallel group; the optimizer wrap also scopes Megatron's timer barriers and rerun-machine
   flags to the worker (``worker_local``), so inner steps issue no cross-worker collective.
@@ -101,8 +104,9 @@ def plain_load_message(saved: dict) -> str:
     algos = ",".join(saved.get("algorithms") or []) or "?"
     return (f"sparseloco: this checkpoint was written with the outer loop on ({saved.get('num_workers')} workers, "
             f"--sparseloco-algorithm {algos}, {saved.get('outer_steps')} outer steps). Without --sparseloco-algorithm "
-            "it loads as a plain Megatron checkpoint: the model and worker 0's inner optimizer state; the other "
-            "workers' state, θ_outer and the error feedback are ignored. To continue the outer loop pass "
+            "it loads as a plain Megatron checkpoint: the model (θ_outer, the synced model; gasloc: the workers' mean) "
+            "and Megatron's copy of the inner optimizer state; each worker's own θ_local and Adam moments and the "
+            "error feedback are ignored. To continue the outer loop pass "
             f"--sparseloco-algorithm {algos.split(',')[0]} --sparseloco-workers {saved.get('num_workers')} "
             f"--sparseloco-inner-steps {saved.get('inner_steps', 'H')}")
 
@@ -233,6 +237,19 @@ def install() -> None:
             raise RuntimeError(better) from exc
 
     mtrain.load_checkpoint = load_checkpoint
+
+    import megatron.training.checkpointing as mckpt
+    orig_save = mckpt.save_checkpoint
+
+    @functools.wraps(orig_save)
+    def save_checkpoint(*a, **kw):
+        if ACTIVE is None:
+            return orig_save(*a, **kw)
+        with ACTIVE.model_holds_outer_params():   # re-entrant: an inner call finds it active
+            return orig_save(*a, **kw)
+
+    mckpt.save_checkpoint = save_checkpoint
+    mtrain.save_checkpoint = save_checkpoint
     from megatron_sparseloco.megatron.worker_local import wrap_train_step
 
     margs.add_megatron_arguments = add_megatron_arguments
