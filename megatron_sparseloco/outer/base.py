@@ -20,7 +20,6 @@ step consistently and reset θ_local ← θ_outer (the local progress of this ro
 from __future__ import annotations
 
 import abc
-import math
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Collection, Dict, Iterator, Mapping, Optional, Sequence, Tuple
@@ -163,8 +162,8 @@ class OuterStrategy(abc.ABC):
 
     #: a short name used in logs and checkpoints
     name: str = "base"
-    #: the config dataclass (fields, flags, defaults, validation); set by every registered strategy
-    config_class: type = OuterConfig
+    #: the config dataclass (fields, flags, defaults, validation); every registered strategy sets it
+    config_class: type
     #: after an outer step every worker holds the same θ_outer (False for gossip: workers differ,
     #: so cross-worker consistency checks do not apply)
     identical_across_workers: bool = True
