@@ -141,7 +141,7 @@ def strategy_fields(run: RunCfg) -> Dict:
         return dict(k=run.k, chunk=4096, value_bits=2, ef_beta=0.95, lr=1.0 if run.outer_lr is None else run.outer_lr,
                     index_coding=run.index_coding, chunking=run.chunking)
     if run.method == "gasloc":
-        # the plugin's defaults for gasloc (megatron/arguments.py): η = 1.0, γ = 0.9
+        # the plugin's defaults for gasloc (GASLoCConfig, outer/gasloc.py): η = 1.0, γ = 0.9
         return dict(topology=run.gasloc_topology, proposal_lr=1.0, momentum=0.9)
     raise ValueError(run.method)
 

@@ -13,9 +13,11 @@ call the outer step of the chosen strategy:
 
 The inner optimizer state (Adam moments) is kept across outer steps, as in DiLoCo.
 
-Everything else Megatron's loop, checkpointing and logging use (``zero_grad``, ``scale_loss``,
-``get_loss_scale``, ``param_groups``, ``sharded_state_dict`` ...) is forwarded to the wrapped
-optimizer; ``state_dict`` / ``sharded_state_dict`` add the outer state (see ``checkpointing``).
+The members Megatron's loop, checkpointing and logging use (``zero_grad``, ``scale_loss``,
+``get_loss_scale``, ``param_groups`` ...; ``FORWARDED_METHODS`` / ``FORWARDED_ATTRIBUTES``) are
+forwarded to the wrapped optimizer by name; any other member raises ``AttributeError`` naming it
+and where to add it. ``state_dict`` / ``sharded_state_dict`` / ``load_state_dict`` add the outer
+state (see ``checkpointing``).
 
 On construction it makes inner steps worker-local (``worker_isolation.isolate_workers``) and
 asserts that all workers start from identical parameters (θ_outer is initialised from them).
@@ -365,10 +367,53 @@ class OuterLoopOptimizer:
 
     # ------------------------------------------------------------------ forwarding
     def __getattr__(self, name):
-        # Only called for attributes not found on the wrapper: forward to the wrapped optimizer.
-        if name in ("optimizer",):
+        # Only called for members not found on the wrapper: the explicitly forwarded ones are
+        # defined below (``_forward``), so anything reaching here is a member Megatron was not
+        # known to use. Refuse it rather than hand out the wrapped optimizer's (which would skip
+        # the outer loop, e.g. a second ``step``-like entry point).
+        if name == "optimizer" or name.startswith("__"):
             raise AttributeError(name)
-        return getattr(self.optimizer, name)
+        if name in FORWARDED_ATTRIBUTES:
+            raise AttributeError(f"the wrapped {type(self.optimizer).__name__} has no {name!r}")
+        raise AttributeError(
+            f"OuterLoopOptimizer has no member {name!r}: it forwards to the wrapped {type(self.optimizer).__name__} "
+            f"only the members Megatron uses ({', '.join(FORWARDED_METHODS + FORWARDED_ATTRIBUTES)}). If Megatron "
+            f"(or your code) needs {name!r}, add it to FORWARDED_METHODS or FORWARDED_ATTRIBUTES in "
+            "megatron_sparseloco/megatron/optimizer.py, after checking the outer loop does not need to act on it")
 
 
-__all__ = ["OuterLoopOptimizer", "OuterLoopConfig", "DivergenceError", "WorkerLostError"]
+#: methods of the wrapped optimizer that Megatron's training loop, checkpointing and logging call on
+#: the optimizer it holds (megatron-core 0.19.2 training/training.py, checkpointing.py, utils;
+#: megatron-core's optimizer param scheduler), forwarded as they are
+FORWARDED_METHODS = (
+    "zero_grad", "scale_loss", "get_loss_scale", "reload_model_params", "prepare_model_params_for_param_sync",
+    "save_parameter_state", "load_parameter_state", "save_state_dict_to_file", "load_state_dict_from_file",
+    "get_parameters", "get_main_grads_for_grad_norm", "clip_grad_norm", "count_zeros", "prepare_grads",
+    "step_with_ready_grads", "get_grad_stats_parallel_group",
+)
+#: attributes read on the optimizer (``chained_optimizers`` only where the wrapped one is chained)
+FORWARDED_ATTRIBUTES = ("param_groups", "is_stub_optimizer", "chained_optimizers", "state")
+
+
+def _forward_method(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self.optimizer, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"The wrapped optimizer's ``{name}``."
+    return method
+
+
+def _forward_attribute(name: str):
+    return property(lambda self: getattr(self.optimizer, name), doc=f"The wrapped optimizer's ``{name}``.")
+
+
+for _name in FORWARDED_METHODS:
+    setattr(OuterLoopOptimizer, _name, _forward_method(_name))
+for _name in FORWARDED_ATTRIBUTES:
+    setattr(OuterLoopOptimizer, _name, _forward_attribute(_name))
+del _name
+
+
+__all__ = ["OuterLoopOptimizer", "OuterLoopConfig", "DivergenceError", "WorkerLostError", "FORWARDED_METHODS",
+           "FORWARDED_ATTRIBUTES"]

@@ -59,8 +59,13 @@ def format_mb(n: Optional[float]) -> str:
     return "n/a" if n is None else f"{n / MB:.3f} MB"
 
 
+def _error_feedback_algorithms():
+    from megatron_sparseloco.outer.registry import outer_strategy_classes
+    return tuple(name for name, cls in outer_strategy_classes().items() if cls.has_error_feedback)
+
+
 #: algorithms whose strategy keeps an error-feedback buffer (|e| means something)
-ERROR_FEEDBACK_ALGORITHMS = ("sparseloco",)
+ERROR_FEEDBACK_ALGORITHMS = _error_feedback_algorithms()
 
 
 def format_log_line(totals: Dict[str, float], algorithm: Optional[str] = None, inner_steps: Optional[int] = None) -> str:

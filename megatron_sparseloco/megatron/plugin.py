@@ -77,6 +77,7 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
     from megatron_sparseloco.megatron.optimizer import OuterLoopConfig, OuterLoopOptimizer
     from megatron_sparseloco.megatron.strategy_from_args import inner_steps_for_worker, strategy_factory_from_args
     from megatron_sparseloco.megatron.worker_isolation import cross_worker_group
+    from megatron_sparseloco.outer.registry import outer_strategy_class
 
     group = cross_worker_group(model_chunks)
     worker = dist.get_rank(group) if group is not None else 0
@@ -85,7 +86,7 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
         inner_steps=max(per_worker) if per_worker else args.sparseloco_inner_steps,
         active_inner_steps=inner_steps_for_worker(args, worker),
         consistency_check_interval=args.sparseloco_consistency_check_interval,
-        identical_across_workers=args.sparseloco_algorithm != "gasloc",
+        identical_across_workers=outer_strategy_class(args.sparseloco_algorithm).identical_across_workers,
         outer_timeout_s=args.sparseloco_outer_timeout,
     )
     global ACTIVE

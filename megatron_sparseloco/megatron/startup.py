@@ -14,32 +14,25 @@ from megatron_sparseloco.megatron.outer_logging import format_mb
 
 
 def resolved_settings(args) -> Dict[str, object]:
-    """The settings the outer loop runs with (only those that apply to the algorithm)."""
+    """The settings the outer loop runs with: the loop's, then every flag of the algorithm's config
+    (from the field → flag metadata) that applies in its mode (a field with ``requires`` unmet is left out)."""
+    from megatron_sparseloco.megatron.arguments import dest_of
+    from megatron_sparseloco.outer.config_fields import flagged_fields
+    from megatron_sparseloco.outer.registry import outer_strategy_class
+
     algo = args.sparseloco_algorithm
     out: Dict[str, object] = {"algorithm": algo, "workers W": args.sparseloco_workers}
     per_worker = getattr(args, "sparseloco_inner_steps_per_worker", None)
     out["inner steps H"] = f"{args.sparseloco_inner_steps} (per worker {per_worker})" if per_worker else args.sparseloco_inner_steps
-    if algo != "average":
-        out["outer lr"] = args.sparseloco_outer_lr
-        out["outer momentum"] = args.sparseloco_outer_momentum
-        out["nesterov"] = "on" if args.sparseloco_outer_nesterov else "off"
-    codec = algo == "sparseloco" or (algo == "gasloc" and args.sparseloco_gossip_compress)
-    if codec:
-        k, c = args.sparseloco_topk, args.sparseloco_chunk_size
-        out["top-k / chunk"] = f"{k}/{c} ({100.0 * k / c:.2f} % density)"
-        out["value bits"] = args.sparseloco_value_bits
-        out["index coding"] = args.sparseloco_index_coding
-    if algo == "sparseloco":
-        out["error-feedback decay"] = args.sparseloco_ef_decay
-        out["reduce"] = args.sparseloco_reduce
-    if algo in ("diloco", "average"):
-        out["all-reduce dtype"] = args.sparseloco_diloco_comm_dtype
-    if algo == "gasloc":
-        out["gossip"] = (f"{args.sparseloco_gossip_topology}, seed {args.sparseloco_gossip_seed}, proposal lr "
-                         f"{args.sparseloco_gossip_proposal_lr}"
-                         + (f", compressed, step {args.sparseloco_gossip_step}" if args.sparseloco_gossip_compress else ""))
-    out["bucket size"] = args.sparseloco_bucket_size
-    out["non-finite policy"] = args.sparseloco_nonfinite_policy
+    specs = flagged_fields(outer_strategy_class(algo).config_class)
+    values = {spec.name: getattr(args, dest_of(flag), None) for flag, spec in specs.items()}
+    for flag, spec in specs.items():
+        if any(values.get(other) != needed for other, needed in spec.requires.items()):
+            continue
+        value = values[spec.name]
+        out[flag] = ("on" if value else "off") if isinstance(value, bool) else value
+    if "k" in values and "chunk" in values and "topk" in out and out.get("chunk-size"):
+        out["topk"] = f"{values['k']} of {values['chunk']} ({100.0 * values['k'] / values['chunk']:.2f} % density)"
     out["consistency check"] = (f"every {args.sparseloco_consistency_check_interval} outer steps"
                                 if args.sparseloco_consistency_check_interval else "off")
     out["outer timeout"] = f"{args.sparseloco_outer_timeout:g} s"
@@ -124,7 +117,8 @@ def log_startup(wrapper, args) -> None:
         return
     world = dist.get_world_size() if dist.is_initialized() else 1
     gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    entropy = args.sparseloco_algorithm == "sparseloco" and args.sparseloco_index_coding == "entropy"
+    # entropy-coded indices: the expected bytes are a bound (a strategy whose bytes depend on the round says None)
+    entropy = getattr(args, "sparseloco_index_coding", None) == "entropy"
     print(format_startup_block(resolved_settings(args), worker_map_lines(args, world, gpn, os.environ.get("SITES")),
                                int(vals[0].item()), None if mine is None else vals[1].item(), entropy), flush=True)
 

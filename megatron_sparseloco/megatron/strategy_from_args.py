@@ -1,4 +1,8 @@
-"""Translate validated ``--sparseloco-*`` arguments into an outer-strategy factory."""
+"""Translate validated ``--sparseloco-*`` arguments into an outer-strategy factory.
+
+The config fields are read from ``args`` through each field's flag metadata
+(``outer.config_fields``): no per-algorithm mapping lives here.
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,35 +11,21 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.outer.registry import build_outer_strategy
+from megatron_sparseloco.megatron.arguments import dest_of
+from megatron_sparseloco.outer.config_fields import flagged_fields
+from megatron_sparseloco.outer.registry import build_outer_strategy, outer_strategy_class
 
 
-def outer_config_fields(args: argparse.Namespace, worker_index: int = 0) -> Dict[str, object]:
-    """The config fields of ``args.sparseloco_algorithm``'s strategy (see ``megatron_sparseloco.outer``)."""
-    algo = args.sparseloco_algorithm
-    common = {"bucket_numel": args.sparseloco_bucket_size, "nonfinite_policy": args.sparseloco_nonfinite_policy}
-    if algo == "average":
-        return {**common, "comm_dtype": args.sparseloco_diloco_comm_dtype}
-    if algo == "diloco":
-        return {**common, "lr": args.sparseloco_outer_lr, "momentum": args.sparseloco_outer_momentum,
-                "nesterov": args.sparseloco_outer_nesterov, "comm_dtype": args.sparseloco_diloco_comm_dtype}
-    codec = {"chunk": args.sparseloco_chunk_size, "k": args.sparseloco_topk,
-             "value_bits": args.sparseloco_value_bits, "ef_beta": args.sparseloco_ef_decay}
-    if algo == "sparseloco":
-        return {**common, **codec, "index_coding": args.sparseloco_index_coding, "reduce": args.sparseloco_reduce,
-                "chunking": args.sparseloco_chunking, "dense_1d": args.sparseloco_dense_1d,
-                "aggregation": args.sparseloco_aggregation,
-                "lr": args.sparseloco_outer_lr, "momentum": args.sparseloco_outer_momentum,
-                "nesterov": args.sparseloco_outer_nesterov}
-    if algo == "gasloc":
-        fields = {**common, "topology": args.sparseloco_gossip_topology, "seed": args.sparseloco_gossip_seed,
-                  "proposal_lr": args.sparseloco_gossip_proposal_lr, "momentum": args.sparseloco_outer_momentum,
-                  "compress": args.sparseloco_gossip_compress}
-        if args.sparseloco_gossip_compress:
-            fields.update({k: v for k, v in codec.items() if k != "ef_beta"},
-                          index_coding=args.sparseloco_index_coding, gossip_step=args.sparseloco_gossip_step)
-        return fields
-    raise ValueError(f"unknown --sparseloco-algorithm {algo!r}")
+def outer_config_fields(args: argparse.Namespace) -> Dict[str, object]:
+    """The config fields of ``args.sparseloco_algorithm``'s strategy whose flag holds a value
+    (after ``validate_sparseloco_args``: all of them, resolved); unset ones keep the config default."""
+    config_class = outer_strategy_class(args.sparseloco_algorithm).config_class
+    fields = {}
+    for flag, spec in flagged_fields(config_class).items():
+        value = getattr(args, dest_of(flag), None)
+        if value is not None:
+            fields[spec.name] = value
+    return fields
 
 
 def inner_steps_for_worker(args: argparse.Namespace, worker_index: int) -> int:

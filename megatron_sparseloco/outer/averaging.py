@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparseloco.comm.collectives import all_reduce_
-from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterStepStats, OuterStrategy
+from megatron_sparseloco.outer.base import OuterConfig, OuterStepStats, OuterStrategy
+from megatron_sparseloco.outer.config_fields import flag_field
 from megatron_sparseloco.outer.registry import register_outer_strategy
 from megatron_sparseloco.outer.sgd import outer_sgd_
 
@@ -27,9 +28,10 @@ from megatron_sparseloco.outer.sgd import outer_sgd_
 COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def check_comm_dtype(value: str) -> None:
-    if value not in COMM_DTYPES:
-        raise ConfigError(f"comm_dtype must be one of {tuple(COMM_DTYPES)}, got {value!r}")
+def comm_dtype_field():
+    """The dense all-reduce's wire format (``--sparseloco-diloco-comm-dtype``), shared by average and DiLoCo."""
+    return flag_field("fp32", flag="diloco-comm-dtype", choices=tuple(COMM_DTYPES),
+                      help="DiLoCo / average: dtype of the pseudo-gradient all-reduce.")
 
 
 def mean_pseudo_gradient_(strategy: OuterStrategy, start: int, end: int, work: torch.Tensor,
@@ -79,14 +81,12 @@ def dense_outer_step_(strategy: OuterStrategy, stats: OuterStepStats, comm_dtype
 
 @dataclass
 class AveragingConfig(OuterConfig):
-    """``comm_dtype``: wire format of Δ, "fp32" (exact up to summation order) or "bf16"."""
+    """Model averaging has no optimiser settings: it is DiLoCo's step with lr 1 and no momentum."""
 
-    comm_dtype: str = "fp32"
+    comm_dtype: str = comm_dtype_field()
+    """Wire format of Δ: "fp32" (exact up to summation order) or "bf16" (half the bytes)."""
 
-    def validate(self) -> "AveragingConfig":
-        super().validate()
-        check_comm_dtype(self.comm_dtype)
-        return self
+    implied_flags = {"outer-lr": 1.0, "outer-momentum": 0.0, "outer-nesterov": False}
 
 
 @register_outer_strategy("average")

@@ -20,16 +20,16 @@ step consistently and reset θ_local ← θ_outer (the local progress of this ro
 from __future__ import annotations
 
 import abc
-import math
 import time
 from dataclasses import dataclass, field, fields
-from typing import Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Collection, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_sparseloco.comm.collectives import CommCounter, all_reduce_
 from megatron_sparseloco.compress.segments import TensorSlice
+from megatron_sparseloco.outer.config_fields import ConfigError, check_fields, check_given, flag_field
 
 NONFINITE_POLICIES = ("skip", "abort")
 
@@ -38,33 +38,40 @@ class NonFiniteError(RuntimeError):
     """A worker's pseudo-gradient holds NaN or Inf."""
 
 
-class ConfigError(ValueError):
-    """An invalid outer-strategy configuration; the message names the field and the fix."""
-
-
 @dataclass
 class OuterConfig:
-    """Fields every strategy shares. Subclasses add theirs and extend ``validate``."""
+    """Fields every strategy shares. Subclasses add theirs and extend ``validate``.
 
-    bucket_numel: int = 1 << 24  # elements per bucket (64 MiB of fp32)
-    nonfinite_policy: str = "skip"
+    Each field is declared with ``config_fields.flag_field`` / ``config_field``: its type, default,
+    choices, range and (for the Megatron integration) its ``--sparseloco-<flag>`` come from there,
+    and ``validate`` checks them all (``check_fields``) before the subclass's cross-field checks.
+    """
+
+    bucket_numel: int = flag_field(1 << 24, flag="bucket-size", low=1,
+                                   help="Elements per outer-step bucket (bounds the outer step's extra memory).")
+    """Elements per bucket: the outer step's extra memory is one bucket (64 MiB of fp32 by default)."""
+    nonfinite_policy: str = flag_field("skip", flag="nonfinite-policy", choices=NONFINITE_POLICIES,
+                                       help="NaN/Inf pseudo-gradient on any worker: skip the outer step on all "
+                                            "workers, or abort.")
+    """What a NaN/Inf pseudo-gradient does (module docstring): skip the round, or raise ``NonFiniteError``."""
+
+    #: flags this algorithm has no field for but behaves as if set to (flag → value): accepted on
+    #: the command line only with that value (e.g. model averaging is outer lr 1 without momentum)
+    implied_flags: ClassVar[Mapping[str, Any]] = {}
 
     def validate(self) -> "OuterConfig":
-        if not isinstance(self.bucket_numel, int) or self.bucket_numel < 1:
-            raise ConfigError(f"bucket_numel must be a positive integer, got {self.bucket_numel!r}")
-        if self.nonfinite_policy not in NONFINITE_POLICIES:
-            raise ConfigError(
-                f"nonfinite_policy must be one of {NONFINITE_POLICIES}, got {self.nonfinite_policy!r}")
+        check_fields(self)
         return self
 
-    @staticmethod
-    def _check_range(name: str, value, lo: float, hi: float, lo_open=False, hi_open=False) -> None:
-        ok_lo = value > lo if lo_open else value >= lo
-        ok_hi = value < hi if hi_open else value <= hi
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and ok_lo and ok_hi):
-            lb = "(" if lo_open else "["
-            rb = ")" if hi_open else "]"
-            raise ConfigError(f"{name} must be in {lb}{lo}, {hi}{rb}, got {value!r}")
+    def validate_given(self, given: Collection[str]) -> "OuterConfig":
+        """``validate()``, then refuse any field in ``given`` (the fields set explicitly) that this
+        config ignores in its current mode (a field declared with ``requires=``)."""
+        self.validate()
+        check_given(self, given)
+        return self
+
+    def check_workers(self, num_workers: int) -> None:
+        """Checks that need the number of workers W (known only once the job layout is)."""
 
 
 @dataclass
@@ -155,6 +162,17 @@ class OuterStrategy(abc.ABC):
 
     #: a short name used in logs and checkpoints
     name: str = "base"
+    #: the config dataclass (fields, flags, defaults, validation); every registered strategy sets it
+    config_class: type
+    #: after an outer step every worker holds the same θ_outer (False for gossip: workers differ,
+    #: so cross-worker consistency checks do not apply)
+    identical_across_workers: bool = True
+    #: the fewest workers the algorithm makes sense with (gossip needs a neighbour)
+    min_workers: int = 1
+    #: workers may run different numbers of inner steps per round (nothing assumes equal H_w)
+    per_worker_inner_steps: bool = False
+    #: keeps an error-feedback buffer (its norm is logged)
+    has_error_feedback: bool = False
 
     def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
                  config: OuterConfig, names: Optional[Sequence[str]] = None,

@@ -22,23 +22,28 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.outer.averaging import COMM_DTYPES, check_comm_dtype, dense_outer_step_
-from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterStepStats, OuterStrategy
+from megatron_sparseloco.outer.averaging import COMM_DTYPES, comm_dtype_field, dense_outer_step_
+from megatron_sparseloco.outer.base import OuterConfig, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.registry import register_outer_strategy
-from megatron_sparseloco.outer.sgd import check_outer_sgd
+from megatron_sparseloco.outer.sgd import check_outer_sgd, lr_field, momentum_field, nesterov_field
 
 
 @dataclass
 class DiLoCoConfig(OuterConfig):
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
-    comm_dtype: str = "fp32"
+    """The DiLoCo paper's outer optimiser: SGD, lr 0.7, Nesterov momentum 0.9."""
+
+    lr: float = lr_field(0.7)
+    """Outer SGD learning rate on θ_outer (the paper's 0.7)."""
+    momentum: float = momentum_field(0.9)
+    """Outer momentum μ in [0, 1); 0 disables it (no momentum buffer)."""
+    nesterov: bool = nesterov_field(True)
+    """Nesterov (u = Δ̄ + μ·m) or heavy ball (u = m); needs μ > 0."""
+    comm_dtype: str = comm_dtype_field()
+    """Wire format of the Δ all-reduce: "fp32" or "bf16"."""
 
     def validate(self) -> "DiLoCoConfig":
         super().validate()
         check_outer_sgd(self.lr, self.momentum, self.nesterov)
-        check_comm_dtype(self.comm_dtype)
         return self
 
 

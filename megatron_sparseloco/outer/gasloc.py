@@ -77,14 +77,19 @@ import torch.distributed as dist
 
 from megatron_sparseloco.comm.collectives import CommCounter
 from megatron_sparseloco.comm.p2p import _check_peers, _p2p, exchange
-from megatron_sparseloco.compress import CodecConfig, CodecConfigError, decode, encode, payload_nbytes
+from megatron_sparseloco.compress import CodecConfig, decode, encode, payload_nbytes
 from megatron_sparseloco.comm.topology import TOPOLOGIES, check_topology, neighbours
 from megatron_sparseloco.outer.base import (ConfigError, NonFiniteError, OuterConfig, OuterStepStats,
                                             OuterStrategy)
+from megatron_sparseloco.outer.codec_fields import (check_bucket_holds_a_chunk, check_codec, codec_chunk_field,
+                                                    codec_index_coding_field, codec_k_field, codec_value_bits_field)
+from megatron_sparseloco.outer.config_fields import config_field, flag_field
 from megatron_sparseloco.outer.registry import register_outer_strategy
+from megatron_sparseloco.outer.sgd import momentum_field
 
 VALUE_BITS = (2, 4, 8, 32)
-INDEX_CODINGS = ("packed", "entropy")
+#: the codec fields apply to compressed proposals only
+_COMPRESSED = {"compress": True}
 #: topologies whose neighbour set never changes: one own public copy serves every neighbour
 STATIC_TOPOLOGIES = ("ring", "complete")
 
@@ -109,18 +114,28 @@ class GASLoCConfig(OuterConfig):
                    1 = the uncompressed mixing when the codec is lossless
     """
 
-    topology: str = "ring"
-    seed: int = 0
-    proposal_lr: float = 1.0
-    momentum: float = 0.9
+    topology: str = flag_field("ring", flag="gossip-topology", choices=TOPOLOGIES,
+                               help="Gossip graph (exponential needs a power-of-two W).")
+    seed: int = flag_field(0, flag="gossip-seed", low=0,
+                           help="Seed shared by all workers for the random matchings.")
+    proposal_lr: float = flag_field(1.0, flag="gossip-proposal-lr", low=0.0, low_open=True,
+                                    help="Proposal step η in y = θ0 − η·Δ.")
+    momentum: float = momentum_field(0.9)
     mixing_weight: Optional[float] = None
-    compress: bool = False
-    chunk: int = 4096
-    k: int = 64
-    value_bits: int = 2
-    ef_beta: float = 0.95
-    index_coding: str = "packed"
-    gossip_step: float = 0.05
+    compress: bool = flag_field(False, flag="gossip-compress", store_true=True,
+                                help="Send proposals SparseLoCo-compressed (pairwise public copies); enables the "
+                                     "codec flags.")
+    chunk: int = codec_chunk_field(requires=_COMPRESSED)
+    k: int = codec_k_field(requires=_COMPRESSED)
+    value_bits: int = codec_value_bits_field(VALUE_BITS, requires=_COMPRESSED)
+    ef_beta: float = config_field(0.95, low=0.0, high=1.0)
+    index_coding: str = codec_index_coding_field(requires=_COMPRESSED)
+    gossip_step: float = flag_field(0.05, flag="gossip-step", low=0.0, high=1.0, low_open=True, requires=_COMPRESSED,
+                                    help="With --sparseloco-gossip-compress: step ξ on the public-copy differences "
+                                         "(1 diverges at k=64/4096, see docs/gasloc.md).")
+
+    #: the mixed increment d is applied with step 1 (θ ← θ0 + d), heavy ball: the step on Δ is proposal_lr
+    implied_flags = {"outer-lr": 1.0, "outer-nesterov": False}
 
     def codec(self) -> CodecConfig:
         return CodecConfig(chunk=self.chunk, k=self.k, value_bits=self.value_bits, index_coding=self.index_coding,
@@ -135,35 +150,22 @@ class GASLoCConfig(OuterConfig):
 
     def validate(self) -> "GASLoCConfig":
         super().validate()
-        if self.topology not in TOPOLOGIES:
-            raise ConfigError(f"topology must be one of {TOPOLOGIES}, got {self.topology!r}")
         try:
             check_topology(self.topology, 1, self.mixing_weight)
         except ValueError as exc:
-            raise ConfigError(f"mixing_weight: {exc}") from None
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise ConfigError(f"seed must be a nonnegative integer shared by all workers, got {self.seed!r}")
-        self._check_range("proposal_lr", self.proposal_lr, 0.0, math.inf, lo_open=True)
-        self._check_range("momentum", self.momentum, 0.0, 1.0, hi_open=True)
-        if not isinstance(self.compress, bool):
-            raise ConfigError(f"compress must be a bool, got {self.compress!r}")
-        if not isinstance(self.chunk, int) or self.chunk < 1:
-            raise ConfigError(f"chunk must be a positive integer, got {self.chunk!r}")
-        if not isinstance(self.k, int) or not 1 <= self.k <= self.chunk:
-            raise ConfigError(f"k must be an integer in [1, chunk={self.chunk}], got {self.k!r}")
-        if self.value_bits not in VALUE_BITS:
-            raise ConfigError(f"value_bits must be one of {VALUE_BITS}, got {self.value_bits!r}")
-        self._check_range("ef_beta", self.ef_beta, 0.0, 1.0)
-        if self.index_coding not in INDEX_CODINGS:
-            raise ConfigError(f"index_coding must be one of {INDEX_CODINGS}, got {self.index_coding!r}")
-        self._check_range("gossip_step", self.gossip_step, 0.0, 1.0, lo_open=True)
+            raise ConfigError(f"mixing_weight: {exc}", "mixing_weight") from None
+        if not 1 <= self.k <= self.chunk:
+            raise ConfigError(f"k must be an integer in [1, chunk={self.chunk}], got {self.k!r}", "k",
+                              "use `k` <= `chunk`")
         if self.compress:
-            try:
-                self.codec().validate()
-            except CodecConfigError as exc:
-                raise ConfigError(f"GASLoCConfig codec: {exc}") from exc
+            check_codec(self.codec(), "GASLoCConfig codec")
+            check_bucket_holds_a_chunk(self)
         return self
 
+    def check_workers(self, num_workers: int) -> None:
+        if self.topology == "exponential" and num_workers & (num_workers - 1):
+            raise ConfigError(f"topology 'exponential' needs a power-of-two number of workers, got {num_workers}",
+                              "topology", "use `topology=ring` or random1/random2, or a power-of-two W")
 
 def exchange_per_peer(payloads: Dict[int, torch.Tensor], recv_nbytes: Optional[Dict[int, int]],
                       group: Optional[dist.ProcessGroup], counter: CommCounter) -> Dict[int, torch.Tensor]:
@@ -198,6 +200,9 @@ class GASLoC(OuterStrategy):
 
     name = "gasloc"
     config_class = GASLoCConfig
+    identical_across_workers = False   # each worker keeps its own anchor and momentum
+    min_workers = 2                    # gossip needs a neighbour
+    per_worker_inner_steps = True      # Δ_i is whatever worker i did since its last round
 
     def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
                  config: GASLoCConfig, names: Optional[Sequence[str]] = None, slices=None):

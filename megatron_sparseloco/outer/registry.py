@@ -60,6 +60,17 @@ def _import_strategies() -> None:
                 raise
 
 
+def unregister_outer_strategy(name: str) -> None:
+    """Forget strategy ``name`` (for tests that register a toy strategy); unknown names are ignored."""
+    _REGISTRY.pop(name, None)
+
+
+def outer_strategy_classes() -> Dict[str, Type[OuterStrategy]]:
+    """name → strategy class, in registration order (the order flags and help list them in)."""
+    _import_strategies()
+    return dict(_REGISTRY)
+
+
 def available_outer_strategies() -> List[str]:
     """Names ``build_outer_strategy`` accepts, sorted."""
     _import_strategies()

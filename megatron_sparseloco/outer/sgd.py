@@ -18,15 +18,34 @@ from typing import Optional
 
 import torch
 
-from megatron_sparseloco.outer.base import ConfigError, OuterConfig
+from megatron_sparseloco.outer.config_fields import ConfigError, flag_field
+
+
+def lr_field(default: float):
+    """The outer learning rate field (``--sparseloco-outer-lr``), > 0; each config its own default."""
+    return flag_field(default, flag="outer-lr", low=0.0, low_open=True,
+                      help="Outer learning rate (gasloc applies its mixed increment with step 1; its step on Δ "
+                           "is --sparseloco-gossip-proposal-lr).")
+
+
+def momentum_field(default: float):
+    """The outer momentum field μ (``--sparseloco-outer-momentum``), in [0, 1)."""
+    return flag_field(default, flag="outer-momentum", low=0.0, high=1.0, high_open=True,
+                      help="Outer momentum in [0, 1).")
+
+
+def nesterov_field(default: bool):
+    """The Nesterov switch (``--[no-]sparseloco-outer-nesterov``); needs μ > 0 (``check_outer_sgd``)."""
+    return flag_field(default, flag="outer-nesterov",
+                      help="Nesterov outer momentum (needs a non-zero outer momentum).")
 
 
 def check_outer_sgd(lr: float, momentum: float, nesterov: bool) -> None:
-    """Shared validation of the outer SGD fields (lr, momentum, nesterov)."""
-    OuterConfig._check_range("lr", lr, 0.0, float("inf"), lo_open=True, hi_open=True)
-    OuterConfig._check_range("momentum", momentum, 0.0, 1.0, hi_open=True)
-    if not isinstance(nesterov, bool):
-        raise ConfigError(f"nesterov must be True or False, got {nesterov!r}")
+    """Cross-field check of the outer SGD fields (types and ranges are the fields' own):
+    Nesterov needs a momentum, as in ``torch.optim.SGD``."""
+    if nesterov and momentum == 0.0:
+        raise ConfigError("nesterov=True needs a non-zero momentum", "nesterov",
+                          "set `momentum=0.9`, or `nesterov=False`")
 
 
 def outer_sgd_(anchor: torch.Tensor, grad: torch.Tensor, momentum_buf: Optional[torch.Tensor],

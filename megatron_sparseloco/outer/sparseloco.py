@@ -74,38 +74,77 @@ from megatron_sparseloco.compress import (
     decode,
     payload_nbytes,
 )
+from megatron_sparseloco.compress.config import QUANTISED_VALUE_BITS, RAW_VALUE_BITS
 from megatron_sparseloco.compress.fast_segments import decode_scatter_add_bucket_fast, error_feedback_step_bucket_fast
 # Triton kernels on CUDA for the configurations they cover; the torch codec (identical bytes) otherwise.
 from megatron_sparseloco.compress.fast_path import error_feedback_step_fast as error_feedback_step
 from megatron_sparseloco.compress.segments import BucketPlan, bucket_payload_nbytes, decode_bucket, plan_buckets
 from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterStepStats, OuterStrategy
+from megatron_sparseloco.outer.codec_fields import (check_bucket_holds_a_chunk, check_codec, codec_chunk_field,
+                                                    codec_index_coding_field, codec_k_field, codec_value_bits_field)
+from megatron_sparseloco.outer.config_fields import config_field, flag_field
 from megatron_sparseloco.outer.registry import register_outer_strategy
 from megatron_sparseloco.outer.sparse_reduce_scatter import SparseReduceScatter
-from megatron_sparseloco.outer.sgd import check_outer_sgd, outer_sgd_
+from megatron_sparseloco.outer.sgd import check_outer_sgd, lr_field, momentum_field, nesterov_field, outer_sgd_
 
 REDUCE_MODES = ("contributors", "all")
 AGGREGATIONS = ("allgather", "reduce-scatter")
 CHUNKINGS = ("tensor", "flat")
+#: value widths of the SparseLoCo codec (compress.config: 2/4/8 quantised, 16 bf16, 32 fp32)
+VALUE_BITS = QUANTISED_VALUE_BITS + RAW_VALUE_BITS
 
 
 @dataclass
 class SparseLoCoConfig(OuterConfig):
-    chunk: int = 4096
-    k: int = 64
-    value_bits: int = 2
-    index_coding: str = "packed"
-    chunking: str = "tensor"     # "tensor": per-tensor segments (reference); "flat": the shard's flat range
-    dense_1d: bool = True        # tensor chunking: 1-D tensors (norms, biases) sent whole
-    quant_group_chunks: int = 0  # flat chunking: 0 = one quantiser per bucket; g > 0: one per g chunks
-    ef_beta: float = 0.95
-    reduce: str = "contributors"
-    lr: float = 1.5              # the reference's α = 1; 1.5 won our outer-lr sweep (docs/benchmarks.md)
-    momentum: float = 0.0
-    nesterov: bool = False
-    peer_norm_clip: bool = False
-    aggregation: str = "allgather"  # or "reduce-scatter" (outer/sparse_reduce_scatter.py)
-    owner_k: int = 0                # reduce-scatter owner codec: values kept per chunk (0: k)
-    owner_value_bits: int = 0       # reduce-scatter owner codec: value bits (0: value_bits)
+    """The SparseLoCo outer step's settings (module docstring for the math; docs/codec.md for the wire format)."""
+
+    chunk: int = codec_chunk_field()
+    """Chunk size C: Top-k is taken per chunk of C elements (tensor chunking: 2-D weights in √C×√C tiles)."""
+    k: int = codec_k_field()
+    """Values kept per chunk (density k/C; the reference's 64 of 4096 = 1.56 %)."""
+    value_bits: int = codec_value_bits_field(VALUE_BITS)
+    """Bits per kept value: 2/4/8 quantised to 2**bits bins, 16 raw bf16, 32 raw fp32."""
+    index_coding: str = codec_index_coding_field()
+    """Index wire format: "packed" (ceil(log2 C) bits, fixed payload sizes) or "entropy" (Rice-coded gaps)."""
+    chunking: str = flag_field(
+        "tensor", flag="chunking", choices=CHUNKINGS,
+        help="sparseloco only: 'tensor' (default, as the reference) compresses every parameter on its own (own "
+             "quantiser, 64x64 tiles for 2-D weights); 'flat' chunks the shard's flat range across parameters with "
+             "one quantiser per bucket (kept for comparison).")
+    """"tensor": per-tensor segments (reference); "flat": the shard's flat range (module docstring)."""
+    dense_1d: bool = flag_field(
+        True, flag="dense-1d", requires={"chunking": "tensor"},
+        help="sparseloco with --sparseloco-chunking tensor: send 1-D tensors (norms, biases) whole, 2-bit quantised "
+             "(default on, as the reference); off: Top-k like the rest.")
+    """Tensor chunking: 1-D tensors (norms, biases) sent whole (quantised), as the reference does."""
+    quant_group_chunks: int = config_field(0, low=0)
+    """Flat chunking: 0 = one quantiser per bucket; g > 0: one per g chunks."""
+    ef_beta: float = flag_field(0.95, flag="ef-decay", low=0.0, high=1.0, high_open=True,
+                                help="Error-feedback decay β in [0, 1).")
+    """Error-feedback decay β: e ← β·e + Δ before compressing."""
+    reduce: str = flag_field("contributors", flag="reduce", choices=REDUCE_MODES,
+                             help="Aggregate: mean over the workers that sent a coordinate (reference) or over all "
+                                  "workers.")
+    """"contributors": S / max(c, 1) (the reference code); "all": S / W (the paper's formula)."""
+    lr: float = lr_field(1.5)
+    """Outer lr: the reference's α = 1; 1.5 won our outer-lr sweep of {0.8, 1, 1.2, 1.5} (docs/benchmarks.md)."""
+    momentum: float = momentum_field(0.0)
+    """Outer momentum μ; 0 (default): error feedback plays momentum's role."""
+    nesterov: bool = nesterov_field(False)
+    """Nesterov outer momentum (needs μ > 0)."""
+    peer_norm_clip: bool = config_field(False)
+    """Scale each peer's decoded values to at most the median peer norm (module docstring)."""
+    aggregation: str = flag_field(
+        "allgather", flag="aggregation", choices=AGGREGATIONS,
+        help="sparseloco only: 'allgather' (default) sends every worker's payload to every worker (W-1 payloads "
+             "received); 'reduce-scatter' sends each bucket range's owner only that range, owners re-encode the mean "
+             "and all-gather it (about 2 payloads received; needs --sparseloco-chunking tensor and packed indices; "
+             "docs/scaling.md).")
+    """"allgather" or "reduce-scatter" (outer/sparse_reduce_scatter.py)."""
+    owner_k: int = config_field(0, low=0)
+    """Reduce-scatter owner codec: values kept per chunk (0: k)."""
+    owner_value_bits: int = config_field(0, low=0)
+    """Reduce-scatter owner codec: value bits (0: value_bits)."""
 
     def codec(self) -> CodecConfig:
         """The flat codec (flat chunking), or the base the per-tensor segments derive theirs from."""
@@ -119,40 +158,35 @@ class SparseLoCoConfig(OuterConfig):
 
     def validate(self) -> "SparseLoCoConfig":
         super().validate()
-        try:
-            self.codec().validate()
-        except CodecConfigError as exc:  # same field names here: keep the codec's message
-            raise ConfigError(f"SparseLoCoConfig: {exc}") from exc
-        if self.chunking not in CHUNKINGS:
-            raise ConfigError(f"chunking must be one of {CHUNKINGS}, got {self.chunking!r}")
-        if not isinstance(self.dense_1d, bool):
-            raise ConfigError(f"dense_1d must be True or False, got {self.dense_1d!r}")
+        check_codec(self.codec(), "SparseLoCoConfig")
+        check_bucket_holds_a_chunk(self)
         if self.chunking == "tensor" and self.quant_group_chunks != 0:
             raise ConfigError("quant_group_chunks applies to chunking='flat' only (tensor chunking has one "
-                              "quantiser per tensor); set chunking='flat' or quant_group_chunks=0")
+                              "quantiser per tensor)", "quant_group_chunks",
+                              "set `chunking='flat'` or `quant_group_chunks=0`")
         if self.chunking == "flat" and not self.dense_1d:
-            raise ConfigError("dense_1d=False applies to chunking='tensor' only (flat chunking does not see tensors)")
-        self._check_range("ef_beta", self.ef_beta, 0.0, 1.0, hi_open=True)
-        if self.reduce not in REDUCE_MODES:
-            raise ConfigError(f"reduce must be one of {REDUCE_MODES}, got {self.reduce!r}")
+            raise ConfigError("dense_1d=False applies to chunking='tensor' only (flat chunking does not see tensors)",
+                              "dense_1d", "set `chunking='tensor'`, or leave `dense_1d` unset")
         check_outer_sgd(self.lr, self.momentum, self.nesterov)
-        if not isinstance(self.peer_norm_clip, bool):
-            raise ConfigError(f"peer_norm_clip must be True or False, got {self.peer_norm_clip!r}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ConfigError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.aggregation == "reduce-scatter":
-            for bad, why in ((self.chunking != "tensor", "chunking='tensor'"),
-                             (self.index_coding != "packed", "index_coding='packed' (piece sizes known up front)"),
-                             (self.peer_norm_clip, "peer_norm_clip=False")):
-                if bad:
-                    raise ConfigError(f"aggregation='reduce-scatter' needs {why}")
-            try:
-                self.owner_codec().validate()
-            except CodecConfigError as exc:
-                raise ConfigError(f"SparseLoCoConfig owner codec (owner_k, owner_value_bits): {exc}") from exc
+            self._check_reduce_scatter()
         elif self.owner_k or self.owner_value_bits:
-            raise ConfigError("owner_k / owner_value_bits apply to aggregation='reduce-scatter' only")
+            raise ConfigError("owner_k / owner_value_bits apply to aggregation='reduce-scatter' only",
+                              "owner_k" if self.owner_k else "owner_value_bits", "set `aggregation='reduce-scatter'`")
         return self
+
+    def _check_reduce_scatter(self) -> None:
+        for bad, why, fix in ((self.chunking != "tensor", "chunking='tensor' (per-tensor segments)", "`chunking=tensor`"),
+                              (self.index_coding != "packed", "index_coding='packed' (piece sizes known up front)",
+                               "`index_coding=packed`"),
+                              (self.peer_norm_clip, "peer_norm_clip=False", "`peer_norm_clip=False`")):
+            if bad:
+                raise ConfigError(f"aggregation='reduce-scatter' needs {why}", "aggregation",
+                                  f"use {fix}, or `aggregation=allgather`")
+        try:
+            self.owner_codec().validate()
+        except CodecConfigError as exc:
+            raise ConfigError(f"SparseLoCoConfig owner codec (owner_k, owner_value_bits): {exc}", "owner_k") from exc
 
     @property
     def effective_bucket_numel(self) -> int:
@@ -166,6 +200,7 @@ class SparseLoCo(OuterStrategy):
 
     name = "sparseloco"
     config_class = SparseLoCoConfig
+    has_error_feedback = True
 
     def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
                  config: Optional[SparseLoCoConfig] = None, names: Optional[Sequence[str]] = None,
