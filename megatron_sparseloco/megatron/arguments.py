@@ -142,6 +142,7 @@ def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "k=64/4096, see docs/gasloc.md).")
     g.add_argument("--sparseloco-gossip-compress", action="store_true", default=None,
                    help="Send proposals SparseLoCo-compressed (pairwise public copies); enables the codec flags.")
+    _add_overlap_args(g)
     return parser
 
 
@@ -369,4 +370,53 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
         if args.sparseloco_gossip_topology == "exponential" and W & (W - 1):
             _fail("sparseloco_gossip_topology", f"exponential graph needs a power-of-two number of workers, got {W}",
                   "use ring or random1/random2, or a power-of-two W")
+    _validate_overlap_args(args, algo, given)
     return args
+
+
+# ============================================================================ overlapped outer sync
+# (issue 18; kept in one block: flags, defaults, validation)
+OVERLAP_MERGES = ("replay", "lerp")
+OVERLAP_DEFAULTS = {"sparseloco_overlap_steps": 0, "sparseloco_overlap_merge": "replay", "sparseloco_overlap_alpha": 0.5}
+#: algorithms whose outer step can be delayed (gasloc's gossip rounds cannot, yet)
+OVERLAP_ALGORITHMS = ("sparseloco", "diloco", "average")
+
+
+def _add_overlap_args(g) -> None:
+    g.add_argument("--sparseloco-overlap-steps", type=int, default=None,
+                   help="Delayed application τ (0: blocking outer step). 1 <= τ < H: the outer collective is "
+                        "launched at the end of a round and runs while the next τ inner steps compute; its "
+                        "result is merged τ steps later (see --sparseloco-overlap-merge; outer/overlap.py).")
+    g.add_argument("--sparseloco-overlap-merge", choices=OVERLAP_MERGES, default=None,
+                   help="With --sparseloco-overlap-steps: 'replay' (default) puts the τ steps of local progress "
+                        "on the new global point, θ ← θ_outer + (θ_now − θ_launch); 'lerp' is torchft's "
+                        "Streaming DiLoCo θ ← lerp(θ_outer, θ_now, α).")
+    g.add_argument("--sparseloco-overlap-alpha", type=float, default=None,
+                   help="With --sparseloco-overlap-merge lerp: the weight α in [0, 1] of the local params "
+                        "(0: discard the τ local steps, 1: keep them and ignore the global point). Default 0.5.")
+
+
+def _validate_overlap_args(args: argparse.Namespace, algo: str, given) -> None:
+    """``--sparseloco-overlap-*``: ranges and combinations, defaults resolved in place."""
+    for dest, value in OVERLAP_DEFAULTS.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, value)
+    tau, H = args.sparseloco_overlap_steps, args.sparseloco_inner_steps
+    if tau < 0:
+        _fail("sparseloco_overlap_steps", f"must be >= 0, got {tau}", "use 0 (blocking) or 1 <= τ < H")
+    if tau > 0 and tau >= H:
+        _fail("sparseloco_overlap_steps", f"τ={tau} must be < --sparseloco-inner-steps H={H} (one round in flight "
+              "at a time)", f"use 1 <= τ <= {H - 1}, or raise --sparseloco-inner-steps")
+    if tau > 0 and algo not in OVERLAP_ALGORITHMS:
+        _fail("sparseloco_overlap_steps", f"{algo} cannot delay its outer step (its gossip rounds are not split "
+              "into launch / complete)", f"use 0 with {algo}, or --sparseloco-algorithm {'/'.join(OVERLAP_ALGORITHMS)}")
+    if tau == 0:
+        stray = [d for d in ("sparseloco_overlap_merge", "sparseloco_overlap_alpha") if d in given]
+        if stray:
+            raise SparseLoCoArgumentError(f"{_flags_only(stray)} with --sparseloco-overlap-steps >= 1. "
+                                          "Fix: add --sparseloco-overlap-steps τ or drop them")
+    if "sparseloco_overlap_alpha" in given and args.sparseloco_overlap_merge != "lerp":
+        _fail("sparseloco_overlap_alpha", f"only applies to --sparseloco-overlap-merge lerp, not "
+              f"{args.sparseloco_overlap_merge}", "add --sparseloco-overlap-merge lerp or drop it")
+    if not (0.0 <= args.sparseloco_overlap_alpha <= 1.0):
+        _fail("sparseloco_overlap_alpha", f"must be in [0, 1], got {args.sparseloco_overlap_alpha}", "use e.g. 0.5")

@@ -84,6 +84,9 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
         consistency_check_interval=args.sparseloco_consistency_check_interval,
         identical_across_workers=args.sparseloco_algorithm != "gasloc",
         outer_timeout_s=args.sparseloco_outer_timeout,
+        overlap_steps=getattr(args, "sparseloco_overlap_steps", 0) or 0,
+        overlap_merge=getattr(args, "sparseloco_overlap_merge", None) or "replay",
+        overlap_alpha=getattr(args, "sparseloco_overlap_alpha", None) if getattr(args, "sparseloco_overlap_alpha", None) is not None else 0.5,
     )
     global ACTIVE
     ACTIVE = OuterLoopOptimizer(optimizer, model_chunks, strategy_factory_from_args(args), config, group=group)
