@@ -33,6 +33,7 @@ GROUPS: List[Tuple[str, Tuple[str, ...]]] = [
      A.CODEC_FLAGS + ("sparseloco_reduce", "sparseloco_chunking", "sparseloco_dense_1d", "sparseloco_aggregation")),
     ("diloco / average", ("sparseloco_diloco_comm_dtype",)),
     ("gasloc", A.GOSSIP_FLAGS + ("sparseloco_inner_steps_per_worker",)),
+    ("overlapped outer sync (sparseloco, diloco, average)", tuple(A.OVERLAP_DEFAULTS)),
 ]
 
 #: restrictions inside a group, shown after the meaning
@@ -69,9 +70,10 @@ def default_text(dest: str) -> str:
             on = [a for a, d in A.ALGORITHM_DEFAULTS.items() if d[2]]
             return f"on for {', '.join(on)}, off otherwise"
         return ", ".join(f"{a} {_fmt(d[col])}" for a, d in A.ALGORITHM_DEFAULTS.items())
-    for table in (A.FLAG_DEFAULTS, A.GOSSIP_DEFAULTS):
+    for table in (A.FLAG_DEFAULTS, A.GOSSIP_DEFAULTS, A.OVERLAP_DEFAULTS):
         if dest in table:
-            return _fmt(table[dest]) + (" (off)" if dest == "sparseloco_consistency_check_interval" else "")
+            off = dest in ("sparseloco_consistency_check_interval", "sparseloco_overlap_steps")
+            return _fmt(table[dest]) + (" (off)" if off else "")
     return "unset"
 
 
