@@ -117,6 +117,8 @@ class RunCfg:
     outer_lr: Optional[float] = None       # None: the method's reference value (below)
     outer_momentum: Optional[float] = None  # diloco only (sparseloco has none: EF plays that role)
     chunking: str = "tensor"                # sparseloco: per-tensor (default) or flat
+    overlap_steps: int = 0                  # τ: delayed outer step (--sparseloco-overlap-steps), 0: blocking
+    overlap_merge: str = "replay"           # replay | lerp (alpha 0.5)
 
     def label(self) -> str:
         if self.method == "sparseloco":
@@ -126,6 +128,8 @@ class RunCfg:
             tag = self.method
         if self.outer_lr is not None:
             tag += f" lr={self.outer_lr:g}" + (f" mu={self.outer_momentum:g}" if self.outer_momentum is not None else "")
+        if self.overlap_steps:
+            tag += f" tau={self.overlap_steps}" + ("" if self.overlap_merge == "replay" else f" {self.overlap_merge}")
         return tag if self.method == "ddp" else f"{tag} H={self.H}"
 
 
@@ -177,7 +181,8 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
             return build_outer_strategy(run.method, params, group, names=names, slices=slices, **fields_)
 
         outer = OuterLoopOptimizer(opt, ddp, factory, OuterLoopConfig(
-            inner_steps=run.H, identical_across_workers=(run.method != "gasloc")))
+            inner_steps=run.H, identical_across_workers=(run.method != "gasloc"),
+            overlap_steps=run.overlap_steps, overlap_merge=run.overlap_merge))
     stepper = outer if outer is not None else opt
     outer_times: List[float] = []
     if outer is not None:
@@ -206,11 +211,13 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
     for step in range(1, run.steps + 1):
         t0 = time.perf_counter()
         loss = train_step(ddp, stepper, it, seq_len=model.seq, micro_batch_size=run.mbs)
-        if outer is not None and outer.inner_calls % run.H == 0:
+        if outer is not None and outer.log.outer_steps > len(sync_times):  # a round completed
             last = outer.log.last
             rec = {k: last.get(k, 0.0) for k in ("time_compress_s", "time_communicate_s", "time_apply_s",
-                                                 "bytes_sent")}
-            rec["outer_step_s"] = outer_times[-1] if outer_times else float("nan")
+                                                 "bytes_sent", "time_exposed_s", "time_wait_s")}
+            # the wall time the loop spent in the outer step (delayed: launch + wait + apply + merge)
+            rec["outer_step_s"] = (last.get("time_exposed_s", float("nan")) if run.overlap_steps
+                                   else (outer_times[-1] if outer_times else float("nan")))
             sync_times.append(rec)
         wall += time.perf_counter() - t0
         train_losses.append(loss)

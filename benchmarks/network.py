@@ -278,6 +278,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--slow-rate", default="10mbit")
     ap.add_argument("--no-hetero", action="store_true")
+    ap.add_argument("--overlap-steps", default="",
+                    help="comma-separated τ values (e.g. 1,7,14): extra diloco and sparseloco rows with the outer "
+                         "step delayed by τ inner steps (--sparseloco-overlap-steps); each τ < H")
     ap.add_argument("--no-ddp", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=None)
@@ -312,6 +315,11 @@ def main(argv=None) -> int:
     paths = common.ensure_data()
     base = dict(H=H, steps=steps, mbs=mbs, eval_windows=8 if args.smoke else 32, eval_every=H)
     methods = [RunCfg("diloco", **base), RunCfg("sparseloco", k=64, **base), RunCfg("gasloc", **base)]
+    taus = [int(t) for t in args.overlap_steps.split(",") if t.strip()]
+    if any(not 1 <= t < H for t in taus):
+        raise SystemExit(f"--overlap-steps: every τ must be in [1, H={H}), got {taus}")
+    for t in taus:
+        methods += [RunCfg("diloco", overlap_steps=t, **base), RunCfg("sparseloco", k=64, overlap_steps=t, **base)]
     if not args.no_ddp:  # dense DDP syncs every step: a third of the steps keeps its run short
         methods.insert(0, RunCfg("ddp", **dict(base, steps=steps if args.smoke else max(H, steps // 3))))
     out = {"benchmark": "network", "model": asdict(model), "machine": common.machine_info(),
@@ -336,6 +344,10 @@ def main(argv=None) -> int:
         hbase = dict(base, steps=hsteps)
         out["hetero"]["steps"] = hsteps
         hmethods = [RunCfg("diloco", **hbase), RunCfg("gasloc", **hbase)]
+        if taus:  # blocking vs overlapped on the 10x slower link, DiLoCo and SparseLoCo
+            hmethods.append(RunCfg("sparseloco", k=64, **hbase))
+        for t in taus:
+            hmethods += [RunCfg("diloco", overlap_steps=t, **hbase), RunCfg("sparseloco", k=64, overlap_steps=t, **hbase)]
         print(f"[network] heterogeneous: W={Wh}, links {rates}", flush=True)
         hres = run_hetero(model, hmethods, paths, rates, timeout)
         hrows = add_time_to_target(summarise(hres, Wh, "hetero"))

@@ -31,6 +31,7 @@ torchft, numel × 4 per sync (``should_quantize=False``: fp32 pseudo-gradients a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -86,7 +87,18 @@ def build_runs(args, tuned, seeds, steps):
         for method, k, extra in parse_methods(args.methods):
             run = make_run(method, k, extra, args.H, seed, base, tuned)
             (ft_runs if method == "torchft_diloco" else runs).append(run)
+            if method in ("diloco", "sparseloco"):   # the loss cost of delaying the outer step
+                for tau in overlap_steps(args):
+                    runs.append(dataclasses.replace(run, overlap_steps=tau))
     return runs, ft_runs
+
+
+def overlap_steps(args):
+    """``--overlap-steps 1,7`` → [1, 7] (each in [1, H))."""
+    taus = [int(t) for t in (args.overlap_steps or "").split(",") if t.strip()]
+    if any(not 1 <= t < args.H for t in taus):
+        raise SystemExit(f"--overlap-steps: every τ must be in [1, H={args.H}), got {taus}")
+    return taus
 
 
 def sweep_runs(args, steps):
@@ -242,6 +254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mbs", type=int, default=None)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-windows", type=int, default=None)
+    ap.add_argument("--overlap-steps", default="",
+                    help="comma-separated τ values: for every diloco / sparseloco method also a run with its outer "
+                         "step delayed by τ inner steps (--sparseloco-overlap-steps, replay merge)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plots", default=None, help="directory for the PNG plots (one pair per W)")
     ap.add_argument("--timeout", type=float, default=None, help="per-launch timeout in seconds")

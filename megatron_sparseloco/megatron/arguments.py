@@ -62,6 +62,23 @@ class LoopFlags:
     outer_timeout: float = flag_field(600.0, flag="outer-timeout", low=0.0, low_open=True,
                                       help="Seconds an outer step may wait for the other workers before failing.")
     """Timeout of the cross-worker group the outer step runs on."""
+    overlap_steps: int = flag_field(
+        0, flag="overlap-steps", low=0,
+        help="Delayed application τ (0: blocking outer step). 1 <= τ < H: the outer collective is launched at the "
+             "end of a round and runs while the next τ inner steps compute; its result is merged τ steps later "
+             "(see --sparseloco-overlap-merge; outer/overlap.py).")
+    """τ, inner steps the outer collective overlaps (``outer.overlap``); only for strategies ``supports_overlap``."""
+    overlap_merge: str = flag_field(
+        "replay", flag="overlap-merge", choices=("replay", "lerp"),
+        help="With --sparseloco-overlap-steps: 'replay' (default) puts the τ steps of local progress on the new "
+             "global point, θ ← θ_outer + (θ_now − θ_launch); 'lerp' is torchft's Streaming DiLoCo "
+             "θ ← lerp(θ_outer, θ_now, α).")
+    """How the τ local steps are merged with θ_outer,k+1 (``outer.overlap.OverlapConfig.merge``)."""
+    overlap_alpha: float = flag_field(
+        0.5, flag="overlap-alpha", low=0.0, high=1.0,
+        help="With --sparseloco-overlap-merge lerp: the weight α in [0, 1] of the local params (0: discard the τ "
+             "local steps, 1: keep them and ignore the global point). Default 0.5.")
+    """α of the lerp merge."""
 
 
 class SparseLoCoArgumentError(ValueError):
@@ -102,7 +119,9 @@ def flag_table() -> Dict[str, Dict[str, FieldSpec]]:
 
 #: loop flags that only some strategies take: flag → the strategy class attribute that allows it
 LOOP_FLAG_NEEDS = {"inner-steps-per-worker": "per_worker_inner_steps",
-                   "consistency-check-interval": "identical_across_workers"}
+                   "consistency-check-interval": "identical_across_workers",
+                   "overlap-steps": "supports_overlap", "overlap-merge": "supports_overlap",
+                   "overlap-alpha": "supports_overlap"}
 
 
 def takers(flag: str, table: Optional[Dict[str, Dict[str, FieldSpec]]] = None) -> List[str]:
@@ -324,8 +343,30 @@ def loop_flags_from_args(args: argparse.Namespace, given: Collection[str], strat
     if loop.consistency_check_interval > 0 and algo not in takers("consistency-check-interval"):
         _fail("consistency-check-interval", f"{algo} workers legitimately differ between rounds, "
               "so θ_outer hashes never agree", f"use 0 with {algo}")
+    _check_overlap(loop, given, algo)
     loop.workers = W
     return loop
+
+
+def _check_overlap(loop: LoopFlags, given: Collection[str], algo: str) -> None:
+    """``--sparseloco-overlap-*``: τ < H, a strategy that can delay its step, merge / α only where they act."""
+    tau, H = loop.overlap_steps, loop.inner_steps
+    if tau > 0 and tau >= H:
+        _fail("overlap-steps", f"τ={tau} must be < --sparseloco-inner-steps H={H} (one round in flight at a time)",
+              f"use 1 <= τ <= {H - 1}, or raise --sparseloco-inner-steps")
+    able = takers("overlap-steps")
+    if tau > 0 and algo not in able:
+        _fail("overlap-steps", f"{algo} cannot delay its outer step (its gossip rounds are not split into launch / "
+              "complete)", f"use 0 with {algo}, or --sparseloco-algorithm {' / '.join(able)}")
+    if tau == 0:
+        stray = [f for f in ("overlap-merge", "overlap-alpha") if f in given]
+        if stray:
+            raise SparseLoCoArgumentError(
+                f"{', '.join(option(f) for f in stray)} only {'applies' if len(stray) == 1 else 'apply'} with "
+                "--sparseloco-overlap-steps >= 1. Fix: add --sparseloco-overlap-steps τ or drop them")
+    if "overlap-alpha" in given and loop.overlap_merge != "lerp":
+        _fail("overlap-alpha", f"only applies to --sparseloco-overlap-merge lerp, not {loop.overlap_merge}",
+              "add --sparseloco-overlap-merge lerp or drop it")
 
 
 def outer_config_from_args(args: argparse.Namespace, algo: str, given: Optional[Collection[str]] = None):

@@ -321,7 +321,7 @@ def restore_scalars(shards_list, worker: int, worker_rank: int, worker_size: int
 
 
 #: facts of checkpoints written before a fact existed (SparseLoCo chunked flat until per-tensor chunking)
-FACTS_BEFORE_RECORDED = {"chunking": "flat"}
+FACTS_BEFORE_RECORDED = {"chunking": "flat", "overlap_steps": 0}
 
 
 def describe_inner_steps_change(saved: dict, inner_steps: int) -> Optional[str]:

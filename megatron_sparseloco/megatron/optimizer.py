@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -45,6 +46,7 @@ from megatron_sparseloco.megatron.worker_isolation import (
     start_param_sync_all,
 )
 from megatron_sparseloco.outer.base import NonFiniteError, OuterStepStats, OuterStrategy
+from megatron_sparseloco.outer.overlap import CommThread, DelayedOuter, OverlapConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,9 @@ class OuterLoopConfig:
     consistency_check_interval: int = 0         # outer steps between θ_outer hash checks (0: off)
     check_identical_start: bool = True          # assert identical params across workers at start
     identical_across_workers: bool = True       # False for gossip (workers legitimately differ)
+    overlap_steps: int = 0                      # τ: delayed application (outer/overlap.py), 0: blocking
+    overlap_merge: str = "replay"               # "replay" or "lerp"
+    overlap_alpha: float = 0.5                  # lerp weight of the local params
 
     def validate(self) -> "OuterLoopConfig":
         if self.inner_steps < 1:
@@ -72,7 +77,11 @@ class OuterLoopConfig:
             raise ValueError(f"outer_timeout_s must be > 0, got {self.outer_timeout_s}")
         if self.consistency_check_interval < 0:
             raise ValueError(f"consistency_check_interval must be >= 0, got {self.consistency_check_interval}")
+        self.overlap().validate(self.inner_steps)
         return self
+
+    def overlap(self) -> OverlapConfig:
+        return OverlapConfig(steps=self.overlap_steps, merge=self.overlap_merge, alpha=self.overlap_alpha)
 
 
 @dataclass
@@ -99,8 +108,10 @@ class OuterLoopOptimizer:
         if self.num_workers == 1:
             # One worker: the outer step runs on this rank's shard alone (see single_rank_group).
             self.group = single_rank_group()
-        elif self.config.outer_timeout_s is not None:
-            self.group = build_outer_group(base_group, self.config.outer_timeout_s)
+        elif self.config.outer_timeout_s is not None or self.config.overlap_steps > 0:
+            # a group of its own: with overlap its collectives run on the comm thread, never
+            # interleaved with any other collective (Megatron's default timeout: 10 min)
+            self.group = build_outer_group(base_group, self.config.outer_timeout_s or 600.0)
         else:
             self.group = base_group
         if self.num_workers > 1:
@@ -134,6 +145,13 @@ class OuterLoopOptimizer:
         self._param_keys: Dict[int, str] = {}   # id(model param) -> checkpoint key, set by sharded_state_dict
         #: per member, this worker's θ_local while a checkpoint save has put θ_outer in the params
         self._local_during_save: Optional[List[List[torch.Tensor]]] = None
+        # Delayed application (τ >= 1): one driver per strategy, one comm thread for all of them
+        # (their collectives are issued in the same order on every rank).
+        self.delayed: List[DelayedOuter] = []
+        self._exposed_at_launch = 0.0
+        if self.config.overlap_steps > 0 and self.strategies:
+            comm = CommThread(self.strategies[0].device)
+            self.delayed = [DelayedOuter(s, self.config.overlap(), comm) for s in self.strategies]
 
     # ------------------------------------------------------------------ the loop
     def is_outer_step_due(self) -> bool:
@@ -165,8 +183,17 @@ class OuterLoopOptimizer:
             self.optimizer.zero_grad()
             result = (True, None, None)
         self.inner_calls += 1
-        if self.is_outer_step_due():
-            self.outer_step()
+        if self.config.overlap_steps == 0:
+            if self.is_outer_step_due():
+                self.outer_step()
+        else:
+            phase = self.inner_calls % self.config.inner_steps
+            # every rank follows the counter (not its drivers: a rank may hold no strategy, and
+            # the tied-param sync and the param all-gather after the merge involve every rank)
+            if phase == self.config.overlap_steps and self.inner_calls > self.config.inner_steps:
+                self.complete_outer_step()
+            if phase == 0:
+                self.launch_outer_step()
         return result
 
     def _megatron_timer(self, name: str):
@@ -179,6 +206,7 @@ class OuterLoopOptimizer:
         timer = self._megatron_timer("sparseloco-outer-sync")
         if timer is not None:
             timer.start()
+        t0 = time.perf_counter()
         step_no = self.log.outer_steps + 1
         self.watch.arrive(step_no)
         try:
@@ -192,10 +220,74 @@ class OuterLoopOptimizer:
         if timer is not None:
             timer.stop()
         self._record(stats)
+        self.log.last["time_exposed_s"] = time.perf_counter() - t0
         interval = self.config.consistency_check_interval
         if interval and self.config.identical_across_workers and self.log.outer_steps % interval == 0:
             self.check_consistency()
         return stats
+
+    # ------------------------------------------------------------------ delayed application
+    def launch_outer_step(self) -> None:
+        """End of a round with τ >= 1: every strategy's Δ / payload, then its collective on the comm thread."""
+        timer = self._megatron_timer("sparseloco-outer-sync")
+        if timer is not None:
+            timer.start()
+        t0 = time.perf_counter()
+        step_no = self.log.outer_steps + 1
+        self.watch.arrive(step_no)
+        try:
+            for d in self.delayed:
+                d.launch()
+        except (RuntimeError, dist.DistBackendError) as exc:
+            if self.num_workers > 1 and not isinstance(exc, NonFiniteError):
+                raise self.watch.fail(step_no, exc, self.config.outer_timeout_s or 0.0) from exc
+            raise
+        if any(d.merge_due and not d.in_flight for d in self.delayed):  # a skipped round reset θ_local
+            self.tied.sync(self.shards, self.strategy_of)
+            self._publish_main_params()
+        self._exposed_at_launch = time.perf_counter() - t0
+        if timer is not None:
+            timer.stop()
+
+    def wait_outer_step(self) -> None:
+        """Wait for the round in flight and compute θ_outer,k+1 (no merge); records its stats. Idempotent."""
+        if not any(d.in_flight for d in self.delayed):
+            return
+        step_no = self.log.outer_steps + 1
+        try:
+            stats = [d.wait() for d in self.delayed]
+        except (RuntimeError, dist.DistBackendError) as exc:
+            if self.num_workers > 1 and not isinstance(exc, NonFiniteError):
+                raise self.watch.fail(step_no, exc, self.config.outer_timeout_s or 0.0) from exc
+            raise
+        stats = [s for s in stats if s is not None]
+        if stats:
+            self._record(stats)
+
+    def complete_outer_step(self) -> None:
+        """τ inner steps after the launch: wait, merge, tied params, publish, consistency check."""
+        timer = self._megatron_timer("sparseloco-outer-sync")
+        if timer is not None:
+            timer.start()
+        t0 = time.perf_counter()
+        waited = any(d.in_flight for d in self.delayed)
+        self.wait_outer_step()
+        for d in self.delayed:
+            d.merge()
+        self.tied.sync(self.shards, self.strategy_of)
+        self._publish_main_params()
+        if timer is not None:
+            timer.stop()
+        if waited:  # the round's exposed time: launch + wait + apply + merge + publish
+            self.log.last["time_exposed_s"] = self._exposed_at_launch + time.perf_counter() - t0
+        interval = self.config.consistency_check_interval
+        if interval and self.config.identical_across_workers and self.log.outer_steps % interval == 0:
+            self.check_consistency()
+
+    def _overlap_merge_due(self) -> bool:
+        """A round launched before ``inner_calls`` whose merge is still to come (derived from the counter)."""
+        H, tau = self.config.inner_steps, self.config.overlap_steps
+        return tau > 0 and self.inner_calls >= H and self.inner_calls % H < tau
 
     def _publish_main_params(self) -> None:
         """fp32 main params → model params, then the synchronous param all-gather inside the worker."""
@@ -225,6 +317,8 @@ class OuterLoopOptimizer:
         for key in ("delta_norm", "error_norm", "update_norm"):
             merged[key] = float(sum(getattr(s, key) ** 2 for s in stats) ** 0.5)
         merged["skipped"] = float(any(s.skipped for s in stats))
+        merged["time_wait_s"] = float(sum(s.extra.get("time_wait_s", 0.0) for s in stats))
+        merged["time_exposed_s"] = float(sum(s.time_exposed_s for s in stats))
         self.log.last = merged
 
     # ------------------------------------------------------------------ checkpoint model = θ_outer
@@ -245,12 +339,16 @@ class OuterLoopOptimizer:
 
         while each worker's own θ_local goes into its per-worker outer state
         (``inner.main_param``), so a resume with the plugin stays bitwise. Costs one copy of this
-        rank's fp32 shard and two in-worker param all-gathers per save. Nothing changes before
+        rank's fp32 shard and two in-worker param all-gathers per save. With ``--sparseloco-overlap-steps``
+        and a round in flight the save waits for it and the model part is θ_outer,k+1. Nothing changes before
         the first step (θ_outer is anchored on the params then) or for a rank without shards.
         """
         if self._anchor_at_first_step or self._local_during_save is not None or not self.strategies:
             yield
             return
+        # τ >= 1 with a round in flight: θ_outer,k+1 first (what sharded_state_dict would do), so
+        # the model part is the newest synced model; the merge stays due at H·k+τ.
+        self.wait_outer_step()
         with torch.no_grad():
             self._local_during_save = [[t.detach().clone() for t in sh.tensors] for sh in self.shards]
             for strategy in self.strategies:
@@ -291,6 +389,10 @@ class OuterLoopOptimizer:
         for s in self.strategies:
             for key, value in s.checkpoint_facts().items():
                 facts[key] = {"value": value, "flag": s.checkpoint_fact_flags[key]}
+        # a round in flight / a merge due means something only under the same τ and merge rule
+        facts["overlap_steps"] = {"value": self.config.overlap_steps, "flag": "--sparseloco-overlap-steps"}
+        if self.config.overlap_steps > 0:
+            facts["overlap_merge"] = {"value": self.config.overlap_merge, "flag": "--sparseloco-overlap-merge"}
         return facts
 
     def state_dict(self):
@@ -307,6 +409,11 @@ class OuterLoopOptimizer:
         to request — nothing when the checkpoint has no outer state.
         """
         metadata = kwargs.get("metadata")
+        if not is_loading:
+            # A round in flight: wait for its collective and compute θ_outer,k+1 now (bitwise what
+            # the completion would compute); the merge stays due at H·k+τ and is derived on load
+            # from the saved inner-call counter, with the launch snapshot saved as outer state.
+            self.wait_outer_step()
         # Load: megatron-core needs a ``step`` in every Adam state; save: the model-space state needs
         # the Adam moments to exist (a save before the first step stores fresh zeros).
         ckpt.ensure_adam_step_state(self.members)
@@ -363,6 +470,9 @@ class OuterLoopOptimizer:
         ckpt.restore_scalars(self.shards, self.worker_index, self.worker_rank, self.worker_size, self.log,
                              outer["ranks"], self._param_keys)
         self._anchor_at_first_step = False
+        due = self._overlap_merge_due()
+        for d in self.delayed:
+            d.merge_due = due
         self._publish_main_params()
 
     # ------------------------------------------------------------------ forwarding

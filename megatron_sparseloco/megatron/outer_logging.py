@@ -7,7 +7,10 @@ all-reduce inside the worker (never across workers), at log iterations only.
 Scalars (``sparseloco/...``): bytes sent per outer step and cumulative (per worker), dense-fp32 and
 dense-bf16 bytes the same outer steps would have sent, the compression ratios against both,
 pseudo-gradient norm, error-feedback norm, applied-update norm, outer steps, and the outer-step
-time split (compress / communicate / apply).
+time split (compress / communicate / apply) and the exposed outer time: the wall time the training
+loop spent in the last round's outer step (blocking: all of it; with ``--sparseloco-overlap-steps``
+only launch + wait + apply + merge, the communication hidden behind inner steps is not in it),
+and ``time_wait_s``, the part of it spent waiting for the collective.
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ def worker_totals(wrapper, intra_group: Optional[dist.ProcessGroup]) -> Dict[str
         "update_norm": u2 ** 0.5,
         "bytes_sent_per_outer_step_mean": bytes_sent / steps,
     }
-    for key in ("time_compress_s", "time_communicate_s", "time_apply_s"):
+    for key in ("time_compress_s", "time_communicate_s", "time_apply_s", "time_exposed_s", "time_wait_s"):
         out[key] = float(last.get(key, 0.0))
     return out
 
@@ -89,6 +92,8 @@ def format_log_line(totals: Dict[str, float], algorithm: Optional[str] = None, i
         line += f" |e|: {totals['error_feedback_norm']:.3e} |"
     line += (f" outer time c/comm/apply: {totals['time_compress_s'] * 1e3:.1f}/{totals['time_communicate_s'] * 1e3:.1f}/"
              f"{totals['time_apply_s'] * 1e3:.1f} ms |")
+    if "time_exposed_s" in totals:
+        line += f" exposed: {totals['time_exposed_s'] * 1e3:.1f} ms |"
     return line
 
 

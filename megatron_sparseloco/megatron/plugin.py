@@ -88,6 +88,9 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
         consistency_check_interval=args.sparseloco_consistency_check_interval,
         identical_across_workers=outer_strategy_class(args.sparseloco_algorithm).identical_across_workers,
         outer_timeout_s=args.sparseloco_outer_timeout,
+        overlap_steps=args.sparseloco_overlap_steps,      # resolved by validate_sparseloco_args
+        overlap_merge=args.sparseloco_overlap_merge,
+        overlap_alpha=args.sparseloco_overlap_alpha,
     )
     global ACTIVE
     ACTIVE = OuterLoopOptimizer(optimizer, model_chunks, strategy_factory_from_args(args), config, group=group)

@@ -79,6 +79,48 @@ def dense_outer_step_(strategy: OuterStrategy, stats: OuterStepStats, comm_dtype
     stats.update_norm = lr * float(upd_sq.sqrt().item())
 
 
+def dense_launch_(strategy: OuterStrategy, stats: OuterStepStats, comm_dtype: str, lr: float = 1.0,
+                  momentum: float = 0.0, nesterov: bool = False, momentum_buf: Optional[torch.Tensor] = None):
+    """``dense_outer_step_`` split for delayed application (``OuterStrategy._launch_round``).
+
+    Launch (here): Δ of every bucket into one shard-sized fp32 buffer (and its ``comm_dtype``
+    wire copy); ``communicate``: the bucket all-reduces (SUM) in bucket order; ``finish``: per
+    bucket back to fp32, ÷W, outer SGD on θ_outer — the same operations on the same bucket
+    ranges as the blocking step, so θ_outer comes out bitwise equal. No write-back. Extra memory
+    while the collective is in flight: one shard of fp32 (plus its wire copy in bf16).
+    """
+    n = strategy.params.numel
+    work = torch.empty(n, dtype=torch.float32, device=strategy.device)
+    delta_sq = torch.zeros((), dtype=torch.float64, device=strategy.device)
+    wires = []
+    with strategy._timer(stats, "time_compress_s"):
+        for s, e in strategy.buckets():
+            strategy.pseudo_gradient(s, e, out=work[s:e])
+            delta_sq += torch.linalg.vector_norm(work[s:e], dtype=torch.float64).square()
+            wires.append(work[s:e] if COMM_DTYPES[comm_dtype] == torch.float32 else work[s:e].to(COMM_DTYPES[comm_dtype]))
+
+    def communicate() -> None:
+        for wire in wires:
+            all_reduce_(wire, strategy.group, strategy.counter, op=dist.ReduceOp.SUM)
+
+    def finish() -> None:
+        upd_sq = torch.zeros((), dtype=torch.float64, device=strategy.device)
+        with strategy._timer(stats, "time_apply_s"):
+            for (s, e), wire in zip(strategy.buckets(), wires):
+                mean_delta = work[s:e]
+                if wire.dtype != torch.float32:
+                    mean_delta.copy_(wire)
+                if strategy.world_size > 1:
+                    mean_delta.div_(strategy.world_size)
+                mom = None if momentum_buf is None else momentum_buf[s:e]
+                update = outer_sgd_(strategy.anchor[s:e], mean_delta, mom, lr, momentum, nesterov)
+                upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
+        stats.delta_norm = float(delta_sq.sqrt().item())
+        stats.update_norm = lr * float(upd_sq.sqrt().item())
+
+    return communicate, finish
+
+
 @dataclass
 class AveragingConfig(OuterConfig):
     """Model averaging has no optimiser settings: it is DiLoCo's step with lr 1 and no momentum."""
@@ -106,3 +148,8 @@ class ModelAveraging(OuterStrategy):
 
     def _outer_step(self, stats: OuterStepStats) -> None:
         dense_outer_step_(self, stats, self.config.comm_dtype)  # lr 1, no momentum: θ_outer − Δ̄
+
+    supports_overlap = True
+
+    def _launch_round(self, stats: OuterStepStats):
+        return dense_launch_(self, stats, self.config.comm_dtype)

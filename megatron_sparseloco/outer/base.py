@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Collection, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Collection, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -86,6 +86,9 @@ class OuterStepStats:
     time_compress_s: float = 0.0
     time_communicate_s: float = 0.0
     time_apply_s: float = 0.0
+    #: wall time the training loop spent in this outer step (blocking: the whole step; delayed
+    #: application, ``outer/overlap.py``: launch + the wait for the collective + apply + merge)
+    time_exposed_s: float = 0.0
     delta_norm: float = 0.0
     error_norm: float = 0.0
     update_norm: float = 0.0
@@ -197,6 +200,9 @@ class OuterStrategy(abc.ABC):
         self.counter = CommCounter()
         self.outer_steps = 0
         self.anchor = torch.empty(self.params.numel, dtype=torch.float32, device=self.device)
+        #: per-element buffers other components keep over ``params`` and want checkpointed with the
+        #: strategy (the launch snapshot of delayed application, ``outer/overlap.py``)
+        self.attached_state: Dict[str, torch.Tensor] = {}
         self.reset_anchor()
 
     def check_group_layout(self) -> None:
@@ -283,6 +289,22 @@ class OuterStrategy(abc.ABC):
     def _outer_step(self, stats: OuterStepStats) -> None:
         """Compute Δ, communicate, update ``self.anchor`` and write it back (all buckets)."""
 
+    #: set by strategies that implement ``_launch_round`` (delayed application, ``outer/overlap.py``)
+    supports_overlap: bool = False
+
+    def _launch_round(self, stats: OuterStepStats) -> Tuple[Callable[[], None], Callable[[], None]]:
+        """The outer step split for delayed application: returns ``(communicate, finish)``.
+
+        Called on the main thread after the non-finite agreement: computes Δ for every bucket (and
+        any state update that depends only on it, e.g. error feedback) and fixes every payload's
+        size. ``communicate()`` then runs every collective of the round (on the overlap thread,
+        touching only the buffers made here); ``finish()`` (main thread, after it) updates
+        θ_outer and the strategy state exactly as ``_outer_step`` does, but does *not* write
+        θ_outer back into the params (the overlap driver merges instead).
+        """
+        raise ConfigError(f"outer strategy {self.name!r} does not support delayed application "
+                          "(--sparseloco-overlap-steps); use 0")
+
     def _timer(self, stats: OuterStepStats, attr: str) -> _Timer:
         return _Timer(stats, attr, self.device)
 
@@ -301,7 +323,7 @@ class OuterStrategy(abc.ABC):
     def elementwise_state(self) -> Dict[str, torch.Tensor]:
         """The live per-element state, each a flat vector over ``self.params`` (not copies):
         θ_outer (``anchor``) and the strategy's buffers (error feedback, momentum)."""
-        return {"anchor": self.anchor, **self._extra_state()}
+        return {"anchor": self.anchor, **self._extra_state(), **self.attached_state}
 
     def state_dict(self) -> dict:
         sd = {"name": self.name, "outer_steps": self.outer_steps, "numel": self.params.numel}

@@ -22,7 +22,7 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.outer.averaging import COMM_DTYPES, comm_dtype_field, dense_outer_step_
+from megatron_sparseloco.outer.averaging import COMM_DTYPES, comm_dtype_field, dense_launch_, dense_outer_step_
 from megatron_sparseloco.outer.base import OuterConfig, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.registry import register_outer_strategy
 from megatron_sparseloco.outer.sgd import check_outer_sgd, lr_field, momentum_field, nesterov_field
@@ -73,3 +73,17 @@ class DiLoCo(OuterStrategy):
         dense_outer_step_(self, stats, cfg.comm_dtype, cfg.lr, cfg.momentum, cfg.nesterov, self.momentum_buf)
         if self.momentum_buf is not None:
             stats.extra["momentum_norm"] = float(torch.linalg.vector_norm(self.momentum_buf).item())
+
+    supports_overlap = True
+
+    def _launch_round(self, stats: OuterStepStats):
+        cfg: DiLoCoConfig = self.config
+        communicate, finish_dense = dense_launch_(self, stats, cfg.comm_dtype, cfg.lr, cfg.momentum, cfg.nesterov,
+                                                  self.momentum_buf)
+
+        def finish() -> None:
+            finish_dense()
+            if self.momentum_buf is not None:
+                stats.extra["momentum_norm"] = float(torch.linalg.vector_norm(self.momentum_buf).item())
+
+        return communicate, finish

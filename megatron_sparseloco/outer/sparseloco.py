@@ -283,7 +283,7 @@ class SparseLoCo(OuterStrategy):
         return payload, local
 
     def _apply(self, s: int, e: int, plan: Optional[BucketPlan], payloads: Sequence[torch.Tensor], local: Decoded,
-               agg: torch.Tensor, counts: torch.Tensor) -> Tuple[int, float, torch.Tensor]:
+               agg: torch.Tensor, counts: torch.Tensor, write: bool = True) -> Tuple[int, float, torch.Tensor]:
         """Decode every payload, sparse sum / mean into ``agg``, outer SGD on θ_outer, write back.
 
         Returns (elements chosen by at least one worker, smallest peer-clip scale, the update u).
@@ -297,7 +297,7 @@ class SparseLoCo(OuterStrategy):
                 decode_scatter_add_bucket_fast(payloads, plan, agg, counts, skip=self.rank, skip_decoded=local)
             except ValueError as exc:
                 raise type(exc)(f"{self._bucket_name(s, e)}: {exc}") from exc
-            return self._finish_bucket(s, e, agg, counts, clip_min)
+            return self._finish_bucket(s, e, agg, counts, clip_min, write=write)
         # our own payload was decoded by the EF step already (decode is deterministic)
         decoded = (local if w == self.rank else self._decode(p, plan, w, s, e) for w, p in enumerate(payloads))
         if cfg.peer_norm_clip:
@@ -309,12 +309,13 @@ class SparseLoCo(OuterStrategy):
             values = d.values if scales is None else d.values * scales[w]
             agg.index_add_(0, d.indices, values)
             counts.index_add_(0, d.indices, torch.ones_like(d.indices, dtype=self.count_dtype))
-        return self._finish_bucket(s, e, agg, counts, clip_min)
+        return self._finish_bucket(s, e, agg, counts, clip_min, write=write)
 
     def _finish_bucket(self, s: int, e: int, agg: torch.Tensor, counts: Optional[torch.Tensor], clip_min: float,
-                       kept_union: int = 0):
+                       kept_union: int = 0, write: bool = True):
         """Mean (contributors or all; ``counts=None``: ``agg`` is the update already), outer SGD,
-        write back; returns (union, clip_min, update)."""
+        write back (unless ``write=False``: delayed application merges instead); returns
+        (union, clip_min, update)."""
         cfg: SparseLoCoConfig = self.config
         if counts is not None:
             kept_union = int(torch.count_nonzero(counts).item())
@@ -324,7 +325,8 @@ class SparseLoCo(OuterStrategy):
                 agg.div_(self.world_size)
         mom = None if self.momentum_buf is None else self.momentum_buf[s:e]
         update = outer_sgd_(self.anchor[s:e], agg, mom, cfg.lr, cfg.momentum, cfg.nesterov)
-        self.write_back(s, e)
+        if write:
+            self.write_back(s, e)
         return kept_union, clip_min, update
 
     def _outer_step(self, stats: OuterStepStats) -> None:
@@ -378,6 +380,84 @@ class SparseLoCo(OuterStrategy):
             stats.extra["peer_clip_scale_min"] = clip_min
         if self.reduce_scatter is not None:  # aggregate_density: of the ranges this rank owns
             stats.extra["update_density"] = applied_total / numel  # elements the owners' re-encoding sent
+
+    # ------------------------------------------------------------------ delayed application
+    supports_overlap = True
+
+    def _launch_round(self, stats: OuterStepStats):
+        """``_outer_step`` split for delayed application (``outer/overlap.py``).
+
+        Launch (main thread): per bucket Δ, e ← βe + Δ, encode, e ← e − decode(sent) — the EF
+        update belongs to the round that is launched, the payload sizes are fixed by it.
+        ``communicate`` (overlap thread): per bucket the all-gather (entropy coding: its size
+        exchange first, in the same thread) or the reduce-scatter exchange with the owners'
+        re-encoding (which touches only the owner error feedback and its own output buffers).
+        ``finish`` (main thread): decode, aggregate, outer SGD on θ_outer per bucket, as the
+        blocking step does, without the write-back. Extra memory while in flight: the payloads
+        and this rank's decoded (index, value) lists (reduce-scatter: one shard of fp32 for the
+        updates, and a count buffer per bucket).
+        """
+        cfg: SparseLoCoConfig = self.config
+        packed = cfg.index_coding == "packed"
+        largest = max(e - s for s, e in self.buckets())
+        work = torch.empty(largest, dtype=torch.float32, device=self.device)
+        f64 = dict(dtype=torch.float64, device=self.device)
+        delta_sq, error_sq = torch.zeros((), **f64), torch.zeros((), **f64)
+        kept_local = payload_bytes = 0
+        launched = []  # (b, s, e, plan, payload, local)
+        for b, (s, e, plan) in enumerate(self._bucket_plans()):
+            n = e - s
+            with self._timer(stats, "time_compress_s"):
+                delta = self.pseudo_gradient(s, e, out=work[:n])
+                delta_sq += torch.linalg.vector_norm(delta, dtype=torch.float64).square()
+                payload, local = self._compress(s, e, plan, delta)
+                error_sq += torch.linalg.vector_norm(self.error[s:e], dtype=torch.float64).square()
+                kept_local += int(local.indices.numel())
+                payload_bytes += int(payload.numel())
+            launched.append((b, s, e, plan, payload, local))
+        received: List[object] = [None] * len(launched)
+        rs_out = (torch.empty(self.params.numel, dtype=torch.float32, device=self.device)
+                  if self.reduce_scatter is not None else None)
+
+        def communicate() -> None:
+            for i, (b, s, e, plan, payload, _) in enumerate(launched):
+                if self.reduce_scatter is not None:
+                    counts = torch.empty(e - s, dtype=self.count_dtype, device=self.device)
+                    received[i] = self.reduce_scatter.aggregate(b, plan, payload, self.group, self.counter,
+                                                                rs_out[s:e], counts, cfg.reduce, self._bucket_name(s, e))
+                else:
+                    received[i] = all_gather_payloads(payload, self.group, self.counter, equal_sizes=packed)
+
+        def finish() -> None:
+            counts_buf = torch.empty(largest, dtype=self.count_dtype, device=self.device)
+            upd_sq = torch.zeros((), **f64)
+            kept_union = applied_total = 0
+            clip_min = 1.0
+            with self._timer(stats, "time_apply_s"):
+                for (b, s, e, plan, payload, local), got in zip(launched, received):
+                    n = e - s
+                    if self.reduce_scatter is not None:
+                        union, applied = got
+                        _, _, update = self._finish_bucket(s, e, rs_out[s:e], None, 1.0, write=False)
+                        kept_union += union
+                        applied_total += applied
+                    else:
+                        union, clip, update = self._apply(s, e, plan, got, local, work[:n], counts_buf[:n], write=False)
+                        kept_union += union
+                        clip_min = min(clip_min, clip)
+                    upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
+            numel = self.params.numel
+            stats.delta_norm = float(delta_sq.sqrt().item())
+            stats.error_norm = float(error_sq.sqrt().item())
+            stats.update_norm = cfg.lr * float(upd_sq.sqrt().item())
+            stats.extra.update({"density": kept_local / numel, "aggregate_density": kept_union / numel,
+                                "payload_bytes": float(payload_bytes), "bits_per_param": 8.0 * payload_bytes / numel})
+            if cfg.peer_norm_clip:
+                stats.extra["peer_clip_scale_min"] = clip_min
+            if self.reduce_scatter is not None:
+                stats.extra["update_density"] = applied_total / numel
+
+        return communicate, finish
 
     def _decode(self, payload: torch.Tensor, plan: Optional[BucketPlan], worker: int, s: int, e: int) -> Decoded:
         if plan is not None:
