@@ -367,13 +367,21 @@ MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-router-topk",
 @pytest.mark.parametrize("cell", [
     dict(nproc=4, workers=2, algorithm="gasloc", extra=["--tensor-model-parallel-size", "2"]),
     dict(nproc=2, workers=1, algorithm="average", extra=["--expert-model-parallel-size", "2"] + MOE),
-], ids=["gasloc-W2-TP2", "average-single_worker-EP2-moe"])
+    # reduce-scatter aggregation: its owners are per shard position (issue 20)
+    dict(nproc=4, workers=2, algorithm="sparseloco",
+         extra=["--tensor-model-parallel-size", "2", "--sparseloco-aggregation", "reduce-scatter"]),
+    dict(nproc=4, workers=2, algorithm="sparseloco",
+         extra=["--expert-model-parallel-size", "2", "--sparseloco-aggregation", "reduce-scatter"] + MOE),
+], ids=["gasloc-W2-TP2", "average-single_worker-EP2-moe", "sparseloco-reduce_scatter-W2-TP2",
+        "sparseloco-reduce_scatter-W2-DP2-EP2-moe"])
 def test_matrix_single_worker_and_inner_isolation_cells(tmp_path, cell):
     """The configuration cells the other tests here do not cover (together with them every algorithm
     meets W ∈ {1, 2}, DP2-in-worker, TP2, PP2 tied, VPP, EP2): 4 iterations, 2 outer steps each."""
     res, ranks = launch(tmp_path, cell["algorithm"], **cell)
     assert res["returncode"] == 0, tail(res)
     assert all(r["outer_steps"] == 2 for r in ranks)
+    if "reduce-scatter" in cell["extra"]:
+        assert "aggregation: reduce-scatter" in "\n".join(res["log_lines"]), tail(res)
     assert not crossing_inner_calls(ranks)
     assert_outer_step_stays_at_its_position(ranks)
     if cell["algorithm"] == "gasloc":

@@ -112,3 +112,26 @@ def test_checkpoint_chunking_mismatch_names_the_flag(saved_facts, match):
         check_saved_metadata(saved, 2, ["sparseloco"], TENSOR)
     assert "--no-load-optim" in str(err.value)
     check_saved_metadata(dict(saved, facts=TENSOR), 2, ["sparseloco"], TENSOR)
+
+
+AGG = {"aggregation": {"value": "allgather", "flag": "--sparseloco-aggregation"}}
+
+
+@pytest.mark.parametrize("saved, match", [
+    ({"facts": {"aggregation": {"value": "reduce-scatter", "flag": "--sparseloco-aggregation"}}},
+     "--sparseloco-aggregation reduce-scatter"),
+    # written before the aggregation was recorded: told by the owners' error feedback in the states
+    ({"states": {"m0": ["outer.anchor", "outer.error_feedback", "outer.owner_error_feedback"]}},
+     "--sparseloco-aggregation reduce-scatter"),
+])
+def test_checkpoint_aggregation_mismatch_names_the_flag(saved, match):
+    """An all-gather resume of a reduce-scatter checkpoint would silently drop the owners' error
+    feedback (and the other way round find none): refused, naming the flag and the way out."""
+    from megatron_sparseloco.megatron.checkpointing import OuterStateLayoutError, check_saved_metadata
+    base = {"format": 2, "num_workers": 2, "algorithms": ["sparseloco"], **saved}
+    with pytest.raises(OuterStateLayoutError, match=match) as err:
+        check_saved_metadata(base, 2, ["sparseloco"], AGG)
+    assert "--no-load-optim" in str(err.value)
+    # an all-gather checkpoint from before the fact was recorded resumes with all-gather
+    check_saved_metadata({"format": 2, "num_workers": 2, "algorithms": ["sparseloco"],
+                          "states": {"m0": ["outer.anchor", "outer.error_feedback"]}}, 2, ["sparseloco"], AGG)

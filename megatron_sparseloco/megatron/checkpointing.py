@@ -342,6 +342,17 @@ def describe_inner_steps_change(saved: dict, inner_steps: int) -> Optional[str]:
             f"state are kept. Resume with --sparseloco-inner-steps {old} to keep the saved rounds")
 
 
+def _saved_fact(saved: dict, key: str):
+    """A fact the checkpoint recorded, or what a checkpoint written before it was recorded implies."""
+    facts = saved.get("facts", {})
+    if key in facts:
+        return facts[key].get("value")
+    if key == "aggregation":  # recorded since reduce-scatter's owners keep state: tell by the states
+        states = {n for names in saved.get("states", {}).values() for n in names}
+        return "reduce-scatter" if "outer.owner_error_feedback" in states else "allgather"
+    return FACTS_BEFORE_RECORDED.get(key)
+
+
 def check_saved_metadata(saved: dict, num_workers: int, algorithms: List[str], facts: Optional[dict] = None) -> None:
     """Fail before anything is read when the checkpoint's outer state cannot fit this run."""
     version = saved.get("format")
@@ -356,9 +367,8 @@ def check_saved_metadata(saved: dict, num_workers: int, algorithms: List[str], f
         raise OuterStateLayoutError(
             f"checkpoint outer state is for {saved['algorithms']}, this run uses {algorithms}. Fix: resume with "
             f"--sparseloco-algorithm {saved['algorithms'][0] if saved['algorithms'] else '?'}")
-    saved_facts = saved.get("facts", {})
     for key, now in (facts or {}).items():
-        was = saved_facts.get(key, {}).get("value", FACTS_BEFORE_RECORDED.get(key))
+        was = _saved_fact(saved, key)
         if was is not None and was != now["value"]:
             raise OuterStateLayoutError(
                 f"checkpoint outer state was saved with {now['flag']} {was}, this run uses {now['value']} (the "

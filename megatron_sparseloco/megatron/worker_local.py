@@ -9,7 +9,10 @@ iteration, collectives over the whole data-parallel group or the world:
    ``optimizer`` with ``--barrier-with-L1-time``, on by default) barriers the world, and
    ``Timers.log`` all-gathers every rank's times over the world;
 3. the rerun state machine (``--rerun-mode``, default ``validate_results``) all-reduces its
-   "rerun requested?" flags over the world in every iteration.
+   "rerun requested?" flags over the world in every iteration;
+4. MoE models: ``training_log`` reports the MoE metrics (load-balancing / z-loss ...) every
+   iteration through ``MoEMetricsTracker._sync_metrics``, whose last step averages them over the
+   whole data-parallel group.
 
 Across sites each is a WAN round trip and a lockstep barrier per inner step, and a stalled worker
 would hang the others there, before ``--sparseloco-outer-timeout`` could fire. We scope each to
@@ -21,7 +24,9 @@ the worker:
 2. every timer barriers the worker's ranks, and ``Timers.log`` gathers the worker's times only
    (the other rows stay zero, which Megatron's min / max already skips);
 3. the rerun flags are reduced over the worker's ranks (a rerun replays the worker's own
-   iteration; a worker that decides to stop makes the others fail at the next outer step).
+   iteration; a worker that decides to stop makes the others fail at the next outer step);
+4. the MoE metrics' data-parallel average runs over the worker's data-parallel group (the logged
+   MoE losses are the worker's, like the LM loss).
 
 Nothing changes with one worker (the worker is the whole job). Evaluation and checkpoint saves
 stay job-wide events (they are not per iteration).
@@ -157,6 +162,38 @@ def localize_rerun_state_machine(group) -> None:
     machine._reduce_any = _reduce_any
 
 
+# ------------------------------------------------------------------------------ 4. MoE metrics
+class _WorkerDataParallel:
+    """A ``pg_collection`` stand-in for ``MoEMetricsTracker._sync_metrics``: its ``pp`` group, and
+    ``dp_cp_gtp_remat`` = the worker's data-parallel group (the only group it averages over)."""
+
+    def __init__(self, pg_collection):
+        from megatron.core import parallel_state
+        self.pp = getattr(pg_collection, "pp", None) or parallel_state.get_pipeline_model_parallel_group()
+        self.dp_cp_gtp_remat = parallel_state.get_data_parallel_group(
+            with_context_parallel=pg_collection is not None, partial_data_parallel=True)
+
+
+def localize_moe_metrics() -> bool:
+    """``MoEMetricsTracker._sync_metrics`` averages over the worker's data-parallel group (idempotent).
+    False when this megatron-core has no such tracker (nothing to scope)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+    except ImportError:
+        return False
+    if getattr(MoEMetricsTracker._sync_metrics, "_sparseloco_worker_local", False):
+        return True
+    original = MoEMetricsTracker._sync_metrics
+
+    @functools.wraps(original)
+    def _sync_metrics(self, metric_names, pg_collection=None):
+        return original(self, metric_names, _WorkerDataParallel(pg_collection))
+
+    _sync_metrics._sparseloco_worker_local = True
+    MoEMetricsTracker._sync_metrics = _sync_metrics
+    return True
+
+
 def make_training_reductions_worker_local(num_workers: int, timers=None) -> Optional[object]:
     """Scope megatron.training's per-iteration timers and rerun flags to this rank's worker (W > 1).
 
@@ -168,4 +205,5 @@ def make_training_reductions_worker_local(num_workers: int, timers=None) -> Opti
     group = worker_group()
     localize_timers(timers, group)
     localize_rerun_state_machine(group)
+    localize_moe_metrics()
     return group

@@ -240,11 +240,12 @@ class SparseLoCo(OuterStrategy):
             for s, e in self.buckets():
                 yield s, e, None
 
-    #: the error feedback of one chunking is not the other's (other chunks, other quantisers)
-    checkpoint_fact_flags = {"chunking": "--sparseloco-chunking"}
+    #: the error feedback of one chunking is not the other's (other chunks, other quantisers); the
+    #: reduce-scatter owners keep an error feedback of their own that all-gather has no place for
+    checkpoint_fact_flags = {"chunking": "--sparseloco-chunking", "aggregation": "--sparseloco-aggregation"}
 
     def checkpoint_facts(self) -> Dict[str, object]:
-        return {"chunking": self.config.chunking}
+        return {"chunking": self.config.chunking, "aggregation": self.config.aggregation}
 
     def _extra_state(self) -> Dict[str, torch.Tensor]:
         state = {"error_feedback": self.error}
