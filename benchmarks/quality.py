@@ -55,7 +55,7 @@ SWEEP = {
 
 def parse_methods(text: str):
     """'ddp,diloco,sparseloco:64,sparseloco:64:flat,sparseloco:64:entropy,sparseloco:64:rs' → [(method, k, extra)]
-    (``rs``: --sparseloco-aggregation reduce-scatter)."""
+    (``rs``: --sparseloco-aggregation reduce-scatter; ``rsN``: with the owners keeping N values per chunk)."""
     out = []
     for item in text.split(","):
         parts = item.strip().split(":")
@@ -76,7 +76,8 @@ def make_run(method, k, extra, H, seed, base, tuned):
     if method == "sparseloco":
         return RunCfg("sparseloco", k=k, outer_lr=lr, index_coding="entropy" if extra == "entropy" else "packed",
                       chunking="flat" if extra == "flat" else "tensor",
-                      aggregation="reduce-scatter" if extra == "rs" else "allgather", **fields)
+                      aggregation="reduce-scatter" if (extra or "").startswith("rs") else "allgather",
+                      owner_k=int(extra[2:]) if (extra or "").startswith("rs") and extra[2:] else 0, **fields)
     if method == "diloco":
         return RunCfg("diloco", outer_lr=lr, outer_momentum=mu, **fields)
     return RunCfg(method, **fields)
@@ -243,7 +244,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", default="2", help="comma-separated worker counts, e.g. 2,4,8")
     ap.add_argument("--seeds", type=int, default=1, help="seeds per setting (model init and data order)")
     ap.add_argument("--methods", default=METHODS_DEFAULT,
-                    help="comma-separated: ddp, average, diloco, gasloc, torchft_diloco, sparseloco:K[:flat|:entropy|:rs]")
+                    help="comma-separated: ddp, average, diloco, gasloc, torchft_diloco, sparseloco:K[:flat|:entropy|:rs|:rsN]")
     ap.add_argument("--sweep", action="store_true",
                     help="first sweep the outer lr of diloco and sparseloco (W = first of --workers, seed 0, "
                          "--sweep-steps), then run every method at the best setting")
