@@ -24,7 +24,7 @@ $(STAMP):
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
 
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS) tests
 
 demo: venv
 	$(PY) -m megatron_sparseloco.demo
