@@ -119,6 +119,7 @@ class RunCfg:
     chunking: str = "tensor"                # sparseloco: per-tensor (default) or flat
     aggregation: str = "allgather"          # sparseloco: allgather | reduce-scatter (--sparseloco-aggregation)
     owner_k: int = 0                        # reduce-scatter: values the owners keep per chunk (0: k)
+    owner_value_bits: int = 0               # reduce-scatter: bits of the owners' values (0: value bits)
     overlap_steps: int = 0                  # τ: delayed outer step (--sparseloco-overlap-steps), 0: blocking
     overlap_merge: str = "replay"           # replay | lerp (alpha 0.5)
 
@@ -128,6 +129,7 @@ class RunCfg:
             tag += "" if self.chunking == "tensor" else f" {self.chunking}"
             tag += "" if self.aggregation == "allgather" else f" {self.aggregation}"
             tag += f" owner-k={self.owner_k}" if self.owner_k else ""
+            tag += f" owner-bits={self.owner_value_bits}" if self.owner_value_bits else ""
         else:
             tag = self.method
         if self.outer_lr is not None:
@@ -148,7 +150,8 @@ def strategy_fields(run: RunCfg) -> Dict:
     if run.method == "sparseloco":
         return dict(k=run.k, chunk=4096, value_bits=2, ef_beta=0.95, lr=1.0 if run.outer_lr is None else run.outer_lr,
                     index_coding=run.index_coding, chunking=run.chunking,
-                    aggregation=run.aggregation, **(dict(owner_k=run.owner_k) if run.owner_k else {}))
+                    aggregation=run.aggregation, **({"owner_k": run.owner_k} if run.owner_k else {}),
+                    **({"owner_value_bits": run.owner_value_bits} if run.owner_value_bits else {}))
     if run.method == "gasloc":
         # the plugin's defaults for gasloc (GASLoCConfig, outer/gasloc.py): η = 1.0, γ = 0.9
         return dict(topology=run.gasloc_topology, proposal_lr=1.0, momentum=0.9)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import math
 import os
 import sys
@@ -55,7 +56,8 @@ SWEEP = {
 
 def parse_methods(text: str):
     """'ddp,diloco,sparseloco:64,sparseloco:64:flat,sparseloco:64:entropy,sparseloco:64:rs' → [(method, k, extra)]
-    (``rs``: --sparseloco-aggregation reduce-scatter; ``rsN``: with the owners keeping N values per chunk)."""
+    (``rs``: --sparseloco-aggregation reduce-scatter; ``rsN`` / ``rsNbB``: with the owners keeping N values
+    per chunk, quantised to B bits)."""
     out = []
     for item in text.split(","):
         parts = item.strip().split(":")
@@ -69,6 +71,15 @@ def parse_methods(text: str):
     return out
 
 
+def owner_codec(extra):
+    """'rs' → {}, 'rs256' → {owner_k: 256}, 'rs256b8' → {owner_k: 256, owner_value_bits: 8}."""
+    m = re.fullmatch(r"rs(\d*)(?:b(\d+))?", extra or "")
+    if m is None:
+        return {}
+    return {**({"owner_k": int(m.group(1))} if m.group(1) else {}),
+            **({"owner_value_bits": int(m.group(2))} if m.group(2) else {})}
+
+
 def make_run(method, k, extra, H, seed, base, tuned):
     """One RunCfg; ``tuned`` maps method → (outer lr, momentum) chosen by the sweep."""
     lr, mu = tuned.get(method, (None, None))
@@ -77,7 +88,7 @@ def make_run(method, k, extra, H, seed, base, tuned):
         return RunCfg("sparseloco", k=k, outer_lr=lr, index_coding="entropy" if extra == "entropy" else "packed",
                       chunking="flat" if extra == "flat" else "tensor",
                       aggregation="reduce-scatter" if (extra or "").startswith("rs") else "allgather",
-                      owner_k=int(extra[2:]) if (extra or "").startswith("rs") and extra[2:] else 0, **fields)
+                      **owner_codec(extra), **fields)
     if method == "diloco":
         return RunCfg("diloco", outer_lr=lr, outer_momentum=mu, **fields)
     return RunCfg(method, **fields)
@@ -244,7 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", default="2", help="comma-separated worker counts, e.g. 2,4,8")
     ap.add_argument("--seeds", type=int, default=1, help="seeds per setting (model init and data order)")
     ap.add_argument("--methods", default=METHODS_DEFAULT,
-                    help="comma-separated: ddp, average, diloco, gasloc, torchft_diloco, sparseloco:K[:flat|:entropy|:rs|:rsN]")
+                    help="comma-separated: ddp, average, diloco, gasloc, torchft_diloco, sparseloco:K[:flat|:entropy|:rs|:rsN|:rsNbB]")
     ap.add_argument("--sweep", action="store_true",
                     help="first sweep the outer lr of diloco and sparseloco (W = first of --workers, seed 0, "
                          "--sweep-steps), then run every method at the best setting")
