@@ -7,7 +7,9 @@ One spawn of W gloo ranks per W (one rank per worker); every rank holds the same
 Llama-like 2-D weights and norms, 1.44 M elements), runs one SparseLoCo outer step with each
 aggregation, and reports its counted bytes (``OuterStepStats``) and its own payload size. Printed
 per W: received / own payload for both modes (targets at W = 16: reduce-scatter ≤ 3, all-gather
-= W − 1 = 15 plus the 4-byte flag).
+= W − 1 = 15 plus the 4-byte flag). ``--owner-codecs 256b8,512b2`` adds reduce-scatter rows whose
+owners keep N values per chunk at B bits (``owner_k`` / ``owner_value_bits``; default: the
+workers' k = 64 and 2 bits).
 """
 from __future__ import annotations
 
@@ -22,16 +24,32 @@ SHAPES = [("qkv", (768, 512)), ("ln1", (512,)), ("proj", (512, 512)), ("fc1", (1
           ("fc2", (512, 512))]
 
 
-def one_step(rank: int, world: int):
+def parse_owner_codec(text: str):
+    """'256b8' → (256, 8); '256' → (256, 0) (0: the workers' value bits)."""
+    k, _, bits = text.partition("b")
+    return int(k), int(bits or 0)
+
+
+def modes(owner_codecs: str):
+    """[(label, strategy fields)]: all-gather, reduce-scatter, then one reduce-scatter per owner codec."""
+    out = [("allgather", {"aggregation": "allgather"}), ("reduce-scatter", {"aggregation": "reduce-scatter"})]
+    for text in [t for t in owner_codecs.split(",") if t]:
+        k, bits = parse_owner_codec(text)
+        out.append((f"reduce-scatter owner {text}",
+                    {"aggregation": "reduce-scatter", "owner_k": k, **({"owner_value_bits": bits} if bits else {})}))
+    return out
+
+
+def one_step(rank: int, world: int, owner_codecs: str = ""):
     import torch
 
     from megatron_sparseloco.outer import build_outer_strategy
 
     out = {}
-    for mode in ("allgather", "reduce-scatter"):
+    for mode, fields in modes(owner_codecs):
         g = torch.Generator().manual_seed(rank)
         params = [torch.randn(*s, generator=g) for _, s in SHAPES]
-        strat = build_outer_strategy("sparseloco", params, None, names=[n for n, _ in SHAPES], aggregation=mode)
+        strat = build_outer_strategy("sparseloco", params, None, names=[n for n, _ in SHAPES], **fields)
         with torch.no_grad():
             for p in params:
                 p.add_(torch.randn(p.shape, generator=g) * 1e-2)
@@ -45,19 +63,20 @@ def main(argv=None) -> int:
     p.add_argument("--worlds", default="2,4,8,16")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--owner-codecs", default="", help="extra reduce-scatter rows, e.g. 256b8,512 (owner k, bits)")
     args = p.parse_args(argv)
     from megatron_sparseloco.testing.multirank import run_ranks
 
     rows = []
     for w in [int(x) for x in args.worlds.split(",") if x]:
-        res = run_ranks(one_step, w, timeout=1800)
-        for mode in ("allgather", "reduce-scatter"):
+        res = run_ranks(one_step, w, (args.owner_codecs,), timeout=1800)
+        for mode, _ in modes(args.owner_codecs):
             recv = max(r[mode]["bytes_received"] for r in res)
             own = res[0][mode]["payload_bytes"]
             rows.append({"W": w, "mode": mode, "bytes_received_max": recv, "payload_bytes": own,
                          "received_over_payload": recv / own,
                          "per_rank": [r[mode] for r in res]})
-            print(f"W={w:3d} {mode:15s} received {recv:10d} B = {recv / own:6.2f} x own payload ({own} B)", flush=True)
+            print(f"W={w:3d} {mode:28s} received {recv:10d} B = {recv / own:6.2f} x own payload ({own} B)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shapes": SHAPES, "rows": rows}, f, indent=1)
@@ -68,7 +87,7 @@ def main(argv=None) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        for mode in ("allgather", "reduce-scatter"):
+        for mode, _ in modes(args.owner_codecs):
             pts = [(r["W"], r["received_over_payload"]) for r in rows if r["mode"] == mode]
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=mode)
         ax.set_xlabel("workers W")
