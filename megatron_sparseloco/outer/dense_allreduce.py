@@ -143,7 +143,7 @@ class DenseAllReduceStrategy(OuterStrategy):
     def expected_payload_bytes(self) -> Optional[int]:
         return self.params.numel * COMM_DTYPES[self.config.comm_dtype].itemsize
 
-    def _outer_step(self, stats: OuterStepStats) -> None:
+    def _outer_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
         dense_outer_step_(self, stats, self.config.comm_dtype, *self.sgd_settings(), self.momentum)
         self.after_update(stats)
 

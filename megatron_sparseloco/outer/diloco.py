@@ -18,7 +18,7 @@ non-finite flag.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ class DiLoCo(DenseAllReduceStrategy):
 
     name = "diloco"
     config_class = DiLoCoConfig
+    elementwise_buffers = ("momentum",)  # None when μ = 0
 
     def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
                  config: Optional[DiLoCoConfig] = None, names: Optional[Sequence[str]] = None, slices=None):
@@ -61,9 +62,6 @@ class DiLoCo(DenseAllReduceStrategy):
         if self.config.momentum != 0.0:
             self.momentum = torch.zeros(self.params.numel, dtype=torch.float32, device=self.device)
         self.check_group_layout()
-
-    def _extra_state(self) -> Dict[str, torch.Tensor]:
-        return {} if self.momentum is None else {"momentum": self.momentum}
 
     def sgd_settings(self) -> Tuple[float, float, bool]:
         cfg: DiLoCoConfig = self.config
