@@ -385,8 +385,8 @@ class OuterLoopOptimizer:
     def checkpoint_metadata(self) -> dict:
         """Job-wide outer-loop facts stored in Megatron's checkpoint content metadata."""
         return {"format": ckpt.FORMAT_VERSION, "num_workers": self.num_workers, "algorithms": self.algorithms,
-                "states": {f"m{i}": sorted(ckpt.elementwise_state(sh, st))
-                           for i, (sh, st) in enumerate(zip(self.shards, self.strategy_of))},
+                "states": {key: sorted(ckpt.elementwise_state(sh, st))
+                           for key, sh, st in zip(ckpt.member_keys(self.shards), self.shards, self.strategy_of)},
                 "inner_calls": self.inner_calls, "outer_steps": self.outer_steps,
                 "facts": self.checkpoint_facts(),
                 "inner_steps": self.config.inner_steps}
@@ -473,7 +473,7 @@ class OuterLoopOptimizer:
             s.outer_steps = int(scalars["outer_steps"])
         # Megatron loaded worker 0's params / moments into every worker: put each worker's back,
         # sliced for this rank's ranges (which may differ from the saving run's).
-        ckpt.restore_state(self.strategy_of, self.shards, outer["tensors"])
+        ckpt.restore_state(self.strategy_of, self.shards, outer["tensors"], self._param_keys)
         ckpt.restore_scalars(self.shards, self.worker_index, self.worker_rank, self.worker_size, self.log,
                              outer["ranks"], self._param_keys)
         self._anchor_at_first_step = False
