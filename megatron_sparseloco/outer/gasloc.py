@@ -169,7 +169,7 @@ class GASLoCConfig(OuterConfig):
 
 def exchange_per_peer(payloads: Dict[int, torch.Tensor], recv_nbytes: Optional[Dict[int, int]],
                       group: Optional[dist.ProcessGroup], counter: CommCounter) -> Dict[int, torch.Tensor]:
-    """``comm.p2p.exchange_payloads`` with one (possibly different) 1-D uint8 payload per peer.
+    """``comm.p2p.exchange`` for 1-D uint8 payloads, one (possibly different, any size) per peer.
 
     ``recv_nbytes``: the size each peer's payload will have when both sides know it (packed codec,
     dense refresh); None exchanges the sizes first (one int64 per peer, kind ``"p2p_sizes"``).
