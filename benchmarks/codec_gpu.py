@@ -127,7 +127,7 @@ def main() -> int:
 
     # ---- select kernel alone, per num_warps
     K = fp._kernels()
-    geo = fp._Geometry(size, cfg)
+    geo = fp._geometry(size, cfg).layout
     vals = torch.empty(geo.total_kept, dtype=torch.float32, device=dev)
     idx = torch.empty(geo.total_kept, dtype=torch.int32, device=dev)
     psum = torch.empty(geo.n_chunks, dtype=torch.float64, device=dev)

@@ -219,7 +219,7 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
     for step in range(1, run.steps + 1):
         t0 = time.perf_counter()
         loss = train_step(ddp, stepper, it, seq_len=model.seq, micro_batch_size=run.mbs)
-        if outer is not None and outer.log.outer_steps > len(sync_times):  # a round completed
+        if outer is not None and outer.outer_steps > len(sync_times):  # a round completed
             last = outer.log.last
             rec = {k: last.get(k, 0.0) for k in ("time_compress_s", "time_communicate_s", "time_apply_s",
                                                  "bytes_sent", "time_exposed_s", "time_wait_s")}

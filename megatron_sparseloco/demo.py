@@ -56,7 +56,7 @@ def _rank_counters(optimizer) -> Optional[dict]:
         "num_workers": int(getattr(optimizer, "num_workers", 1)),
         "inner_steps": int(optimizer.config.inner_steps),
         "inner_calls": int(optimizer.inner_calls),
-        "outer_steps": int(log.outer_steps),
+        "outer_steps": int(optimizer.outer_steps),
         "bytes_sent": int(log.bytes_sent),
         "bytes_received": int(log.bytes_received),
         "numel": int(log.numel),

@@ -20,7 +20,7 @@ _orig_outer_step = outer_opt.OuterLoopOptimizer.outer_step
 
 
 def _crashing_outer_step(self):
-    if dist.get_rank() == CRASH_RANK and self.log.outer_steps + 1 == CRASH_STEP:
+    if dist.get_rank() == CRASH_RANK and self.outer_steps + 1 == CRASH_STEP:
         self.strategies[0].step()
         print(f"crash_launcher: rank {CRASH_RANK} dies inside outer step {CRASH_STEP}", flush=True)
         os._exit(17)

@@ -119,6 +119,38 @@ def run_jobs(jobs_for_world, worlds: Sequence[int] = (2, 4)) -> Dict[int, Dict[s
     return out
 
 
+def run_jobs_in_threads(jobs: Dict[str, Dict], world: int) -> Dict[str, List]:
+    """{job: [per-rank result]} with ``world`` workers as threads of this process, joined by a
+    process group that really exchanges data (``testing.fake_group``): milliseconds, no spawn."""
+    from megatron_sparseloco.testing.fake_group import run_threads
+
+    per_rank = run_threads(drive_many, world, args=(list(jobs.values()),))
+    return {k: [per_rank[r][i] for r in range(world)] for i, k in enumerate(jobs)}
+
+
+def job_runner(jobs_for_world: Callable[[int], Dict[str, Dict]], gloo_jobs: Sequence[str]):
+    """``run(world, job, backend="threads") -> [per-rank result]`` for one job of ``jobs_for_world(world)``.
+
+    ``"threads"``: that job alone, workers as threads (``run_jobs_in_threads``), cached per job, so a
+    test asking for it runs on its own. ``"gloo"``: the ``gloo_jobs`` on 2 real gloo processes
+    (one spawn for all of them, on first use), the integration set.
+    """
+    import functools
+
+    @functools.lru_cache(maxsize=None)
+    def gloo() -> Dict[str, List]:
+        return run_jobs(lambda world: {k: v for k, v in jobs_for_world(world).items() if k in gloo_jobs},
+                        worlds=(2,))[2]
+
+    @functools.lru_cache(maxsize=None)
+    def run(world: int, job: str, backend: str = "threads") -> List:
+        if backend == "gloo":
+            return gloo()[job]
+        return run_jobs_in_threads({job: jobs_for_world(world)[job]}, world)[job]
+
+    return run
+
+
 def assert_ranks_identical(res: Sequence[Dict]) -> None:
     """After every step all ranks hold bitwise the same params and θ_outer, and params == θ_outer."""
     for t in range(len(res[0]["params"])):

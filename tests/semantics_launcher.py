@@ -105,7 +105,7 @@ def _install():
         try:
             out = orig_outer(self)
             if DUMP:
-                _dump(self.model_chunks, f"outer{self.log.outer_steps}")
+                _dump(self.model_chunks, f"outer{self.outer_steps}")
             return out
         finally:
             del self._publish_main_params
@@ -174,7 +174,7 @@ def _report(spy, state, active):
     first = state.get("first") or 0
     calls = list(zip(spy.calls, spy.where))[first:]
     out = {"rank": rank, "worker_of": worker_of, "inner_calls": [[n, list(r), w] for (n, r), w in calls],
-           "outer_calls": state["outer_calls"], "outer_groups": sorted(list(g) for g in state["outer_groups"]), "outer_steps": active.log.outer_steps if active is not None else 0,
+           "outer_calls": state["outer_calls"], "outer_groups": sorted(list(g) for g in state["outer_groups"]), "outer_steps": active.outer_steps if active is not None else 0,
            "params": params, "tied": tied, "pp_rank": ps.get_pipeline_model_parallel_rank(),
            "tp_rank": ps.get_tensor_model_parallel_rank(), "ep_rank": ps.get_expert_model_parallel_rank()}
     os.makedirs(OUT, exist_ok=True)

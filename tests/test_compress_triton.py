@@ -164,7 +164,7 @@ def test_corrupt_indices_raise_like_torch_and_leave_out_untouched(interp):
     cfg = CodecConfig(chunk=256, k=8)
     n = 256 * 3 + 1
     payloads = _payloads(cfg, n, workers=2)
-    geo = fp._Geometry(n, cfg)
+    geo = fp._geometry(n, cfg)
     out0 = torch.randn(n)
     raised = 0
     for pos in range(geo.index_at, geo.nbytes, 3):

@@ -61,7 +61,7 @@ class Toy(OuterStrategy):
     name = "toy"
     config_class = ToyConfig
 
-    def _outer_step(self, stats: OuterStepStats) -> None:
+    def _outer_step(self, stats: OuterStepStats, nonfinite_tensor) -> None:
         for s, e in self.buckets():
             self.anchor[s:e].sub_(self.pseudo_gradient(s, e), alpha=self.config.gain)
             self.write_back(s, e)

@@ -63,13 +63,13 @@ def _divergence_rank(rank, world, H):
         for _ in range(3 * H):
             train_step(ddp, outer, batches, seq_len=SEQ, micro_batch_size=MBS)
             if outer.inner_calls == H:
-                outcome["outer_steps_ok"] = outer.log.outer_steps
+                outcome["outer_steps_ok"] = outer.outer_steps
                 if rank == 1:  # a silent fault: one element of worker 1's θ_outer is altered
                     anchor = outer.strategies[0].anchor
                     anchor[17] = anchor[17] + 1e-3
     except DivergenceError as exc:
         outcome["error"] = str(exc)
-        outcome["failed_at"] = outer.log.outer_steps
+        outcome["failed_at"] = outer.outer_steps
     return outcome
 
 

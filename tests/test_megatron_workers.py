@@ -75,7 +75,7 @@ def _layout_rank(rank, world, tp, pp, ep, moe, W, rounds, H):
         losses = [train_step(ddp, outer, batches, seq_len=SEQ, micro_batch_size=MBS) for _ in range(rounds * H)]
     return {"group": group_ranks, "worker_of": worker_of, "snaps": snaps, "losses": losses,
             "inner_crossing": spy.crossing(worker_of), "inner_calls": len(spy.calls),
-            "outer_calls": outer_calls, "bytes_sent": outer.log.bytes_sent, "outer_steps": outer.log.outer_steps}
+            "outer_calls": outer_calls, "bytes_sent": outer.log.bytes_sent, "outer_steps": outer.outer_steps}
 
 
 LAYOUTS = {  # name: (world, tp, pp, ep, moe)
@@ -228,7 +228,7 @@ def _gasloc_rank(rank, world, rounds, H, active):
         for _ in range(rounds * H):
             losses.append(train_step(ddp, outer, batches, seq_len=SEQ, micro_batch_size=MBS))
     return {"losses": losses, "outer_calls": outer_calls, "real_steps": real_steps[0],
-            "outer_steps": outer.log.outer_steps, "bytes": outer.log.bytes_sent}
+            "outer_steps": outer.outer_steps, "bytes": outer.log.bytes_sent}
 
 
 def test_gasloc_w4_heterogeneous_loss_falls_without_global_collective():

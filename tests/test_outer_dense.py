@@ -1,4 +1,8 @@
-"""ModelAveraging and DiLoCo on 1, 2 and 4 gloo ranks against plain single-process references."""
+"""ModelAveraging and DiLoCo on 1, 2 and 4 workers against plain single-process references.
+
+The workers run as threads of one process group (``testing.fake_group``); a smaller integration
+set (``GLOO_JOBS``, 2 ranks) runs the same checks on real gloo processes (``multirank``).
+"""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +19,7 @@ from megatron_sparseloco.outer import (
     build_outer_strategy,
 )
 
-from outer_testlib import SHAPES, assert_ranks_identical, drift, flat, make_params, run_jobs
+from outer_testlib import SHAPES, assert_ranks_identical, drift, flat, job_runner, make_params
 
 NUMEL = sum(torch.Size(s).numel() for s in SHAPES)
 BUCKET = 64  # 190 elements → buckets of 64, 64, 62; they span tensor boundaries
@@ -90,10 +94,13 @@ def _jobs(world: int) -> dict:
     return jobs
 
 
-@pytest.fixture(scope="module")
-def runs():
-    """{world: {job: [per-rank result]}} for 2 and 4 ranks (two spawns in all)."""
-    return run_jobs(_jobs)
+#: jobs also run on real gloo processes (2 ranks, one spawn); "self" needs subgroups, which the
+#: threaded group does not make
+GLOO_JOBS = ("avg_bf16", "bf16", "self", "nan_abort", "mismatch")
+THREADS = "threads"
+GLOO = pytest.param("gloo", marks=pytest.mark.multirank)
+WORLDS = [(2, THREADS), (4, THREADS), pytest.param(2, "gloo", marks=pytest.mark.multirank)]
+run = job_runner(_jobs, GLOO_JOBS)  # run(world, job, backend="threads") -> [per-rank result]
 
 
 def _close(a, b, exact: bool, atol: float = 1e-6):
@@ -104,11 +111,12 @@ def _close(a, b, exact: bool, atol: float = 1e-6):
 
 
 # ---------------------------------------------------------------------------------- tests
-@pytest.mark.multirank
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world,backend", WORLDS)
 @pytest.mark.parametrize("job,comm", [("avg", "fp32"), ("avg_bf16", "bf16")])
-def test_average_is_mean_of_workers(runs, world, job, comm):
-    res = runs[world][job]
+def test_average_is_mean_of_workers(world, backend, job, comm):
+    if backend == "gloo" and job not in GLOO_JOBS:
+        pytest.skip("threads only")
+    res = run(world, job, backend)
     assert_ranks_identical(res)
     if comm == "fp32":
         for t, ref in enumerate(reference_average(world, STEPS)):
@@ -124,16 +132,17 @@ def test_average_is_mean_of_workers(runs, world, job, comm):
         assert not s["skipped"]
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world,backend", WORLDS)
 @pytest.mark.parametrize("job,lr,mom,nest,comm", [
     ("nesterov", 0.7, 0.9, True, "fp32"),
     ("heavy", 0.5, 0.8, False, "fp32"),
     ("bf16", 0.7, 0.9, True, "bf16"),
     ("one_bucket", 0.7, 0.9, True, "fp32"),
 ])
-def test_diloco_matches_torch_sgd(runs, world, job, lr, mom, nest, comm):
-    res = runs[world][job]
+def test_diloco_matches_torch_sgd(world, backend, job, lr, mom, nest, comm):
+    if backend == "gloo" and job not in GLOO_JOBS:
+        pytest.skip("threads only")
+    res = run(world, job, backend)
     assert_ranks_identical(res)
     refs = reference_dense(world, len(res[0]["params"]), lr, mom, nest, comm)
     for t, ref in enumerate(refs):
@@ -153,9 +162,9 @@ def test_diloco_matches_torch_sgd(runs, world, job, lr, mom, nest, comm):
 
 
 @pytest.mark.multirank
-def test_diloco_group_of_one_inside_a_world(runs):
+def test_diloco_group_of_one_inside_a_world():
     """Each rank is a worker alone (group of one): no bytes, its own SGD trajectory."""
-    res = runs[2]["self"]
+    res = run(2, "self", "gloo")
     for r in range(2):
         refs = reference_dense(1, 3, 0.7, 0.9, True, workers=[r])
         for t, ref in enumerate(refs):
@@ -178,9 +187,8 @@ def test_diloco_world_of_one_without_distributed():
         _close(flat(params), refs[t - 1], exact=True)
 
 
-@pytest.mark.multirank
-def test_state_dict_round_trip(runs):
-    saved, reloaded = runs[2]["saved"], runs[2]["reloaded"]
+def test_state_dict_round_trip():
+    saved, reloaded = run(2, "saved"), run(2, "reloaded")
     for r in range(2):
         for t in range(4):
             assert torch.equal(saved[r]["params"][t], reloaded[r]["params"][t]), f"rank {r} step {t + 1}"
@@ -202,7 +210,7 @@ def test_state_dict_round_trip_in_process_and_errors():
     sd = a.state_dict()
     b = DiLoCo([p.clone() for p in params], None, DiLoCoConfig())
     b.load_state_dict(sd)
-    assert torch.equal(b.anchor, a.anchor) and torch.equal(b.momentum_buf, a.momentum_buf)
+    assert torch.equal(b.anchor, a.anchor) and torch.equal(b.momentum, a.momentum)
     assert b.outer_steps == 2
     with pytest.raises(ValueError, match="diloco"):
         ModelAveraging(params, None).load_state_dict(sd)
@@ -212,9 +220,8 @@ def test_state_dict_round_trip_in_process_and_errors():
         DiLoCo(params[:2], None, DiLoCoConfig()).load_state_dict(sd)
 
 
-@pytest.mark.multirank
-def test_nonfinite_skip_is_consistent(runs):
-    res = runs[2]["nan_skip"]
+def test_nonfinite_skip_is_consistent():
+    res = run(2, "nan_skip")
     assert_ranks_identical(res)
     for r in range(2):
         st = res[r]["stats"]
@@ -225,9 +232,9 @@ def test_nonfinite_skip_is_consistent(runs):
         assert torch.isfinite(res[r]["params"][2]).all()
 
 
-@pytest.mark.multirank
-def test_nonfinite_abort_raises_everywhere(runs):
-    res = runs[2]["nan_abort"]
+@pytest.mark.parametrize("backend", [THREADS, GLOO])
+def test_nonfinite_abort_raises_everywhere(backend):
+    res = run(2, "nan_abort", backend)
     assert res[0]["errors"][0] is None and res[1]["errors"][0] is None
     assert "worker 1" in res[0]["errors"][1]
     assert "'p0'" in res[1]["errors"][1]
@@ -235,9 +242,9 @@ def test_nonfinite_abort_raises_everywhere(runs):
         assert torch.equal(res[r]["anchor"][1], res[r]["anchor"][0])
 
 
-@pytest.mark.multirank
-def test_mismatched_shards_fail_on_every_rank(runs):
-    for msg in runs[2]["mismatch"]:
+@pytest.mark.parametrize("backend", [THREADS, GLOO])
+def test_mismatched_shards_fail_on_every_rank(backend):
+    for msg in run(2, "mismatch", backend):
         assert "same shard" in msg
 
 

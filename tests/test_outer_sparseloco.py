@@ -1,6 +1,8 @@
-"""SparseLoCo (flat chunking) on 1, 2 and 4 gloo ranks against a plain single-process reference.
+"""SparseLoCo (flat chunking) on 1, 2 and 4 workers against a plain single-process reference.
 
-Per-tensor chunking (the default) has its own reference in test_outer_sparseloco_tensor.py."""
+The workers run as threads of one process group (``testing.fake_group``); ``GLOO_JOBS`` also run on
+2 real gloo processes (``multirank``). Per-tensor chunking (the default) has its own reference in
+test_outer_sparseloco_tensor.py."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +12,7 @@ from megatron_sparseloco.compress import CodecConfig, decode, decode_dense, enco
 from megatron_sparseloco.outer import ConfigError, build_outer_strategy
 from megatron_sparseloco.outer.sparseloco import SparseLoCo, SparseLoCoConfig
 
-from outer_testlib import SHAPES, assert_ranks_identical, drift, flat, make_params, run_jobs
+from outer_testlib import SHAPES, assert_ranks_identical, drift, flat, job_runner, make_params
 
 NUMEL = sum(torch.Size(s).numel() for s in SHAPES)  # 190
 STEPS = 4
@@ -96,17 +98,21 @@ def _jobs(world: int) -> dict:
     return jobs
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return run_jobs(_jobs)
+#: jobs also run on real gloo processes (2 ranks, one spawn): a quantised and an entropy-coded
+#: payload, momentum, and "self" (subgroups, which the threaded group does not make)
+GLOO_JOBS = ("base", "entropy", "nesterov", "self")
+THREADS = "threads"
+WORLDS = [(2, THREADS), (4, THREADS), pytest.param(2, "gloo", marks=pytest.mark.multirank)]
+run = job_runner(_jobs, GLOO_JOBS)  # run(world, job, backend="threads") -> [per-rank result]
 
 
 # ---------------------------------------------------------------------------------- tests
-@pytest.mark.multirank
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world,backend", WORLDS)
 @pytest.mark.parametrize("job", list(CONFIGS))
-def test_matches_reference_and_bytes(runs, world, job):
-    res = runs[world][job]
+def test_matches_reference_and_bytes(world, backend, job):
+    if backend == "gloo" and job not in GLOO_JOBS:
+        pytest.skip("threads only")
+    res = run(world, job, backend)
     assert_ranks_identical(res)
     anchors, sizes = reference(world, STEPS, CONFIGS[job])
     for t in range(STEPS):
@@ -139,11 +145,10 @@ def test_matches_reference_and_bytes(runs, world, job):
                 assert st["density"] <= st["aggregate_density"] <= 1
 
 
-@pytest.mark.multirank
 @pytest.mark.parametrize("world", [2, 4])
-def test_dense_raw_is_model_averaging(runs, world):
+def test_dense_raw_is_model_averaging(world):
     """k == chunk with fp32 values: nothing is dropped, EF stays 0, θ ← mean θ_r (lr 1)."""
-    res = runs[world]["dense_raw"]
+    res = run(world, "dense_raw")
     anchor = flat(make_params(0))
     for t in range(STEPS):
         anchor = torch.stack([anchor + flat(drift(r, t + 1)) for r in range(world)]).mean(0)
@@ -153,24 +158,22 @@ def test_dense_raw_is_model_averaging(runs, world):
             assert res[r]["stats"][t]["density"] == 1.0 == res[r]["stats"][t]["aggregate_density"]
 
 
-@pytest.mark.multirank
-def test_contributors_differs_from_all(runs):
+def test_contributors_differs_from_all():
     """The two reductions are really different (so the reference test can tell them apart)."""
-    a, b = runs[4]["base"][0]["params"][-1], runs[4]["all"][0]["params"][-1]
+    a, b = run(4, "base")[0]["params"][-1], run(4, "all")[0]["params"][-1]
     assert (a - b).abs().max() > 1e-4
 
 
-@pytest.mark.multirank
 @pytest.mark.parametrize("world", [2, 4])
-def test_peer_norm_clip_really_clips(runs, world):
-    clip, base = runs[world]["clip"], runs[world]["base"]
+def test_peer_norm_clip_really_clips(world):
+    clip, base = run(world, "clip"), run(world, "base")
     assert all(st["peer_clip_scale_min"] < 0.9 for st in clip[0]["stats"])
     assert (clip[0]["params"][-1] - base[0]["params"][-1]).abs().max() > 1e-5
 
 
 @pytest.mark.multirank
-def test_group_of_one(runs):
-    res = runs[2]["self"]
+def test_group_of_one():
+    res = run(2, "self", "gloo")
     for r in range(2):
         anchors, _ = reference(1, 3, CONFIGS["nesterov"], workers=[r])
         for t in range(3):
@@ -192,9 +195,8 @@ def test_world_of_one_without_distributed():
         torch.testing.assert_close(flat(params), anchors[t - 1], rtol=0, atol=1e-6)
 
 
-@pytest.mark.multirank
-def test_state_dict_round_trip(runs):
-    saved, reloaded = runs[2]["saved"], runs[2]["reloaded"]
+def test_state_dict_round_trip():
+    saved, reloaded = run(2, "saved"), run(2, "reloaded")
     for r in range(2):
         for t in range(4):
             assert torch.equal(saved[r]["params"][t], reloaded[r]["params"][t]), f"rank {r} step {t + 1}"
@@ -205,9 +207,8 @@ def test_state_dict_round_trip(runs):
     assert not torch.equal(saved[0]["state"]["error_feedback"], saved[1]["state"]["error_feedback"])
 
 
-@pytest.mark.multirank
-def test_nonfinite_skip_and_abort(runs):
-    res = runs[2]["nan_skip"]
+def test_nonfinite_skip_and_abort():
+    res = run(2, "nan_skip")
     assert_ranks_identical(res)
     for r in range(2):
         st = res[r]["stats"]
@@ -215,7 +216,7 @@ def test_nonfinite_skip_and_abort(runs):
         assert st[1]["bytes_sent"] == 4 and st[1]["collectives"] == 1
         assert torch.equal(res[r]["anchor"][1], res[r]["anchor"][0])
         assert torch.equal(res[r]["params"][1], res[r]["anchor"][0])
-    ab = runs[2]["nan_abort"]
+    ab = run(2, "nan_abort")
     assert "'p0'" in ab[0]["errors"][1] and "worker 0" in ab[1]["errors"][1]
     for r in range(2):
         assert ab[r]["errors"][0] is None

@@ -230,7 +230,7 @@ def _smaller_tensor_cosine(chunking: str) -> float:
     strat.step()
     small = slice(4096, 8192)
     true_delta = -drifts[1].reshape(-1)          # Δ = θ_outer − θ_local, e = Δ at the first step
-    sent = true_delta - strat.error[small]       # what was removed from the error = what was sent
+    sent = true_delta - strat.error_feedback[small]       # what was removed from the error = what was sent
     idx = sent != 0
     return torch.nn.functional.cosine_similarity(sent[idx], true_delta[idx], dim=0).item()
 

@@ -18,9 +18,7 @@ round where some worker idles would then be undefined, so the caller should have
 collective on the group before (Megatron does at setup).
 
 Byte accounting (kind ``"p2p"``): for an N-byte tensor and P peers, N·P sent and N·P received;
-one call counts as one collective. ``exchange_payloads`` sends 1-D uint8 payloads whose sizes
-may differ: it first exchanges the sizes (one int64 per peer, kind ``"p2p_sizes"``), then the
-payloads at their exact sizes (p2p has no need of padding). ``exchange_pieces`` is an all-to-all
+one call counts as one collective. ``exchange_pieces`` is an all-to-all
 of pieces whose sizes both sides know (SparseLoCo's reduce-scatter aggregation), kind
 ``"all_to_all"``: the bytes of the non-empty pieces sent and received.
 """
@@ -78,25 +76,6 @@ def exchange(tensor: torch.Tensor, peers: Sequence[int], group: Optional[dist.Pr
     _p2p({p: send for p in peers}, received, group)
     n = send.numel() * send.element_size()
     counter.add("p2p", n * len(peers), n * len(peers))
-    return received
-
-
-def exchange_payloads(payload: torch.Tensor, peers: Sequence[int], group: Optional[dist.ProcessGroup],
-                      counter: CommCounter) -> Dict[int, torch.Tensor]:
-    """Like ``exchange`` for 1-D uint8 payloads of any size: sizes first, then the exact bytes."""
-    if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise ValueError(f"exchange_payloads expects a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
-    peers = _check_peers(peers, group)
-    if not peers:
-        return {}
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
-    sizes = {p: torch.empty_like(size) for p in peers}
-    _p2p({p: size for p in peers}, sizes, group)
-    counter.add("p2p_sizes", 8 * len(peers), 8 * len(peers))
-    send = payload.contiguous()
-    received = {p: torch.empty(int(sizes[p].item()), dtype=torch.uint8, device=payload.device) for p in peers}
-    _p2p({p: send for p in peers}, received, group)
-    counter.add("p2p", send.numel() * len(peers), sum(r.numel() for r in received.values()))
     return received
 
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from megatron_sparseloco.compress import entropy_index
-from megatron_sparseloco.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
+from megatron_sparseloco.compress.bitpack import pack_bits, unpack_bits
 from megatron_sparseloco.compress.config import CodecConfig
 from megatron_sparseloco.compress.errors import NonFiniteInputError, PayloadError
 from megatron_sparseloco.compress.header import DTYPE_IDS, HEADER_BYTES, Header
 from megatron_sparseloco.compress.layout import ChunkLayout
 from megatron_sparseloco.compress.quantizer import dequantise, quantise, side_words
-from megatron_sparseloco.compress.sizing import fixed_sections_nbytes, packed_index_bits, quant_groups
+from megatron_sparseloco.compress.sizing import PayloadGeometry, packed_index_bits, quant_groups
 from megatron_sparseloco.compress.topk_select import select_top_positions
 
 
@@ -160,40 +160,54 @@ def _as_float32(section: torch.Tensor) -> torch.Tensor:
     return section.clone().view(torch.float32)
 
 
-def decode(payload: torch.Tensor, device: torch.device | str | None = None) -> Decoded:
-    """Parse and validate a payload; never reads out of bounds; raises :class:`PayloadError` on any defect."""
+def _check_payload_type(payload) -> None:
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
         if isinstance(payload, torch.Tensor):
             what = f"{payload.dtype} tensor of shape {tuple(payload.shape)}"
         else:
             what = type(payload).__name__
         raise PayloadError(f"decode: payload must be a 1-D torch.uint8 tensor, got {what}")
-    if device is not None:
-        payload = payload.to(device)
-    dev = payload.device
-    head = Header.unpack(payload[:HEADER_BYTES].cpu().numpy().tobytes())
+
+
+def geometry_of(head: Header) -> PayloadGeometry:
+    """The payload geometry a header describes (its declared index length checked against the coding)."""
     cfg = head.config
     layout = (
         ChunkLayout.for_tile2d(head.rows, head.cols, cfg)
         if head.geometry == "tile2d"
         else ChunkLayout.for_tensor(head.numel, cfg, (head.numel,) if head.geometry == "tile1d" else None)
     )
-    side_len, value_len = fixed_sections_nbytes(layout, cfg)
     check_index_bytes(layout, cfg, head.index_bytes)
-    total = HEADER_BYTES + side_len + value_len + head.index_bytes
-    if payload.numel() != total:
+    return PayloadGeometry.of(layout, cfg, head.index_bytes)
+
+
+def _check_length(payload: torch.Tensor, geo: PayloadGeometry) -> None:
+    if payload.numel() != geo.nbytes:
         raise PayloadError(
-            f"payload has {payload.numel()} bytes but its header describes {total} "
-            f"(header {HEADER_BYTES} + side {side_len} + values {value_len} + indices {head.index_bytes})"
-            + ("; truncated?" if payload.numel() < total else "; trailing bytes?")
+            f"payload has {payload.numel()} bytes but its header describes {geo.nbytes} "
+            f"(header {HEADER_BYTES} + side {geo.side_bytes} + values {geo.value_bytes} + indices {geo.index_bytes})"
+            + ("; truncated?" if payload.numel() < geo.nbytes else "; trailing bytes?")
         )
-    global_index, values = decode_body(payload, HEADER_BYTES, layout, cfg, head.index_bytes)
-    return Decoded(head.numel, global_index, values, cfg)
+
+
+def decode(payload: torch.Tensor, device: torch.device | str | None = None) -> Decoded:
+    """Parse and validate a payload; never reads out of bounds; raises :class:`PayloadError` on any defect.
+
+    Phases: the tensor's type, the header, the geometry it describes (:func:`geometry_of`), the
+    length against it, then the body (:func:`decode_body`: indices, then values).
+    """
+    _check_payload_type(payload)
+    if device is not None:
+        payload = payload.to(device)
+    head = Header.unpack(payload[:HEADER_BYTES].cpu().numpy().tobytes())
+    geo = geometry_of(head)
+    _check_length(payload, geo)
+    global_index, values = decode_body(payload, HEADER_BYTES, geo.layout, geo.cfg, geo.index_bytes)
+    return Decoded(head.numel, global_index, values, geo.cfg)
 
 
 def body_nbytes(layout: ChunkLayout, cfg: CodecConfig, index_bytes: int) -> int:
-    side_len, value_len = fixed_sections_nbytes(layout, cfg)
-    return side_len + value_len + index_bytes
+    return PayloadGeometry.of(layout, cfg, index_bytes).body_nbytes
 
 
 def check_index_bytes(layout: ChunkLayout, cfg: CodecConfig, index_bytes: int) -> None:
@@ -201,7 +215,7 @@ def check_index_bytes(layout: ChunkLayout, cfg: CodecConfig, index_bytes: int) -
     if cfg.is_dense and index_bytes:
         raise PayloadError(f"dense payload declares a {index_bytes}-byte index section; expected 0")
     if not cfg.is_dense and cfg.index_coding == "packed":
-        want = packed_nbytes(layout.total_kept, packed_index_bits(layout))
+        want = PayloadGeometry.of(layout, cfg).index_bytes
         if index_bytes != want:
             raise PayloadError(
                 f"packed index section is declared as {index_bytes} bytes; {layout.total_kept} indices need {want}"
@@ -215,47 +229,55 @@ def decode_body(
 
     The caller has checked that ``payload`` holds the whole body (:func:`body_nbytes`).
     """
-    dev = payload.device
-    side_len, value_len = fixed_sections_nbytes(layout, cfg)
-    side_at, values_at, index_at = at, at + side_len, at + side_len + value_len
-    n_valid, width = layout.chunk_valid_and_width(dev)
-    kept = layout.kept_counts(n_valid)
-    n_kept = layout.total_kept
+    geo = PayloadGeometry.of(layout, cfg, index_bytes)
+    values_at = at + geo.side_bytes
+    index_at = values_at + geo.value_bytes
+    n_valid, width = layout.chunk_valid_and_width(payload.device)
+    chunk_ids, global_index = _decode_indices(payload[index_at : index_at + index_bytes], layout, cfg, n_valid, width)
+    values = _decode_values(payload[at:values_at], payload[values_at:index_at], chunk_ids, layout.total_kept, cfg)
+    return global_index, values
 
-    # indices
+
+def _decode_indices(
+    index_section: torch.Tensor, layout: ChunkLayout, cfg: CodecConfig, n_valid: torch.Tensor, width: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunk of each kept value, its position in the tensor), validated: ascending, in range."""
+    dev = index_section.device
     if cfg.is_dense:
-        chunk_ids, local, global_index = layout.all_positions(dev)
+        chunk_ids, _, global_index = layout.all_positions(dev)
+        return chunk_ids, global_index
+    kept = layout.kept_counts(n_valid)
+    chunk_ids = torch.repeat_interleave(torch.arange(layout.n_chunks, device=dev), kept)
+    if cfg.index_coding == "packed":
+        local = unpack_bits(index_section, packed_index_bits(layout), layout.total_kept)
+        _check_strictly_increasing(local, chunk_ids)
     else:
-        chunk_ids = torch.repeat_interleave(torch.arange(layout.n_chunks, device=dev), kept)
-        index_section = payload[index_at : index_at + index_bytes]
-        if cfg.index_coding == "packed":
-            local = unpack_bits(index_section, packed_index_bits(layout), n_kept)
-            _check_strictly_increasing(local, chunk_ids)
-        else:
-            local = entropy_index.decode_indices(index_section, chunk_ids, kept, layout.space)
-        bad = local >= n_valid[chunk_ids]
-        if bool(bad.any()):
-            at_bad = int(torch.nonzero(bad)[0])
-            raise PayloadError(
-                f"payload index {int(local[at_bad])} in chunk {int(chunk_ids[at_bad])} is out of range "
-                f"(that chunk holds {int(n_valid[chunk_ids[at_bad]])} elements)"
-            )
-        global_index = layout.compact_to_global(chunk_ids, local, width)
+        local = entropy_index.decode_indices(index_section, chunk_ids, kept, layout.space)
+    bad = local >= n_valid[chunk_ids]
+    if bool(bad.any()):
+        at_bad = int(torch.nonzero(bad)[0])
+        raise PayloadError(
+            f"payload index {int(local[at_bad])} in chunk {int(chunk_ids[at_bad])} is out of range "
+            f"(that chunk holds {int(n_valid[chunk_ids[at_bad]])} elements)"
+        )
+    return chunk_ids, layout.compact_to_global(chunk_ids, local, width)
 
-    # values
-    value_section = payload[values_at:index_at]
+
+def _decode_values(
+    side_section: torch.Tensor, value_section: torch.Tensor, chunk_ids: torch.Tensor, n_kept: int, cfg: CodecConfig
+) -> torch.Tensor:
+    """fp32 values: dequantised codes (side info checked finite) or the raw bf16 / fp32 words."""
     if cfg.is_quantised:
-        side = _as_float32(payload[side_at:values_at]).view(-1, side_words(cfg.n_bins))
+        side = _as_float32(side_section).view(-1, side_words(cfg.n_bins))
         if not bool(torch.isfinite(side).all()):
             raise PayloadError("payload side info (quantiser shift / centroids) holds NaN or Inf")
         codes = unpack_bits(value_section, cfg.value_bits, n_kept)
-        values = dequantise(codes, _group_ids(chunk_ids, cfg), side)
-    else:
-        raw = value_section.clone().view(torch.bfloat16 if cfg.value_bits == 16 else torch.float32)
-        values = raw.to(torch.float32)
-        if not bool(torch.isfinite(values).all()):
-            raise PayloadError("payload raw values hold NaN or Inf")
-    return global_index, values
+        return dequantise(codes, _group_ids(chunk_ids, cfg), side)
+    raw = value_section.clone().view(torch.bfloat16 if cfg.value_bits == 16 else torch.float32)
+    values = raw.to(torch.float32)
+    if not bool(torch.isfinite(values).all()):
+        raise PayloadError("payload raw values hold NaN or Inf")
+    return values
 
 
 def _check_strictly_increasing(local: torch.Tensor, chunk_ids: torch.Tensor) -> None:

@@ -38,13 +38,12 @@ from typing import Sequence
 import torch
 
 from megatron_sparseloco.compress import codec as _codec
-from megatron_sparseloco.compress.bitpack import packed_nbytes
 from megatron_sparseloco.compress.codec import Decoded
 from megatron_sparseloco.compress.config import CodecConfig
 from megatron_sparseloco.compress.error_feedback import error_feedback_step
 from megatron_sparseloco.compress.errors import NonFiniteInputError, PayloadError
 from megatron_sparseloco.compress.header import HEADER_BYTES, Header
-from megatron_sparseloco.compress.layout import ChunkLayout, kept_per_chunk
+from megatron_sparseloco.compress.sizing import PayloadGeometry
 
 MAX_FAST_CHUNK = 4096
 FAST_VALUE_BITS = (2, 4)
@@ -186,31 +185,16 @@ def _warps(block: int) -> int:
     return 8 if block >= 2048 else 4
 
 
-class _Geometry:
-    """Flat layout numbers for ``numel`` elements under ``cfg`` (python ints)."""
-
-    def __init__(self, numel: int, cfg: CodecConfig):
-        c, k = cfg.chunk, cfg.k
-        self.numel, self.chunk, self.k = numel, c, k
-        self.n_chunks = -(-numel // c)
-        self.tail = numel - (self.n_chunks - 1) * c
-        self.k_last = kept_per_chunk(k, self.tail, c)
-        self.total_kept = (self.n_chunks - 1) * k + self.k_last
-        self.index_width = (c - 1).bit_length()
-        self.n_bins = cfg.n_bins
-        self.side_bytes = 4 * (1 + self.n_bins)
-        self.value_bytes = packed_nbytes(self.total_kept, cfg.value_bits)
-        self.index_bytes = packed_nbytes(self.total_kept, self.index_width)
-        self.values_at = HEADER_BYTES + self.side_bytes
-        self.index_at = self.values_at + self.value_bytes
-        self.nbytes = self.index_at + self.index_bytes
-        assert self.total_kept == ChunkLayout.for_tensor(numel, cfg).total_kept
+def _geometry(numel: int, cfg: CodecConfig) -> PayloadGeometry:
+    """The flat payload geometry of ``numel`` elements (what ``codec.decode`` and ``payload_nbytes`` read);
+    the kernels take its python ints: ``layout.n_chunks / tail / k_last``, ``values_at``, ``index_at`` ..."""
+    return PayloadGeometry.for_tensor(numel, cfg)
 
 
 _HEADERS: dict = {}
 
 
-def _header_tensor(numel: int, cfg: CodecConfig, geo: _Geometry, device: torch.device) -> torch.Tensor:
+def _header_tensor(numel: int, cfg: CodecConfig, geo: PayloadGeometry, device: torch.device) -> torch.Tensor:
     key = (numel, cfg, str(device))
     head = _HEADERS.get(key)
     if head is None:
@@ -230,8 +214,9 @@ def _encode_kernels(x_flat, cfg, name, delta_flat=None, beta=0.0, error_out=None
     """
     K = _kernels()
     dev = x_flat.device
-    geo = _Geometry(x_flat.numel(), cfg)
-    n_chunks, kept = geo.n_chunks, geo.total_kept
+    geo = _geometry(x_flat.numel(), cfg)
+    lay = geo.layout
+    n_chunks, kept = lay.n_chunks, lay.total_kept
     vals = torch.empty(kept, dtype=torch.float32, device=dev)
     idx = torch.empty(kept, dtype=torch.int32, device=dev)
     psum = torch.empty(n_chunks, dtype=torch.float64, device=dev)
@@ -239,7 +224,7 @@ def _encode_kernels(x_flat, cfg, name, delta_flat=None, beta=0.0, error_out=None
     fuse = delta_flat is not None
     _launch(
         K.select_kernel, (n_chunks,), x_flat, delta_flat if fuse else x_flat, vals, idx, psum,
-        n_chunks, geo.tail, cfg.k, geo.k_last, float(beta),
+        n_chunks, lay.tail, cfg.k, lay.k_last, float(beta),
         C=cfg.chunk, BLOCK=block, FUSE_EF=fuse, num_warps=_warps(block),
     )  # fmt: skip
 
@@ -265,7 +250,7 @@ def _encode_kernels(x_flat, cfg, name, delta_flat=None, beta=0.0, error_out=None
     side = torch.cat([shift32.view(1), lookup.to(torch.float32)])
 
     payload = torch.empty(geo.nbytes, dtype=torch.uint8, device=dev)
-    payload[:HEADER_BYTES].copy_(_header_tensor(geo.numel, cfg, geo, dev))
+    payload[:HEADER_BYTES].copy_(_header_tensor(lay.numel, cfg, geo, dev))
     payload[HEADER_BYTES : geo.values_at].view(torch.float32).copy_(side)
     pblock = 1024
     vb = cfg.value_bits
@@ -290,7 +275,7 @@ def _encode_kernels(x_flat, cfg, name, delta_flat=None, beta=0.0, error_out=None
         K.ef_apply_kernel, (n_vblocks,), vals, idx, codes, side, x_flat, dec_idx, dec_val, kept, cfg.k,
         C=cfg.chunk, UPDATE_ERR=fuse, BLOCK=vblock, num_warps=4,
     )  # fmt: skip
-    return payload, Decoded(geo.numel, dec_idx, dec_val, cfg)
+    return payload, Decoded(lay.numel, dec_idx, dec_val, cfg)
 
 
 def encode_fast(x: torch.Tensor, cfg: CodecConfig, name: str = "tensor") -> torch.Tensor:
@@ -413,7 +398,7 @@ def _read_heads(payloads, rows, device):
         if cfg is not None and head.config != cfg:
             return "payloads use different codec configurations"
         cfg = head.config
-        geo = _Geometry(head.numel, cfg)
+        geo = _geometry(head.numel, cfg)
         if head.index_bytes != geo.index_bytes:
             return "a header has an inconsistent index length (the torch path reports the details)"
         if stacked.shape[1] != geo.nbytes:
@@ -432,7 +417,8 @@ def _scatter_kernels(stacked, cfg, out, scales, counts):
     head0 = Header.unpack(stacked[0, :HEADER_BYTES].cpu().numpy().tobytes())
     if head0.numel != numel:
         raise PayloadError(f"payloads describe {head0.numel} elements, out has {numel}")
-    geo = _Geometry(numel, cfg)
+    geo = _geometry(numel, cfg)
+    lay = geo.layout
     # reshape(-1) copies unless one row (then a view at a 4-byte offset): view as fp32 works for any row length
     side = stacked[:, HEADER_BYTES : geo.values_at].reshape(-1).view(torch.float32).view(n_workers, -1)
     if not bool(torch.isfinite(side).all()):
@@ -441,10 +427,10 @@ def _scatter_kernels(stacked, cfg, out, scales, counts):
     kb = _next_pow2(cfg.k)
     wi = geo.index_width
     nbi = (wi + 14) // 8
-    bad = torch.empty(n_workers * geo.n_chunks, dtype=torch.uint8, device=out.device)
+    bad = torch.empty(n_workers * lay.n_chunks, dtype=torch.uint8, device=out.device)
     _launch(
-        K.validate_kernel, (geo.n_chunks, n_workers), stacked, stacked.stride(0), bad,
-        geo.n_chunks, geo.tail, cfg.k, geo.k_last, geo.index_at, geo.index_bytes,
+        K.validate_kernel, (lay.n_chunks, n_workers), stacked, stacked.stride(0), bad,
+        lay.n_chunks, lay.tail, cfg.k, lay.k_last, geo.index_at, geo.index_bytes,
         C=cfg.chunk, KB=kb, WI=wi, NBI=nbi, num_warps=1 if kb <= 64 else 4,
     )  # fmt: skip
     if bool(bad.any()):
@@ -452,9 +438,9 @@ def _scatter_kernels(stacked, cfg, out, scales, counts):
         _codec.decode(stacked[w])  # raises the torch path's precise PayloadError
         raise PayloadError(f"payload {w}: indices are not strictly ascending / in range")  # pragma: no cover
     _launch(
-        K.scatter_add_kernel, (geo.n_chunks,), stacked, stacked.stride(0), side,
+        K.scatter_add_kernel, (lay.n_chunks,), stacked, stacked.stride(0), side,
         scales if scales is not None else side, out, counts if counts is not None else out,
-        n_workers, geo.n_chunks, cfg.k, geo.k_last, geo.values_at, geo.value_bytes, geo.index_at, geo.index_bytes,
+        n_workers, lay.n_chunks, cfg.k, lay.k_last, geo.values_at, geo.value_bytes, geo.index_at, geo.index_bytes,
         C=cfg.chunk, KB=kb, WI=wi, NBI=nbi, VB=cfg.value_bits, N_BINS=cfg.n_bins,
         HAS_SCALE=scales is not None, HAS_COUNT=counts is not None, num_warps=1 if kb <= 64 else 4,
     )  # fmt: skip

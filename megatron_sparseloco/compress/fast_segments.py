@@ -206,7 +206,7 @@ def decode_scatter_add_bucket_fast(payloads: Sequence[torch.Tensor], plan: Bucke
                     counts[sl].index_add_(0, idx, torch.ones_like(idx, dtype=counts.dtype))
             continue
         fcfg = _flat_config(seg, plan.codec)
-        head = fp._header_tensor(seg.numel, fcfg, fp._Geometry(seg.numel, fcfg), out.device)
+        head = fp._header_tensor(seg.numel, fcfg, fp._geometry(seg.numel, fcfg), out.device)
         # the skipped worker's values come from its decode (None here), the others' as flat payloads
         rows = [None if w == skip else torch.cat([head, payloads[w][offsets[w][i]:offsets[w][i + 1]]])
                 for w in range(W)]

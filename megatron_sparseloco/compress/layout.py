@@ -109,6 +109,16 @@ class ChunkLayout:
     def total_kept(self) -> int:
         return sum(c.count * c.k for c in self.chunk_classes())
 
+    @property
+    def tail(self) -> int:
+        """Real elements in the last chunk (flat / tile1d: ``numel − (n_chunks − 1)·space``)."""
+        return self.numel - (self.n_chunks - 1) * self.space
+
+    @property
+    def k_last(self) -> int:
+        """Values the last chunk keeps (flat / tile1d)."""
+        return kept_per_chunk(self.k_full, self.tail, self.space)
+
     # ------------------------------------------------------------------ per-chunk tensors
     def chunk_valid_and_width(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Per chunk: number of real elements ``n`` and tile width ``w`` (``w = n`` for flat chunks), int64."""

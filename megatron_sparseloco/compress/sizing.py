@@ -15,6 +15,7 @@ the fixed costs, i.e. 146x below fp32.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from megatron_sparseloco.compress.bitpack import packed_nbytes
 from megatron_sparseloco.compress.config import CodecConfig
@@ -58,6 +59,69 @@ def entropy_index_bound_bits(layout: ChunkLayout) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class PayloadGeometry:
+    """Where each section of one payload sits: the chunk layout, the section sizes and their offsets.
+
+        header [0, 64) | side [64, values_at) | values [values_at, index_at) | indices [index_at, nbytes)
+
+    Everything but the index section follows from ``(layout, cfg)``; the index length is exact for
+    packed indices (``K * W`` bits, ``W = index_width``), 0 when dense, and for entropy coding either
+    what a header declares or, when sizing a payload not yet written, the bound of
+    :func:`entropy_index_bound_bits` (plus the length field, parameter nibbles and padding).
+    The one object the codec's ``decode``, :func:`payload_nbytes` and the Triton kernels
+    (:mod:`.fast_path`) all read.
+    """
+
+    layout: ChunkLayout
+    cfg: CodecConfig
+    side_bytes: int
+    value_bytes: int
+    index_bytes: int
+
+    @staticmethod
+    def of(layout: ChunkLayout, cfg: CodecConfig, index_bytes: int | None = None) -> "PayloadGeometry":
+        """The geometry of ``layout`` under ``cfg``; ``index_bytes`` None: the size ``encode`` writes
+        (exact) or, for entropy coding, its upper bound."""
+        side, values = fixed_sections_nbytes(layout, cfg)
+        if index_bytes is None:
+            if cfg.is_dense:
+                index_bytes = 0
+            elif cfg.index_coding == "packed":
+                index_bytes = packed_nbytes(layout.total_kept, packed_index_bits(layout))
+            else:
+                index_bytes = 8 + (layout.n_chunks + 1) // 2 + (entropy_index_bound_bits(layout) + 7) // 8 + 1
+        return PayloadGeometry(layout, cfg, side, values, index_bytes)
+
+    @staticmethod
+    def for_tensor(numel: int, cfg: CodecConfig, shape: tuple[int, ...] | None = None,
+                   index_bytes: int | None = None) -> "PayloadGeometry":
+        return PayloadGeometry.of(ChunkLayout.for_tensor(numel, cfg, tuple(shape) if shape is not None else None),
+                                  cfg, index_bytes)
+
+    @property
+    def index_width(self) -> int:
+        """``W``: bits per packed index."""
+        return packed_index_bits(self.layout)
+
+    @property
+    def values_at(self) -> int:
+        return HEADER_BYTES + self.side_bytes
+
+    @property
+    def index_at(self) -> int:
+        return self.values_at + self.value_bytes
+
+    @property
+    def body_nbytes(self) -> int:
+        """Everything but the header."""
+        return self.side_bytes + self.value_bytes + self.index_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return HEADER_BYTES + self.body_nbytes
+
+
 def payload_nbytes(numel: int, cfg: CodecConfig, shape: tuple[int, ...] | None = None) -> int:
     """Size in bytes of ``encode(x, cfg)`` for a tensor of ``numel`` elements (``shape`` matters in tile mode).
 
@@ -67,15 +131,7 @@ def payload_nbytes(numel: int, cfg: CodecConfig, shape: tuple[int, ...] | None =
       up to 1 byte of stream padding.  ``encode`` never exceeds it.
     """
     cfg.validate()
-    layout = ChunkLayout.for_tensor(numel, cfg, tuple(shape) if shape is not None else None)
-    side, values = fixed_sections_nbytes(layout, cfg)
-    if cfg.is_dense:
-        index = 0
-    elif cfg.index_coding == "packed":
-        index = packed_nbytes(layout.total_kept, packed_index_bits(layout))
-    else:
-        index = 8 + (layout.n_chunks + 1) // 2 + (entropy_index_bound_bits(layout) + 7) // 8 + 1
-    return HEADER_BYTES + side + values + index
+    return PayloadGeometry.for_tensor(numel, cfg, shape).nbytes
 
 
 def _log2_binomial(n: int, k: int) -> float:

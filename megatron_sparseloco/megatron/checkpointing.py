@@ -184,6 +184,42 @@ def _key(worker: int, state: str, meta) -> str:
     return f"{STATE_PREFIX}.worker{worker}.{state}.{meta.key}"
 
 
+def member_kind(shards: MainParamShards) -> str:
+    """``"expert"`` for the optimizer of expert-parallel params (megatron-core marks them
+    ``allreduce=False``), else ``"dense"``."""
+    params = shards.all_model_params or shards.model_params
+    return "expert" if params and all(not getattr(p, "allreduce", True) for p in params) else "dense"
+
+
+def member_keys(shards_list: List[MainParamShards]) -> List[str]:
+    """The name of each member optimizer's outer state: its kind (``dense`` / ``expert``), numbered
+    (``dense0``, ``dense1`` ...) only where several members share a kind (one per model chunk)."""
+    kinds = [member_kind(sh) for sh in shards_list]
+    seen: Dict[str, int] = {}
+    out = []
+    for k in kinds:
+        out.append(k if kinds.count(k) == 1 else f"{k}{seen.get(k, 0)}")
+        seen[k] = seen.get(k, 0) + 1
+    return out
+
+
+def saved_member_states(saved: dict, key: str, index: int) -> Optional[List[str]]:
+    """The state names a checkpoint's metadata lists for member ``key``; checkpoints written before
+    members had names list them as ``m{index}`` (position in the chained optimizer)."""
+    states = saved.get("states", {})
+    found = states.get(key, states.get(f"m{index}"))
+    return None if found is None else list(found)
+
+
+def _check_unique_param_keys(labels_and_keys) -> None:
+    """Refuse two tensors of one member under one checkpoint key (they would overwrite each other)."""
+    seen: Dict[str, str] = {}
+    for label, key in labels_and_keys:
+        if key in seen:
+            raise ValueError(f"model params {seen[key]} and {label} share the checkpoint key {key!r}")
+        seen[key] = label
+
+
 def build_save_state(strategies_by_member, shards_list, worker: int, metas: Dict[int, object],
                      local_main_params: Optional[List[List[torch.Tensor]]] = None) -> Dict[str, dict]:
     """Sharded tensors of the whole params this rank owns, for every per-element state.
@@ -193,7 +229,7 @@ def build_save_state(strategies_by_member, shards_list, worker: int, metas: Dict
     ``local_main_params`` (per member): the worker's θ_local when the live shards hold θ_outer.
     """
     out: Dict[str, dict] = {}
-    for mi, (shards, strategy) in enumerate(zip(shards_list, strategies_by_member)):
+    for mi, (key, shards, strategy) in enumerate(zip(member_keys(shards_list), shards_list, strategies_by_member)):
         local = local_main_params[mi] if local_main_params is not None else None
         table = piece_table(shards)
         split = shards.shard_group is not None
@@ -204,8 +240,8 @@ def build_save_state(strategies_by_member, shards_list, worker: int, metas: Dict
                 meta = _metadata_of(metas, shards.all_model_params[j], f"#{j}")
                 # the only copy in the shard group: main replica there (0); other model-parallel
                 # replicas (a param replicated over TP) keep their model replica id
-                member[name][f"p{j}"] = _sharded_like(meta, _key(worker, name, meta), whole, 0 if split else None)
-        out[f"m{mi}"] = member
+                member[name][meta.key] = _sharded_like(meta, _key(worker, name, meta), whole, 0 if split else None)
+        out[key] = member
     return out
 
 
@@ -216,39 +252,44 @@ def build_load_request(strategies_by_member, shards_list, worker: int, metas: Di
     dist_checkpointing wants one main reader per tensor: the param's owner (``model_space``).
     """
     out: Dict[str, dict] = {}
-    for mi, (shards, strategy) in enumerate(zip(shards_list, strategies_by_member)):
+    for mi, (key, shards, strategy) in enumerate(zip(member_keys(shards_list), shards_list, strategies_by_member)):
         live = elementwise_state(shards, strategy)
         if saved is not None:
-            have = set(saved.get("states", {}).get(f"m{mi}", []))
+            have = set(saved_member_states(saved, key, mi) or [])
             missing = sorted(set(live) - have)
             if missing:
                 raise OuterStateLayoutError(
-                    f"the checkpoint has no {missing} for optimizer {mi} (it holds {sorted(have)}). Fix: resume with "
-                    "the --sparseloco-* flags of the run that saved it (algorithm, outer momentum)")
+                    f"the checkpoint has no {missing} for the {key} optimizer (it holds {sorted(have)}). Fix: resume "
+                    "with the --sparseloco-* flags of the run that saved it (algorithm, outer momentum)")
+        metas_i = [_metadata_of(metas, p, shards.names[i]) for i, p in enumerate(shards.model_params)]
+        _check_unique_param_keys((shards.names[i], m.key) for i, m in enumerate(metas_i))
         table = piece_table(shards)
         split = shards.shard_group is not None
         member: Dict[str, dict] = {}
         for name, tensors in live.items():
             member[name] = {}
-            for i, (p, t) in enumerate(zip(shards.model_params, tensors)):
-                meta = _metadata_of(metas, p, shards.names[i])
+            for p, t, meta in zip(shards.model_params, tensors, metas_i):
                 data = torch.empty(p.shape, dtype=t.dtype, device=t.device)
                 reader = (0 if table.owner_of(p) == table.me else table.me) if split else None
-                member[name][f"s{i}"] = _sharded_like(meta, _key(worker, name, meta), data, reader)
-        out[f"m{mi}"] = member
+                member[name][meta.key] = _sharded_like(meta, _key(worker, name, meta), data, reader)
+        out[key] = member
     return out
 
 
-def restore_state(strategies_by_member, shards_list, loaded: Dict[str, dict]) -> None:
-    """Slice this rank's ranges out of the loaded whole params into the live state."""
-    for mi, (shards, strategy) in enumerate(zip(shards_list, strategies_by_member)):
+def restore_state(strategies_by_member, shards_list, loaded: Dict[str, dict], keys: Dict[int, str]) -> None:
+    """Slice this rank's ranges out of the loaded whole params into the live state.
+
+    ``loaded``: what ``build_load_request`` asked for, ``{member key: {state: {param key: whole param}}}``;
+    ``keys``: ``param_keys`` (id(model param) → its checkpoint key).
+    """
+    for key, shards, strategy in zip(member_keys(shards_list), shards_list, strategies_by_member):
         live = elementwise_state(shards, strategy)
-        member = loaded[f"m{mi}"]
+        member = loaded[key]
         inner = _inner_optimizer(shards)
         with torch.no_grad():
             for name, tensors in live.items():
                 for i, ((start, end), t) in enumerate(zip(shards.ranges, tensors)):
-                    src = owned_piece(member[name][f"s{i}"], start, end)
+                    src = owned_piece(member[name][keys[id(shards.model_params[i])]], start, end)
                     if name.startswith("inner.") and name != "inner.main_param":
                         # Fresh tensors, never copy_ into what is there: megatron-core 0.19.2's load
                         # (no Apex/TE) gives every param state the *same* tensor for some entries.

@@ -86,9 +86,9 @@ class OuterLoopConfig:
 
 @dataclass
 class OuterLog:
-    """Cumulative counters for logging (per rank)."""
+    """Cumulative counters for logging (per rank). Outer steps are the strategies' own count
+    (``OuterStrategy.outer_steps``), read through ``OuterLoopOptimizer.outer_steps``."""
 
-    outer_steps: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     numel: int = 0
@@ -154,6 +154,15 @@ class OuterLoopOptimizer:
             self.delayed = [DelayedOuter(s, self.config.overlap(), comm) for s in self.strategies]
 
     # ------------------------------------------------------------------ the loop
+    @property
+    def outer_steps(self) -> int:
+        """Outer steps done: the strategies' count (one place: ``OuterStrategy.outer_steps``, restored
+        from the checkpoint). A rank holding no strategy has no count of its own; for it (messages
+        only) the rounds the inner-call counter has begun."""
+        if self.strategies:
+            return self.strategies[0].outer_steps
+        return self.inner_calls // self.config.inner_steps
+
     def is_outer_step_due(self) -> bool:
         return self.inner_calls % self.config.inner_steps == 0
 
@@ -207,7 +216,7 @@ class OuterLoopOptimizer:
         if timer is not None:
             timer.start()
         t0 = time.perf_counter()
-        step_no = self.log.outer_steps + 1
+        step_no = self.outer_steps + 1
         self.watch.arrive(step_no)
         try:
             stats = [s.step() for s in self.strategies]
@@ -222,7 +231,7 @@ class OuterLoopOptimizer:
         self._record(stats)
         self.log.last["time_exposed_s"] = time.perf_counter() - t0
         interval = self.config.consistency_check_interval
-        if interval and self.config.identical_across_workers and self.log.outer_steps % interval == 0:
+        if interval and self.config.identical_across_workers and self.outer_steps % interval == 0:
             self.check_consistency()
         return stats
 
@@ -233,7 +242,7 @@ class OuterLoopOptimizer:
         if timer is not None:
             timer.start()
         t0 = time.perf_counter()
-        step_no = self.log.outer_steps + 1
+        step_no = self.outer_steps + 1
         self.watch.arrive(step_no)
         try:
             for d in self.delayed:
@@ -253,7 +262,7 @@ class OuterLoopOptimizer:
         """Wait for the round in flight and compute θ_outer,k+1 (no merge); records its stats. Idempotent."""
         if not any(d.in_flight for d in self.delayed):
             return
-        step_no = self.log.outer_steps + 1
+        step_no = self.outer_steps + 1
         try:
             stats = [d.wait() for d in self.delayed]
         except (RuntimeError, dist.DistBackendError) as exc:
@@ -281,7 +290,7 @@ class OuterLoopOptimizer:
         if waited:  # the round's exposed time: launch + wait + apply + merge + publish
             self.log.last["time_exposed_s"] = self._exposed_at_launch + time.perf_counter() - t0
         interval = self.config.consistency_check_interval
-        if interval and self.config.identical_across_workers and self.log.outer_steps % interval == 0:
+        if interval and self.config.identical_across_workers and self.outer_steps % interval == 0:
             self.check_consistency()
 
     def _overlap_merge_due(self) -> bool:
@@ -302,12 +311,11 @@ class OuterLoopOptimizer:
                                               fix="restart from the last checkpoint; a worker's params were altered")
                for s in self.strategies]
         if fps and None not in fps and (not dist.is_initialized() or dist.get_rank() == 0):
-            print(f" sparseloco | consistency check passed at outer step {self.log.outer_steps}: θ_outer identical on "
+            print(f" sparseloco | consistency check passed at outer step {self.outer_steps}: θ_outer identical on "
                   f"all {self.num_workers} workers (rank 0's shard fingerprint "
                   f"{', '.join(f'{fp & (2**64 - 1):016x}' for fp in fps)})", flush=True)
 
     def _record(self, stats: List[OuterStepStats]) -> None:
-        self.log.outer_steps += 1
         self.log.bytes_sent += sum(s.bytes_sent for s in stats)
         self.log.bytes_received += sum(s.bytes_received for s in stats)
         self.log.numel = sum(s.numel for s in stats)
@@ -377,9 +385,9 @@ class OuterLoopOptimizer:
     def checkpoint_metadata(self) -> dict:
         """Job-wide outer-loop facts stored in Megatron's checkpoint content metadata."""
         return {"format": ckpt.FORMAT_VERSION, "num_workers": self.num_workers, "algorithms": self.algorithms,
-                "states": {f"m{i}": sorted(ckpt.elementwise_state(sh, st))
-                           for i, (sh, st) in enumerate(zip(self.shards, self.strategy_of))},
-                "inner_calls": self.inner_calls, "outer_steps": self.log.outer_steps,
+                "states": {key: sorted(ckpt.elementwise_state(sh, st))
+                           for key, sh, st in zip(ckpt.member_keys(self.shards), self.shards, self.strategy_of)},
+                "inner_calls": self.inner_calls, "outer_steps": self.outer_steps,
                 "facts": self.checkpoint_facts(),
                 "inner_steps": self.config.inner_steps}
 
@@ -461,12 +469,11 @@ class OuterLoopOptimizer:
             return
         scalars = outer["scalars"]
         self.inner_calls = int(scalars["inner_calls"])
-        self.log.outer_steps = int(scalars["outer_steps"])
         for s in self.strategies:
-            s.outer_steps = self.log.outer_steps
+            s.outer_steps = int(scalars["outer_steps"])
         # Megatron loaded worker 0's params / moments into every worker: put each worker's back,
         # sliced for this rank's ranges (which may differ from the saving run's).
-        ckpt.restore_state(self.strategy_of, self.shards, outer["tensors"])
+        ckpt.restore_state(self.strategy_of, self.shards, outer["tensors"], self._param_keys)
         ckpt.restore_scalars(self.shards, self.worker_index, self.worker_rank, self.worker_size, self.log,
                              outer["ranks"], self._param_keys)
         self._anchor_at_first_step = False

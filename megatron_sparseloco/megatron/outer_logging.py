@@ -32,11 +32,11 @@ def worker_totals(wrapper, intra_group: Optional[dist.ProcessGroup]) -> Dict[str
     ], dtype=torch.float64, device=collective_device(intra_group))  # NCCL refuses CPU tensors
     if intra_group is not None and dist.is_initialized() and dist.get_world_size(intra_group) > 1:
         dist.all_reduce(vals, group=intra_group)
-    steps = max(wrapper.log.outer_steps, 1)
+    steps = max(wrapper.outer_steps, 1)
     bytes_sent, bytes_recv, numel, last_bytes, d2, e2, u2 = vals.tolist()
-    dense_fp32 = numel * 4 * wrapper.log.outer_steps
+    dense_fp32 = numel * 4 * wrapper.outer_steps
     out = {
-        "outer_steps": float(wrapper.log.outer_steps),
+        "outer_steps": float(wrapper.outer_steps),
         "bytes_sent_per_worker": bytes_sent,
         "bytes_received_per_worker": bytes_recv,
         "bytes_sent_last_outer_step": last_bytes,

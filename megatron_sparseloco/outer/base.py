@@ -160,7 +160,8 @@ class FlatShards:
 class OuterStrategy(abc.ABC):
     """Base of all outer strategies: anchor, buckets, guard, stats, state dict.
 
-    Subclasses implement ``_outer_step(stats)`` and may add state through ``_extra_state``.
+    Subclasses implement ``_outer_step(stats, nonfinite_tensor)`` and declare their per-element
+    state in ``elementwise_buffers`` (state dict and checkpoint keys derive from it).
     """
 
     #: a short name used in logs and checkpoints
@@ -247,24 +248,49 @@ class OuterStrategy(abc.ABC):
 
     # ------------------------------------------------------------------ the step
     def step(self) -> OuterStepStats:
-        """One outer step, in place on the params. Every worker must call it together."""
+        """One outer step, in place on the params. Every worker must call it together.
+
+        Phases: the non-finite verdict (``nonfinite_verdict``: this worker's check and, unless the
+        strategy carries it in its payloads, the agreement of all workers), then ``_outer_step``
+        with this worker's verdict, then the byte counts.
+        """
         stats = OuterStepStats(step=self.outer_steps + 1, numel=self.params.numel)
         before = (self.counter.bytes_sent, self.counter.bytes_received, self.counter.collectives)
-        if self._agree_nonfinite(stats):
-            self._outer_step(stats)
+        proceed, nonfinite_tensor = self.nonfinite_verdict(stats)
+        if proceed:
+            self._outer_step(stats, nonfinite_tensor)
         self.outer_steps += 1
         stats.bytes_sent = self.counter.bytes_sent - before[0]
         stats.bytes_received = self.counter.bytes_received - before[1]
         stats.collectives = self.counter.collectives - before[2]
         return stats
 
-    def _agree_nonfinite(self, stats: OuterStepStats) -> bool:
-        """True when every worker's params are finite; otherwise apply the policy."""
-        bad_name = None
+    #: the workers agree on the non-finite verdict before the step (one all-reduce of a flag);
+    #: False where the step carries it itself (gossip: the flag rides on the proposals, and each
+    #: worker hears only its neighbours)
+    agrees_nonfinite_before_step: bool = True
+
+    def first_nonfinite_tensor(self) -> Optional[str]:
+        """The name of this worker's first tensor holding NaN or Inf, or None (a local check)."""
         for i, t in enumerate(self.params.tensors):
             if not torch.isfinite(t).all():
-                bad_name = self.names[i]
-                break
+                return self.names[i]
+        return None
+
+    def nonfinite_verdict(self, stats: OuterStepStats) -> Tuple[bool, Optional[str]]:
+        """(run ``_outer_step``?, this worker's first non-finite tensor or None).
+
+        With the agreement (``agrees_nonfinite_before_step``): ``_all_workers_finite`` decides, and
+        the step only ever sees None. Without it the step always runs and gets the local verdict.
+        """
+        bad_name = self.first_nonfinite_tensor()
+        if not self.agrees_nonfinite_before_step:
+            return True, bad_name
+        return self._all_workers_finite(stats, bad_name), None
+
+    def _all_workers_finite(self, stats: OuterStepStats, bad_name: Optional[str]) -> bool:
+        """True when every worker's params are finite (one all-reduce MAX of rank + 1 where not);
+        otherwise apply the policy: abort raises ``NonFiniteError``, skip resets θ_local ← θ_outer."""
         flag = torch.tensor([0.0 if bad_name is None else float(self.rank + 1)], device=self.device)
         all_reduce_(flag, self.group, self.counter, op=dist.ReduceOp.MAX)
         if flag.item() == 0:
@@ -286,8 +312,12 @@ class OuterStrategy(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def _outer_step(self, stats: OuterStepStats) -> None:
-        """Compute Δ, communicate, update ``self.anchor`` and write it back (all buckets)."""
+    def _outer_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
+        """Compute Δ, communicate, update ``self.anchor`` and write it back (all buckets).
+
+        ``nonfinite_tensor``: this worker's verdict (``nonfinite_verdict``), the name of its first
+        tensor holding NaN / Inf, or None; always None where the workers agreed before the step.
+        """
 
     #: set by strategies that implement ``_launch_round`` (delayed application, ``outer/overlap.py``)
     supports_overlap: bool = False
@@ -295,7 +325,7 @@ class OuterStrategy(abc.ABC):
     def _launch_round(self, stats: OuterStepStats) -> Tuple[Callable[[], None], Callable[[], None]]:
         """The outer step split for delayed application: returns ``(communicate, finish)``.
 
-        Called on the main thread after the non-finite agreement: computes Δ for every bucket (and
+        Called on the main thread after the non-finite agreement (``nonfinite_verdict``): computes Δ for every bucket (and
         any state update that depends only on it, e.g. error feedback) and fixes every payload's
         size. ``communicate()`` then runs every collective of the round (on the overlap thread,
         touching only the buffers made here); ``finish()`` (main thread, after it) updates
@@ -316,14 +346,20 @@ class OuterStrategy(abc.ABC):
         """Settings that change what the saved state means (a resume with others is refused)."""
         return {}
 
-    def _extra_state(self) -> Dict[str, torch.Tensor]:
-        """Strategy-specific tensors (momentum, error feedback) by name."""
-        return {}
+    #: the strategy's per-element buffers besides θ_outer (``anchor``, every strategy's), each a flat
+    #: fp32 vector over ``params``: attribute name = state-dict and checkpoint name; an attribute that
+    #: is None is not kept in this configuration (e.g. momentum with μ = 0)
+    elementwise_buffers: ClassVar[Tuple[str, ...]] = ()
 
     def elementwise_state(self) -> Dict[str, torch.Tensor]:
         """The live per-element state, each a flat vector over ``self.params`` (not copies):
-        θ_outer (``anchor``) and the strategy's buffers (error feedback, momentum)."""
-        return {"anchor": self.anchor, **self._extra_state(), **self.attached_state}
+        ``anchor``, the buffers of ``elementwise_buffers`` that are kept, and ``attached_state``."""
+        state = {"anchor": self.anchor}
+        for name in self.elementwise_buffers:
+            buf = getattr(self, name)
+            if buf is not None:
+                state[name] = buf
+        return {**state, **self.attached_state}
 
     def state_dict(self) -> dict:
         sd = {"name": self.name, "outer_steps": self.outer_steps, "numel": self.params.numel}

@@ -11,19 +11,20 @@ Per outer step, bucket by bucket:
 exactly ``torch.optim.SGD(lr, momentum=μ, dampening=0, nesterov=...)`` applied to θ_outer with
 gradient Δ̄ (see ``outer/sgd.py``). Defaults lr 0.7, μ 0.9, Nesterov (the paper's setting).
 State: the anchor and one shard-sized fp32 momentum buffer (none when μ = 0).
-Bytes per step and rank: 4·numel (fp32) or 2·numel (bf16) sent and received, plus the 4-byte
+The bucket loop is ``outer/dense_allreduce.py``'s (shared with model averaging). Bytes per step and
+rank: 4·numel (fp32) or 2·numel (bf16) sent and received, plus the 4-byte
 non-finite flag.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.outer.averaging import COMM_DTYPES, comm_dtype_field, dense_launch_, dense_outer_step_
-from megatron_sparseloco.outer.base import OuterConfig, OuterStepStats, OuterStrategy
+from megatron_sparseloco.outer.base import OuterConfig, OuterStepStats
+from megatron_sparseloco.outer.dense_allreduce import DenseAllReduceStrategy, comm_dtype_field
 from megatron_sparseloco.outer.registry import register_outer_strategy
 from megatron_sparseloco.outer.sgd import check_outer_sgd, lr_field, momentum_field, nesterov_field
 
@@ -48,42 +49,24 @@ class DiLoCoConfig(OuterConfig):
 
 
 @register_outer_strategy("diloco")
-class DiLoCo(OuterStrategy):
+class DiLoCo(DenseAllReduceStrategy):
     """Dense all-reduce of Δ, then Nesterov (or heavy-ball) SGD on θ_outer."""
 
     name = "diloco"
     config_class = DiLoCoConfig
+    elementwise_buffers = ("momentum",)  # None when μ = 0
 
     def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
                  config: Optional[DiLoCoConfig] = None, names: Optional[Sequence[str]] = None, slices=None):
         super().__init__(params, group, config if config is not None else DiLoCoConfig(), names, slices)
-        self.momentum_buf: Optional[torch.Tensor] = None
         if self.config.momentum != 0.0:
-            self.momentum_buf = torch.zeros(self.params.numel, dtype=torch.float32, device=self.device)
+            self.momentum = torch.zeros(self.params.numel, dtype=torch.float32, device=self.device)
         self.check_group_layout()
 
-    def _extra_state(self) -> Dict[str, torch.Tensor]:
-        return {} if self.momentum_buf is None else {"momentum": self.momentum_buf}
-
-    def expected_payload_bytes(self) -> Optional[int]:
-        return self.params.numel * COMM_DTYPES[self.config.comm_dtype].itemsize
-
-    def _outer_step(self, stats: OuterStepStats) -> None:
+    def sgd_settings(self) -> Tuple[float, float, bool]:
         cfg: DiLoCoConfig = self.config
-        dense_outer_step_(self, stats, cfg.comm_dtype, cfg.lr, cfg.momentum, cfg.nesterov, self.momentum_buf)
-        if self.momentum_buf is not None:
-            stats.extra["momentum_norm"] = float(torch.linalg.vector_norm(self.momentum_buf).item())
+        return cfg.lr, cfg.momentum, cfg.nesterov
 
-    supports_overlap = True
-
-    def _launch_round(self, stats: OuterStepStats):
-        cfg: DiLoCoConfig = self.config
-        communicate, finish_dense = dense_launch_(self, stats, cfg.comm_dtype, cfg.lr, cfg.momentum, cfg.nesterov,
-                                                  self.momentum_buf)
-
-        def finish() -> None:
-            finish_dense()
-            if self.momentum_buf is not None:
-                stats.extra["momentum_norm"] = float(torch.linalg.vector_norm(self.momentum_buf).item())
-
-        return communicate, finish
+    def after_update(self, stats: OuterStepStats) -> None:
+        if self.momentum is not None:
+            stats.extra["momentum_norm"] = float(torch.linalg.vector_norm(self.momentum).item())

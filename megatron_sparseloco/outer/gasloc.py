@@ -169,7 +169,7 @@ class GASLoCConfig(OuterConfig):
 
 def exchange_per_peer(payloads: Dict[int, torch.Tensor], recv_nbytes: Optional[Dict[int, int]],
                       group: Optional[dist.ProcessGroup], counter: CommCounter) -> Dict[int, torch.Tensor]:
-    """``comm.p2p.exchange_payloads`` with one (possibly different) 1-D uint8 payload per peer.
+    """``comm.p2p.exchange`` for 1-D uint8 payloads, one (possibly different, any size) per peer.
 
     ``recv_nbytes``: the size each peer's payload will have when both sides know it (packed codec,
     dense refresh); None exchanges the sizes first (one int64 per peer, kind ``"p2p_sizes"``).
@@ -210,7 +210,6 @@ class GASLoC(OuterStrategy):
             raise ConfigError(f"GASLoC needs a GASLoCConfig, got {type(config).__name__}")
         super().__init__(params, group, config, names, slices)
         self.momentum = torch.zeros_like(self.anchor)
-        self._bad_name: Optional[str] = None
         # compressed mode: CHOCO public copies, allocated the first time a peer is met
         self.codec: Optional[CodecConfig] = config.codec() if config.compress else None
         self.static = config.topology in STATIC_TOPOLOGIES
@@ -235,32 +234,26 @@ class GASLoC(OuterStrategy):
         return neighbours(c.topology, self.world_size, r, c.seed, self.rank, c.mixing_weight)
 
     # ------------------------------------------------------------------ guard
-    def _agree_nonfinite(self, stats: OuterStepStats) -> bool:
-        """Local check only (no collective); the verdict travels with the proposals."""
-        self._bad_name = None
-        for i, t in enumerate(self.params.tensors):
-            if not torch.isfinite(t).all():
-                self._bad_name = self.names[i]
-                break
-        return True
+    #: local check only (no collective): the verdict travels with the proposals
+    agrees_nonfinite_before_step = False
 
-    def _raise_nonfinite(self, bad_peers: List[int]) -> None:
-        where = (f"tensor {self._bad_name!r} on this worker (rank {self.rank})" if self._bad_name is not None
+    def _raise_nonfinite(self, bad_peers: List[int], nonfinite_tensor: Optional[str]) -> None:
+        where = (f"tensor {nonfinite_tensor!r} on this worker (rank {self.rank})" if nonfinite_tensor is not None
                  else f"neighbour worker(s) {bad_peers}")
         raise NonFiniteError(
             f"{self.name} outer step {self.outer_steps + 1}: non-finite pseudo-gradient in {where}; θ_outer left "
             "untouched (policy 'abort'; use nonfinite_policy='skip' to let that worker discard its local progress)")
 
     # ------------------------------------------------------------------ the step
-    def _outer_step(self, stats: OuterStepStats) -> None:
+    def _outer_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
         if self.codec is not None:
-            return self._compressed_step(stats)
+            return self._compressed_step(stats, nonfinite_tensor)
         c: GASLoCConfig = self.config  # type: ignore[assignment]
         nbrs = self.round_neighbours()
         peers = [p for p, _ in nbrs]
         self_weight = 1.0 - sum(w for _, w in nbrs)
         abort = c.nonfinite_policy == "abort"
-        bad = self._bad_name is not None
+        bad = nonfinite_tensor is not None
         sq_delta = sq_update = sq_shift = 0.0
         peers_nonfinite: set = set()
         for s, e in self.buckets():
@@ -282,7 +275,7 @@ class GASLoC(OuterStrategy):
             bad_peers = sorted(p for p, buf in received.items() if buf[n].item() != 0.0)
             peers_nonfinite.update(bad_peers)
             if abort and (bad or bad_peers):  # always at bucket 0: the flag rides on every bucket
-                self._raise_nonfinite(bad_peers)
+                self._raise_nonfinite(bad_peers, nonfinite_tensor)
             with self._timer(stats, "time_apply_s"):
                 terms = sorted([(self.rank, self_weight, y)] + [(p, w, received[p][:n]) for p, w in nbrs],
                                key=lambda t: t[0])
@@ -300,7 +293,6 @@ class GASLoC(OuterStrategy):
         stats.skipped = bad
         stats.extra.update({"gossip_peers": float(len(peers)), "self_weight": self_weight,
                             "mix_shift_norm": math.sqrt(sq_shift), "peers_nonfinite": float(len(peers_nonfinite))})
-        self._bad_name = None
 
 
     # ------------------------------------------------------------------ compressed step (CHOCO copies)
@@ -319,13 +311,13 @@ class GASLoC(OuterStrategy):
                 self.own_copy[p] = torch.zeros_like(self.anchor)
         return fresh
 
-    def _compressed_step(self, stats: OuterStepStats) -> None:
+    def _compressed_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
         c: GASLoCConfig = self.config  # type: ignore[assignment]
         nbrs = self.round_neighbours()
         peers = [p for p, _ in nbrs]
         self_weight = 1.0 - sum(w for _, w in nbrs)
         abort = c.nonfinite_policy == "abort"
-        bad = self._bad_name is not None
+        bad = nonfinite_tensor is not None
         fresh = set(self._new_copies(peers))
         packed = c.index_coding == "packed"
         flag = torch.tensor([1 if bad else 0], dtype=torch.uint8, device=self.device)
@@ -370,7 +362,7 @@ class GASLoC(OuterStrategy):
             bad_peers = sorted(p for p, buf in received.items() if int(buf[-1].item()) != 0)
             peers_nonfinite.update(bad_peers)
             if abort and (bad or bad_peers):  # at bucket 0, before any copy changed
-                self._raise_nonfinite(bad_peers)
+                self._raise_nonfinite(bad_peers, nonfinite_tensor)
             with self._timer(stats, "time_apply_s"):
                 done = set()
                 for p in peers:  # own copies: x̂_{me→p} += decode(q) (once per distinct tensor)
@@ -399,7 +391,6 @@ class GASLoC(OuterStrategy):
                             "mix_shift_norm": math.sqrt(sq_shift), "peers_nonfinite": float(len(peers_nonfinite)),
                             "dense_refresh_peers": float(len(fresh)), "payload_bytes": float(payload_bytes),
                             "copies_bytes": float(self.copies_nbytes())})
-        self._bad_name = None
 
     def _apply_to_copy(self, copy: torch.Tensor, body: torch.Tensor, dense: bool, n: int,
                        peer: Optional[int] = None) -> None:
@@ -415,8 +406,7 @@ class GASLoC(OuterStrategy):
         copy[dec.indices] += dec.values
 
     # ------------------------------------------------------------------ state
-    def _extra_state(self) -> Dict[str, torch.Tensor]:
-        return {"momentum": self.momentum}
+    elementwise_buffers = ("momentum",)
 
     def load_state_dict(self, sd: dict) -> None:
         """Public copies are not checkpointed: they are dropped, and every pair refreshes them densely

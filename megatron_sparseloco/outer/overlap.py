@@ -153,7 +153,8 @@ class DelayedOuter:
         stats = OuterStepStats(step=s.outer_steps + 1, numel=s.params.numel)
         self._before = (s.counter.bytes_sent, s.counter.bytes_received, s.counter.collectives)
         self._stats = stats
-        if s._agree_nonfinite(stats):
+        proceed, _ = s.nonfinite_verdict(stats)  # strategies with overlap agree: the step sees None
+        if proceed:
             communicate, self._finish = s._launch_round(stats)
             if self.launch_params is not None:
                 s.params.read(0, s.params.numel, self.launch_params)

@@ -59,7 +59,7 @@ from megatron_sparseloco.compress.segments import (
     segment_layout,
     tile_edge,
 )
-from megatron_sparseloco.compress.sizing import fixed_sections_nbytes, packed_index_bits
+from megatron_sparseloco.compress.sizing import PayloadGeometry, fixed_sections_nbytes, packed_index_bits
 
 PIECE_MAGIC = b"SLCP"
 PIECE_VERSION = 1
@@ -169,12 +169,10 @@ def _segment_sections(plan: BucketPlan) -> List[Tuple[int, int, int, int]]:
     at = BUCKET_HEADER_BYTES + SEGMENT_ENTRY_BYTES * len(plan.segments)
     out = []
     for seg in plan.segments:
-        cfg = segment_config(plan.codec, seg.geometry)
-        lay = segment_layout(seg, plan.codec)
-        side, values = fixed_sections_nbytes(lay, cfg)
-        index = 0 if cfg.is_dense else packed_nbytes(lay.total_kept, packed_index_bits(lay))
+        geo = PayloadGeometry.of(segment_layout(seg, plan.codec), segment_config(plan.codec, seg.geometry))
+        side, values, index = geo.side_bytes, geo.value_bytes, geo.index_bytes  # packed indices: exact
         out.append((at, at + side, at + side + values, at + side + values + index))
-        at += side + values + index
+        at += geo.body_nbytes
     return out
 
 

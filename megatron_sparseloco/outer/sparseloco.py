@@ -212,10 +212,10 @@ class SparseLoCo(OuterStrategy):
         self.plans: Optional[List[BucketPlan]] = None
         if cfg.chunking == "tensor":
             self.plans = plan_buckets(self.slices, self.codec, cfg.bucket_numel, cfg.dense_1d, self.names)
-        self.error = torch.zeros(self.params.numel, dtype=torch.float32, device=self.device)
-        self.momentum_buf: Optional[torch.Tensor] = None
+        self.error_feedback = torch.zeros(self.params.numel, dtype=torch.float32, device=self.device)
+        self.momentum: Optional[torch.Tensor] = None
         if cfg.momentum != 0.0:
-            self.momentum_buf = torch.zeros(self.params.numel, dtype=torch.float32, device=self.device)
+            self.momentum = torch.zeros(self.params.numel, dtype=torch.float32, device=self.device)
         self.count_dtype = torch.uint8 if self.world_size <= 255 else torch.int32
         self.reduce_scatter: Optional[SparseReduceScatter] = None
         if cfg.aggregation == "reduce-scatter":
@@ -247,13 +247,13 @@ class SparseLoCo(OuterStrategy):
     def checkpoint_facts(self) -> Dict[str, object]:
         return {"chunking": self.config.chunking, "aggregation": self.config.aggregation}
 
-    def _extra_state(self) -> Dict[str, torch.Tensor]:
-        state = {"error_feedback": self.error}
-        if self.momentum_buf is not None:
-            state["momentum"] = self.momentum_buf
-        if self.reduce_scatter is not None:
-            state["owner_error_feedback"] = self.reduce_scatter.error
-        return state
+    #: e (this worker's error feedback), the outer momentum (None when μ = 0) and, with
+    #: reduce-scatter aggregation, the owner's error feedback on the ranges it owns (else None)
+    elementwise_buffers = ("error_feedback", "momentum", "owner_error_feedback")
+
+    @property
+    def owner_error_feedback(self) -> Optional[torch.Tensor]:
+        return None if self.reduce_scatter is None else self.reduce_scatter.error
 
     def _bucket_name(self, s: int, e: int) -> str:
         first, last = self.params.name_of(s, self.names), self.params.name_of(e - 1, self.names)
@@ -272,7 +272,7 @@ class SparseLoCo(OuterStrategy):
     def _compress(self, s: int, e: int, plan: Optional[BucketPlan], delta: torch.Tensor) -> Tuple[torch.Tensor, Decoded]:
         """Δ into ``delta``, e ← βe + Δ, encode e, e ← e − decode(sent). Returns (payload, what was sent)."""
         cfg: SparseLoCoConfig = self.config
-        err, name = self.error[s:e], self._bucket_name(s, e)
+        err, name = self.error_feedback[s:e], self._bucket_name(s, e)
         if plan is None:
             payload, local = error_feedback_step(err, delta, cfg.ef_beta, self.codec, name)
             expected = payload_nbytes(e - s, self.codec)
@@ -324,13 +324,13 @@ class SparseLoCo(OuterStrategy):
                 agg.div_(counts.clamp_min(1))
             elif self.world_size > 1:
                 agg.div_(self.world_size)
-        mom = None if self.momentum_buf is None else self.momentum_buf[s:e]
+        mom = None if self.momentum is None else self.momentum[s:e]
         update = outer_sgd_(self.anchor[s:e], agg, mom, cfg.lr, cfg.momentum, cfg.nesterov)
         if write:
             self.write_back(s, e)
         return kept_union, clip_min, update
 
-    def _outer_step(self, stats: OuterStepStats) -> None:
+    def _outer_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
         cfg: SparseLoCoConfig = self.config
         packed = cfg.index_coding == "packed"
         largest = max(e - s for s, e in self.buckets())
@@ -346,7 +346,7 @@ class SparseLoCo(OuterStrategy):
                 delta = self.pseudo_gradient(s, e, out=work[:n])
                 delta_sq += torch.linalg.vector_norm(delta, dtype=torch.float64).square()
                 payload, local = self._compress(s, e, plan, delta)
-                error_sq += torch.linalg.vector_norm(self.error[s:e], dtype=torch.float64).square()
+                error_sq += torch.linalg.vector_norm(self.error_feedback[s:e], dtype=torch.float64).square()
                 kept_local += int(local.indices.numel())
                 payload_bytes += int(payload.numel())
             if self.reduce_scatter is not None:  # pieces to owners, owners' re-encoded ranges to all
@@ -412,7 +412,7 @@ class SparseLoCo(OuterStrategy):
                 delta = self.pseudo_gradient(s, e, out=work[:n])
                 delta_sq += torch.linalg.vector_norm(delta, dtype=torch.float64).square()
                 payload, local = self._compress(s, e, plan, delta)
-                error_sq += torch.linalg.vector_norm(self.error[s:e], dtype=torch.float64).square()
+                error_sq += torch.linalg.vector_norm(self.error_feedback[s:e], dtype=torch.float64).square()
                 kept_local += int(local.indices.numel())
                 payload_bytes += int(payload.numel())
             launched.append((b, s, e, plan, payload, local))
