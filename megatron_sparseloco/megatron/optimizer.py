@@ -171,6 +171,9 @@ class OuterLoopOptimizer:
         self.strategies: List[OuterStrategy] = [s for ss in self.fragment_strategies for s in ss]
         #: syncs (blocking steps or launches) of each fragment so far, the same on every rank
         self.fragment_syncs: List[int] = [0] * P
+        #: per fragment, a launched round not yet waited for (every rank, with or without strategies
+        #: of it: with P > 1 the outer-step count follows the schedule, not this rank's strategies)
+        self._unwaited: List[bool] = [False] * P
         # Params Megatron ties across pipeline stages (embedding / output layer): copied from the
         # first stage after every outer step, so the copies stay bitwise identical.
         self.tied = TiedParamSync(self.shards, self.strategy_of)
@@ -280,7 +283,10 @@ class OuterLoopOptimizer:
         self._publish_main_params()
         if timer is not None:
             timer.stop()
-        self._record(stats)
+        if self.config.fragments > 1:
+            self.log.outer_steps += 1       # on every rank, with or without strategies of the fragment
+        if stats or self.config.fragments == 1:
+            self._record(stats)
         self.log.last["time_exposed_s"] = time.perf_counter() - t0
         interval = self.config.consistency_check_interval
         if interval and self.config.identical_across_workers and self.log.outer_steps % interval == 0:
@@ -293,6 +299,8 @@ class OuterLoopOptimizer:
 
         ``fragment``: that fragment's strategies only (``--sparseloco-fragments``)."""
         delayed = self.delayed if fragment is None else self.fragment_delayed[fragment]
+        if fragment is not None:
+            self._unwaited[fragment] = True
         timer = self._megatron_timer("sparseloco-outer-sync")
         if timer is not None:
             timer.start()
@@ -323,6 +331,11 @@ class OuterLoopOptimizer:
                 self.wait_outer_step(p)
             return
         delayed = self.delayed if fragment is None else self.fragment_delayed[fragment]
+        if fragment is not None and self.config.fragments > 1:
+            if not self._unwaited[fragment]:
+                return
+            self._unwaited[fragment] = False
+            self.log.outer_steps += 1       # (``_record`` counts only with P = 1)
         if not any(d.in_flight for d in delayed):
             return
         step_no = self.log.outer_steps + 1
@@ -383,7 +396,8 @@ class OuterLoopOptimizer:
                   f"{', '.join(f'{fp & (2**64 - 1):016x}' for fp in fps)})", flush=True)
 
     def _record(self, stats: List[OuterStepStats]) -> None:
-        self.log.outer_steps += 1
+        if self.config.fragments == 1:
+            self.log.outer_steps += 1
         self.log.bytes_sent += sum(s.bytes_sent for s in stats)
         self.log.bytes_received += sum(s.bytes_received for s in stats)
         self.log.numel = sum(s.numel for s in stats)
