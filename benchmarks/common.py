@@ -122,6 +122,7 @@ class RunCfg:
     owner_value_bits: int = 0               # reduce-scatter: bits of the owners' values (0: value bits)
     overlap_steps: int = 0                  # τ: delayed outer step (--sparseloco-overlap-steps), 0: blocking
     overlap_merge: str = "replay"           # replay | lerp (alpha 0.5)
+    fragments: int = 1                      # P: Streaming-DiLoCo fragments (--sparseloco-fragments)
 
     def label(self) -> str:
         if self.method == "sparseloco":
@@ -136,6 +137,8 @@ class RunCfg:
             tag += f" lr={self.outer_lr:g}" + (f" mu={self.outer_momentum:g}" if self.outer_momentum is not None else "")
         if self.overlap_steps:
             tag += f" tau={self.overlap_steps}" + ("" if self.overlap_merge == "replay" else f" {self.overlap_merge}")
+        if self.fragments > 1:
+            tag += f" P={self.fragments}"
         return tag if self.method == "ddp" else f"{tag} H={self.H}"
 
 
@@ -190,15 +193,15 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
 
         outer = OuterLoopOptimizer(opt, ddp, factory, OuterLoopConfig(
             inner_steps=run.H, identical_across_workers=(run.method != "gasloc"),
-            overlap_steps=run.overlap_steps, overlap_merge=run.overlap_merge))
+            overlap_steps=run.overlap_steps, overlap_merge=run.overlap_merge, fragments=run.fragments))
     stepper = outer if outer is not None else opt
     outer_times: List[float] = []
     if outer is not None:
         _orig_outer_step = outer.outer_step
 
-        def _timed_outer_step():
+        def _timed_outer_step(*a, **kw):   # (fragments: one call per fragment sync)
             t = time.perf_counter()
-            stats = _orig_outer_step()
+            stats = _orig_outer_step(*a, **kw)
             outer_times.append(time.perf_counter() - t)
             return stats
 

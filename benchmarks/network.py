@@ -266,6 +266,14 @@ def label(r):
     return r["method"] if r["method"] == "ddp" else f"{r['method']} H={r['H']}"
 
 
+def fragment_settings(text: str, taus, H: int, layers: int):
+    """``--fragments 3`` with τs → [(P, 0), (P, τ) for each τ < H/P]; each 2 <= P <= min(H, layers)."""
+    ps = [int(p) for p in (text or "").split(",") if p.strip()]
+    if any(not 2 <= p <= min(H, layers) for p in ps):
+        raise SystemExit(f"--fragments: every P must be in [2, min(H={H}, layers={layers})], got {ps}")
+    return [(p, t) for p in ps for t in [0, *taus] if t * p < H]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps")
@@ -281,6 +289,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap-steps", default="",
                     help="comma-separated τ values (e.g. 1,7,14): extra diloco and sparseloco rows with the outer "
                          "step delayed by τ inner steps (--sparseloco-overlap-steps); each τ < H")
+    ap.add_argument("--fragments", default="",
+                    help="comma-separated P values (e.g. 3): extra diloco and sparseloco rows with the model synced in "
+                         "P fragments (--sparseloco-fragments), blocking and with every --overlap-steps τ < H/P")
     ap.add_argument("--no-ddp", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=None)
@@ -305,7 +316,7 @@ def main(argv=None) -> int:
         return 2
 
     if args.smoke:
-        model = ModelCfg(layers=1, hidden=64, heads=4, seq=32)
+        model = ModelCfg(layers=2 if args.fragments else 1, hidden=64, heads=4, seq=32)
         steps, H, mbs = args.steps or 4, 2, 2
     else:
         model = ModelCfg(layers=4, hidden=256, heads=4, seq=128)
@@ -320,6 +331,10 @@ def main(argv=None) -> int:
         raise SystemExit(f"--overlap-steps: every τ must be in [1, H={H}), got {taus}")
     for t in taus:
         methods += [RunCfg("diloco", overlap_steps=t, **base), RunCfg("sparseloco", k=64, overlap_steps=t, **base)]
+    frag_runs = fragment_settings(args.fragments, taus, H, model.layers)
+    for P, t in frag_runs:
+        methods += [RunCfg("diloco", overlap_steps=t, fragments=P, **base),
+                    RunCfg("sparseloco", k=64, overlap_steps=t, fragments=P, **base)]
     if not args.no_ddp:  # dense DDP syncs every step: a third of the steps keeps its run short
         methods.insert(0, RunCfg("ddp", **dict(base, steps=steps if args.smoke else max(H, steps // 3))))
     out = {"benchmark": "network", "model": asdict(model), "machine": common.machine_info(),
@@ -348,6 +363,9 @@ def main(argv=None) -> int:
             hmethods.append(RunCfg("sparseloco", k=64, **hbase))
         for t in taus:
             hmethods += [RunCfg("diloco", overlap_steps=t, **hbase), RunCfg("sparseloco", k=64, overlap_steps=t, **hbase)]
+        for P, t in frag_runs:
+            hmethods += [RunCfg("diloco", overlap_steps=t, fragments=P, **hbase),
+                         RunCfg("sparseloco", k=64, overlap_steps=t, fragments=P, **hbase)]
         print(f"[network] heterogeneous: W={Wh}, links {rates}", flush=True)
         hres = run_hetero(model, hmethods, paths, rates, timeout)
         hrows = add_time_to_target(summarise(hres, Wh, "hetero"))

@@ -104,6 +104,8 @@ def build_runs(args, tuned, seeds, steps):
             if method in ("diloco", "sparseloco"):   # the loss cost of delaying the outer step
                 for tau in overlap_steps(args):
                     runs.append(dataclasses.replace(run, overlap_steps=tau))
+                for P, tau in fragment_settings(args):  # ... and of syncing it in fragments
+                    runs.append(dataclasses.replace(run, fragments=P, overlap_steps=tau))
     return runs, ft_runs
 
 
@@ -113,6 +115,14 @@ def overlap_steps(args):
     if any(not 1 <= t < args.H for t in taus):
         raise SystemExit(f"--overlap-steps: every τ must be in [1, H={args.H}), got {taus}")
     return taus
+
+
+def fragment_settings(args):
+    """``--fragments 3`` → [(3, 0), (3, τ) for each --overlap-steps τ < H/P]; each 2 <= P <= H."""
+    ps = [int(p) for p in (getattr(args, "fragments", "") or "").split(",") if p.strip()]
+    if any(not 2 <= p <= args.H for p in ps):
+        raise SystemExit(f"--fragments: every P must be in [2, H={args.H}] (and at most the model's layers), got {ps}")
+    return [(p, t) for p in ps for t in [0, *overlap_steps(args)] if t * p < args.H]
 
 
 def sweep_runs(args, steps):
@@ -271,6 +281,10 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap-steps", default="",
                     help="comma-separated τ values: for every diloco / sparseloco method also a run with its outer "
                          "step delayed by τ inner steps (--sparseloco-overlap-steps, replay merge)")
+    ap.add_argument("--fragments", default="",
+                    help="comma-separated P values: for every diloco / sparseloco method also runs with the model "
+                         "synced in P fragments (--sparseloco-fragments), blocking and with every --overlap-steps "
+                         "τ < H/P")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plots", default=None, help="directory for the PNG plots (one pair per W)")
     ap.add_argument("--timeout", type=float, default=None, help="per-launch timeout in seconds")
@@ -288,6 +302,8 @@ def main(argv=None) -> int:
     args.eval_windows = args.eval_windows or (16 if args.quick else 64)
     model = ModelCfg(layers=2, hidden=64 if args.quick else 128, heads=4, seq=64 if args.quick else 128)
     workers = [int(w) for w in args.workers.split(",")]
+    if any(P > model.layers for P, _ in fragment_settings(args)):
+        raise SystemExit(f"--fragments: at most the model's {model.layers} layers")
     steps = args.steps or (60 if args.quick else 900)
     if steps % args.H:
         raise SystemExit(f"--steps {steps} must be a multiple of H = {args.H}")

@@ -90,7 +90,7 @@ def _install():
     state = {"outer_calls": 0, "outer_groups": set(), "spy": None}
     orig_outer = outer_opt.OuterLoopOptimizer.outer_step
 
-    def outer_step(self):
+    def outer_step(self, *args, **kwargs):   # (a fragment's index with --sparseloco-fragments)
         spy = state["spy"]
         n0 = len(spy.calls) if spy is not None else 0
         publish = type(self)._publish_main_params
@@ -103,7 +103,7 @@ def _install():
 
         self._publish_main_params = publish_spied
         try:
-            out = orig_outer(self)
+            out = orig_outer(self, *args, **kwargs)
             if DUMP:
                 _dump(self.model_chunks, f"outer{self.outer_steps}")
             return out
@@ -176,6 +176,7 @@ def _report(spy, state, active):
     out = {"rank": rank, "worker_of": worker_of, "inner_calls": [[n, list(r), w] for (n, r), w in calls],
            "outer_calls": state["outer_calls"], "outer_groups": sorted(list(g) for g in state["outer_groups"]), "outer_steps": active.outer_steps if active is not None else 0,
            "params": params, "tied": tied, "pp_rank": ps.get_pipeline_model_parallel_rank(),
+           "theta_outer": [_sha(s.anchor) for s in active.strategies] if active is not None else [],
            "tp_rank": ps.get_tensor_model_parallel_rank(), "ep_rank": ps.get_expert_model_parallel_rank()}
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:

@@ -1,4 +1,4 @@
-"""Delayed application in the real megatron.training loop: a save inside the overlap window resumes bitwise.
+"""Delayed application (and fragments) in the real megatron.training loop: a save inside the overlap window resumes bitwise.
 
 2 CPU ranks = 2 SparseLoCo workers, H = 5, τ = 3: round 1 launches at iteration 5 and merges at 8,
 round 2 launches at 10 and is still in flight at 12. Run A trains 12 iterations and saves at 7
@@ -41,3 +41,87 @@ def test_save_inside_overlap_window_resumes_bitwise(tmp_path):
         assert ra["bytes_sent"] == rb["bytes_sent"]
     log_a = "\n".join(res_a["log_lines"])
     assert "exposed:" in log_a, log_a[-2000:]
+
+
+FRAGMENTS = ["--sparseloco-fragments", "2", "--sparseloco-overlap-steps", "1"]
+
+
+@pytest.mark.timeout(900)
+def test_fragments_save_inside_a_fragment_window_resumes_bitwise(tmp_path):
+    """P = 2 fragments with τ = 1 (H = 5: fragment 0 launches at 5, 10 and merges at 6, 11; fragment 1,
+    offset 2, launches at 2, 7, 12 and merges at 3, 8). The save at 7 falls inside fragment 1's window:
+    the resumed run's losses, θ_outer of both fragments and every rank's main params are bitwise A's."""
+    from megatron_sparseloco.data.build import build_dataset
+    data = build_dataset(str(tmp_path / "data"), max_bytes=300_000, valid_percent=10.0, log=lambda *_: None)
+    ckpt_a = tmp_path / "ckpt_a"
+    res_a, sum_a = _run(tmp_path, data, "a", FRAGMENTS + ["--save", str(ckpt_a), "--save-interval", str(SAVE_AT)])
+    ckpt_b = tmp_path / "ckpt_b"
+    ckpt_b.mkdir()
+    shutil.copytree(ckpt_a / f"iter_{SAVE_AT:07d}", ckpt_b / f"iter_{SAVE_AT:07d}")
+    (ckpt_b / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
+    res_b, sum_b = _run(tmp_path, data, "b", FRAGMENTS + ["--load", str(ckpt_b), "--save", str(ckpt_b),
+                                                          "--save-interval", "100"])
+    losses_a, losses_b = dict(res_a["train_loss"]), dict(res_b["train_loss"])
+    assert sorted(losses_b) == list(range(SAVE_AT + 1, ITERS + 1))
+    assert losses_b[SAVE_AT + 1] == losses_a[SAVE_AT + 1]
+    for it in range(SAVE_AT + 3, ITERS + 1):
+        assert losses_a[it] == losses_b[it], (it, losses_a[it], losses_b[it])
+    assert sum_a["outer_steps"] == sum_b["outer_steps"] >= 4   # fragment syncs
+    for ra, rb in zip(sum_a["per_rank"], sum_b["per_rank"]):
+        assert ra["theta_outer_fingerprint"] == rb["theta_outer_fingerprint"]
+        assert ra["main_params_fingerprint"] == rb["main_params_fingerprint"]
+        assert ra["bytes_sent"] == rb["bytes_sent"]
+    # a resume with another P is refused before training, naming the flag
+    res_c, _ = _run(tmp_path, data, "c", ["--sparseloco-overlap-steps", "1", "--load", str(ckpt_b)], expect_ok=False)
+    assert res_c["returncode"] != 0
+    assert "--sparseloco-fragments 2" in "\n".join(res_c["log_lines"]), "\n".join(res_c["log_lines"][-30:])
+
+
+# ---------------------------------------------------------------------------- τ (and P) with TP2 / PP2
+def _theta_outer_identical_by_place(ranks):
+    by_place = {}
+    for r in ranks:
+        by_place.setdefault((r["pp_rank"], r["tp_rank"], r["ep_rank"]), []).append(r)
+    for place, group in by_place.items():
+        assert group[0]["theta_outer"], place
+        assert all(o["theta_outer"] == group[0]["theta_outer"] for o in group[1:]), place
+
+
+SMALL_CODEC = ["--sparseloco-topk", "8", "--sparseloco-chunk-size", "256"]
+
+
+@pytest.mark.multirank
+@pytest.mark.megatron
+@pytest.mark.timeout(600)
+def test_overlap_tp2_two_workers_identical(tmp_path):
+    """TP 2 × W 2 (4 ranks), SparseLoCo with τ = 1 and the lerp merge at α = 0 (θ ← θ_outer,k+1): the run
+    ends right after round 2's merge (H = 4, 9 iterations), so every worker holds exactly θ_outer."""
+    from test_megatron_semantics import assert_identical_replicas, launch, tail
+    res, ranks = launch(tmp_path, "tp2_tau", nproc=4, workers=2, H=4, iters=9,
+                        extra=["--tensor-model-parallel-size", "2", "--sparseloco-overlap-steps", "1",
+                               "--sparseloco-overlap-merge", "lerp", "--sparseloco-overlap-alpha", "0"] + SMALL_CODEC)
+    assert res["returncode"] == 0, tail(res)
+    assert len(ranks) == 4 and all(r["outer_steps"] == 2 for r in ranks)
+    _theta_outer_identical_by_place(ranks)
+    assert_identical_replicas(ranks)
+
+
+@pytest.mark.multirank
+@pytest.mark.megatron
+@pytest.mark.timeout(600)
+def test_overlap_and_fragments_pp2_tied_two_workers(tmp_path):
+    """PP 2 × W 2 (4 ranks, tied embedding / output layer on different stages), SparseLoCo with P = 2
+    fragments and τ = 1, H = 4: fragment 0 (embedding, layer 0, the tied output-layer copy) launches at 4,
+    8 and merges at 5, 9; fragment 1 (layer 1, final norm) at 2, 6 and 3, 7. After 9 iterations θ_outer
+    is identical on both workers and each worker's tied copies are bitwise equal."""
+    from test_megatron_semantics import launch, tail
+    res, ranks = launch(tmp_path, "pp2_tau_frag", nproc=4, workers=2, H=4, iters=9,
+                        extra=["--pipeline-model-parallel-size", "2"] + FRAGMENTS + SMALL_CODEC)
+    assert res["returncode"] == 0, tail(res)
+    assert len(ranks) == 4 and all(r["outer_steps"] == 4 for r in ranks), [r["outer_steps"] for r in ranks]
+    _theta_outer_identical_by_place(ranks)
+    for w in (0, 1):
+        mine = [r for r in ranks if r["worker_of"][str(r["rank"])] == w]
+        emb = [r["tied"]["embedding"] for r in mine if r["pp_rank"] == 0]
+        out = [r["tied"]["output"] for r in mine if r["pp_rank"] == 1]
+        assert len(emb) == len(out) == 1 and emb == out, (w, emb, out)

@@ -79,6 +79,13 @@ class LoopFlags:
         help="With --sparseloco-overlap-merge lerp: the weight α in [0, 1] of the local params (0: discard the τ "
              "local steps, 1: keep them and ignore the global point). Default 0.5.")
     """α of the lerp merge."""
+    fragments: int = flag_field(
+        1, flag="fragments", low=1,
+        help="Streaming-DiLoCo fragments P (1: the whole model syncs at once). The layers are split into P "
+             "contiguous groups (embedding with the first, output layer with the last), each with its own outer "
+             "state; fragment p syncs every H steps at offset floor(p*H/P), so each sync moves about 1/P of the "
+             "bytes. With --sparseloco-overlap-steps τ: τ < H/P.")
+    """P, layer groups synced at staggered offsets (``megatron.fragments``); 1 ≤ P ≤ layers, P ≤ H."""
 
 
 class SparseLoCoArgumentError(ValueError):
@@ -121,7 +128,9 @@ def flag_table() -> Dict[str, Dict[str, FieldSpec]]:
 LOOP_FLAG_NEEDS = {"inner-steps-per-worker": "per_worker_inner_steps",
                    "consistency-check-interval": "identical_across_workers",
                    "overlap-steps": "supports_overlap", "overlap-merge": "supports_overlap",
-                   "overlap-alpha": "supports_overlap"}
+                   "overlap-alpha": "supports_overlap",
+                   # fragments sync parts of one shared θ_outer; gossip's workers hold their own
+                   "fragments": "identical_across_workers"}
 
 
 def takers(flag: str, table: Optional[Dict[str, Dict[str, FieldSpec]]] = None) -> List[str]:
@@ -344,6 +353,7 @@ def loop_flags_from_args(args: argparse.Namespace, given: Collection[str], strat
         _fail("consistency-check-interval", f"{algo} workers legitimately differ between rounds, "
               "so θ_outer hashes never agree", f"use 0 with {algo}")
     _check_overlap(loop, given, algo)
+    _check_fragments(loop, algo, getattr(args, "num_layers", None))
     loop.workers = W
     return loop
 
@@ -367,6 +377,29 @@ def _check_overlap(loop: LoopFlags, given: Collection[str], algo: str) -> None:
     if "overlap-alpha" in given and loop.overlap_merge != "lerp":
         _fail("overlap-alpha", f"only applies to --sparseloco-overlap-merge lerp, not {loop.overlap_merge}",
               "add --sparseloco-overlap-merge lerp or drop it")
+
+
+def _check_fragments(loop: LoopFlags, algo: str, num_layers: Optional[int]) -> None:
+    """``--sparseloco-fragments P``: P ≤ layers, P ≤ H, τ < H/P, an algorithm with one shared θ_outer."""
+    P, H, tau = loop.fragments, loop.inner_steps, loop.overlap_steps
+    if P == 1:
+        return
+    able = takers("fragments")
+    if algo not in able:
+        _fail("fragments", f"{algo} cannot sync by fragments (its gossip rounds mix whole models between "
+              "neighbours; each worker keeps its own θ_outer)", f"use 1 with {algo}, or --sparseloco-algorithm "
+              f"{' / '.join(able)}")
+    if num_layers is not None and P > num_layers:
+        _fail("fragments", f"P={P} is more than the model's --num-layers {num_layers} (a fragment is a group of "
+              "whole layers)", f"use 1 <= P <= {num_layers}")
+    if P > H:
+        _fail("fragments", f"P={P} is more than --sparseloco-inner-steps H={H} (each fragment syncs at its own "
+              "inner step of the round)", f"use 1 <= P <= {H}, or raise --sparseloco-inner-steps")
+    if tau > 0 and tau * P >= H:
+        _fail("fragments", f"with --sparseloco-overlap-steps τ={tau}, τ must be < H/P = {H}/{P} (one fragment in "
+              f"flight at a time; fragments sync every {H // P} or {-(-H // P)} steps)",
+              f"lower --sparseloco-overlap-steps to at most {(H - 1) // P}, lower --sparseloco-fragments to at most "
+              f"{max(1, (H - 1) // tau)}, or raise --sparseloco-inner-steps")
 
 
 def outer_config_from_args(args: argparse.Namespace, algo: str, given: Optional[Collection[str]] = None):

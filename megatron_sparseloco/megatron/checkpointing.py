@@ -38,6 +38,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_sparseloco.megatron.fragments import per_tensor_state, state_numel
 from megatron_sparseloco.megatron.main_params import MainParamShards
 from megatron_sparseloco.megatron.model_space import gather_owned_whole_params, owned_piece, piece_table
 
@@ -116,17 +117,17 @@ def elementwise_state(shards: MainParamShards, strategy,
     """``{state name: [live tensor holding shard i's elements]}`` for one member optimizer.
 
     ``outer.*``: slices of the strategy's flat vectors (``strategy.params`` is ``shards.tensors``
-    in order); ``inner.main_param``: the fp32 main-param shards — or ``local_main_params``, the
+    in order; with ``--sparseloco-fragments`` a ``fragments.MemberFragments`` gives each tensor's
+    slice of its fragment's strategy, so the layout is the same for every P); ``inner.main_param``: the fp32 main-param shards — or ``local_main_params``, the
     worker's θ_local set aside while a save has put θ_outer into the live shards
     (``OuterLoopOptimizer.model_holds_outer_params``); ``inner.*``: Adam moments.
     """
     out: Dict[str, List[torch.Tensor]] = {}
     if strategy is not None:
-        offsets = strategy.params.offsets
-        if strategy.params.numel != sum(t.numel() for t in shards.tensors):
+        if state_numel(strategy) != sum(t.numel() for t in shards.tensors):
             raise AssertionError("strategy does not cover the member's main-param shards")
-        for k, v in strategy.elementwise_state().items():
-            out[f"outer.{k}"] = [v[offsets[i]:offsets[i + 1]] for i in range(len(shards.tensors))]
+        for k, v in per_tensor_state(strategy).items():
+            out[f"outer.{k}"] = v
     out["inner.main_param"] = list(local_main_params if local_main_params is not None else shards.tensors)
     inner = _inner_optimizer(shards)
     for k in _inner_elementwise_names(shards):
@@ -362,7 +363,7 @@ def restore_scalars(shards_list, worker: int, worker_rank: int, worker_size: int
 
 
 #: facts of checkpoints written before a fact existed (SparseLoCo chunked flat until per-tensor chunking)
-FACTS_BEFORE_RECORDED = {"chunking": "flat", "overlap_steps": 0}
+FACTS_BEFORE_RECORDED = {"chunking": "flat", "overlap_steps": 0, "fragments": 1}
 
 
 def describe_inner_steps_change(saved: dict, inner_steps: int) -> Optional[str]:

@@ -13,6 +13,11 @@ call the outer step of the chosen strategy:
 
 The inner optimizer state (Adam moments) is kept across outer steps, as in DiLoCo.
 
+With ``fragments`` P > 1 (Streaming DiLoCo, ``megatron/fragments.py``) each member's shards are
+split by layer group and fragment p's strategies step after the inner steps ≡ ⌊p·H/P⌋ (mod H)
+(with ``overlap_steps`` τ: launched there, merged τ steps later); the tied-param copy follows the
+fragment holding the embedding (fragment 0), the publish follows every fragment's sync.
+
 The members Megatron's loop, checkpointing and logging use (``zero_grad``, ``scale_loss``,
 ``get_loss_scale``, ``param_groups`` ...; ``FORWARDED_METHODS`` / ``FORWARDED_ATTRIBUTES``) are
 forwarded to the wrapped optimizer by name; any other member raises ``AttributeError`` naming it
@@ -34,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparseloco.megatron import checkpointing as ckpt
+from megatron_sparseloco.megatron.fragments import (MemberFragments, fragment_offsets, param_fragments,
+                                                    round_in_flight, syncs_at)
 from megatron_sparseloco.megatron.consistency import DivergenceError, check_identical_across_workers
 from megatron_sparseloco.megatron.main_params import main_param_shards, member_optimizers
 from megatron_sparseloco.megatron.outer_group import (OuterStepWatch, WorkerLostError, build_outer_group,
@@ -67,6 +74,7 @@ class OuterLoopConfig:
     overlap_steps: int = 0                      # τ: delayed application (outer/overlap.py), 0: blocking
     overlap_merge: str = "replay"               # "replay" or "lerp"
     overlap_alpha: float = 0.5                  # lerp weight of the local params
+    fragments: int = 1                          # P: Streaming-DiLoCo fragments (megatron/fragments.py)
 
     def validate(self) -> "OuterLoopConfig":
         if self.inner_steps < 1:
@@ -78,6 +86,11 @@ class OuterLoopConfig:
         if self.consistency_check_interval < 0:
             raise ValueError(f"consistency_check_interval must be >= 0, got {self.consistency_check_interval}")
         self.overlap().validate(self.inner_steps)
+        if not isinstance(self.fragments, int) or not 1 <= self.fragments <= self.inner_steps:
+            raise ValueError(f"fragments must be in [1, inner_steps={self.inner_steps}], got {self.fragments}")
+        if self.fragments > 1 and self.overlap_steps * self.fragments >= self.inner_steps:
+            raise ValueError(f"overlap_steps τ={self.overlap_steps} must be < inner_steps / fragments = "
+                             f"{self.inner_steps}/{self.fragments} (one fragment in flight at a time)")
         return self
 
     def overlap(self) -> OverlapConfig:
@@ -86,9 +99,12 @@ class OuterLoopConfig:
 
 @dataclass
 class OuterLog:
-    """Cumulative counters for logging (per rank). Outer steps are the strategies' own count
-    (``OuterStrategy.outer_steps``), read through ``OuterLoopOptimizer.outer_steps``."""
+    """Cumulative counters for logging (per rank). ``outer_steps`` is the loop's one count of
+    completed outer syncs (every rank follows the schedule, with or without strategies; with
+    fragments each fragment's sync counts once), read through ``OuterLoopOptimizer.outer_steps``;
+    a strategy counts only its own syncs (its fragment's), restored from the loop's on load."""
 
+    outer_steps: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     numel: int = 0
@@ -131,10 +147,36 @@ class OuterLoopOptimizer:
             for shards in self.shards:
                 check_identical_across_workers(shards.tensors, self.group, what="initial parameters",
                                                fix="initialise every worker from the same seed / checkpoint")
-        #: per member optimizer, its strategy (None where this rank holds none of its params)
-        self.strategy_of: List[Optional[OuterStrategy]] = [
-            strategy_factory(s.tensors, self.group, s.names, s.slices()) if s.tensors else None for s in self.shards]
-        self.strategies: List[OuterStrategy] = [s for s in self.strategy_of if s is not None]
+        P = self.config.fragments
+        #: o_p, the inner step within a round at which fragment p syncs (``fragments``)
+        self.fragment_offsets = fragment_offsets(self.config.inner_steps, P)
+        #: per fragment, its strategies (one per member optimizer holding params of it here)
+        self.fragment_strategies: List[List[OuterStrategy]] = [[] for _ in range(P)]
+        #: per member optimizer, its strategy (None where this rank holds none of its params; with
+        #: P > 1 fragments a ``MemberFragments`` of one strategy per fragment)
+        self.strategy_of: List[Optional[object]] = []
+        if P == 1:
+            self.strategy_of = [strategy_factory(s.tensors, self.group, s.names, s.slices()) if s.tensors else None
+                                for s in self.shards]
+            self.fragment_strategies[0] = [s for s in self.strategy_of if s is not None]
+        else:
+            where = param_fragments(self.model_chunks, P)
+            for sh in self.shards:
+                frag = [where[id(p)] for p in sh.model_params]
+                by_fragment = {}
+                slices = sh.slices()
+                for f in sorted(set(frag)):
+                    idx = [i for i, g in enumerate(frag) if g == f]
+                    by_fragment[f] = strategy_factory([sh.tensors[i] for i in idx], self.group,
+                                                      [sh.names[i] for i in idx], [slices[i] for i in idx])
+                    self.fragment_strategies[f].append(by_fragment[f])
+                self.strategy_of.append(MemberFragments(frag, by_fragment) if by_fragment else None)
+        self.strategies: List[OuterStrategy] = [s for ss in self.fragment_strategies for s in ss]
+        #: syncs (blocking steps or launches) of each fragment so far, the same on every rank
+        self.fragment_syncs: List[int] = [0] * P
+        #: per fragment, a launched round not yet waited for (every rank, with or without strategies
+        #: of it: with P > 1 the outer-step count follows the schedule, not this rank's strategies)
+        self._unwaited: List[bool] = [False] * P
         # Params Megatron ties across pipeline stages (embedding / output layer): copied from the
         # first stage after every outer step, so the copies stay bitwise identical.
         self.tied = TiedParamSync(self.shards, self.strategy_of)
@@ -149,19 +191,19 @@ class OuterLoopOptimizer:
         # (their collectives are issued in the same order on every rank).
         self.delayed: List[DelayedOuter] = []
         self._exposed_at_launch = 0.0
+        #: per fragment, the drivers of its strategies
+        self.fragment_delayed: List[List[DelayedOuter]] = [[] for _ in range(P)]
         if self.config.overlap_steps > 0 and self.strategies:
             comm = CommThread(self.strategies[0].device)
-            self.delayed = [DelayedOuter(s, self.config.overlap(), comm) for s in self.strategies]
+            self.fragment_delayed = [[DelayedOuter(s, self.config.overlap(), comm) for s in ss]
+                                     for ss in self.fragment_strategies]
+            self.delayed = [d for dd in self.fragment_delayed for d in dd]
 
     # ------------------------------------------------------------------ the loop
     @property
     def outer_steps(self) -> int:
-        """Outer steps done: the strategies' count (one place: ``OuterStrategy.outer_steps``, restored
-        from the checkpoint). A rank holding no strategy has no count of its own; for it (messages
-        only) the rounds the inner-call counter has begun."""
-        if self.strategies:
-            return self.strategies[0].outer_steps
-        return self.inner_calls // self.config.inner_steps
+        """Outer syncs completed (``OuterLog.outer_steps``, the loop's one count; saved in checkpoints)."""
+        return self.log.outer_steps
 
     def is_outer_step_due(self) -> bool:
         return self.inner_calls % self.config.inner_steps == 0
@@ -192,17 +234,35 @@ class OuterLoopOptimizer:
             self.optimizer.zero_grad()
             result = (True, None, None)
         self.inner_calls += 1
-        if self.config.overlap_steps == 0:
-            if self.is_outer_step_due():
-                self.outer_step()
-        else:
-            phase = self.inner_calls % self.config.inner_steps
-            # every rank follows the counter (not its drivers: a rank may hold no strategy, and
-            # the tied-param sync and the param all-gather after the merge involve every rank)
-            if phase == self.config.overlap_steps and self.inner_calls > self.config.inner_steps:
-                self.complete_outer_step()
-            if phase == 0:
-                self.launch_outer_step()
+        H, tau, calls = self.config.inner_steps, self.config.overlap_steps, self.inner_calls
+        if self.config.fragments == 1:
+            if tau == 0:
+                if self.is_outer_step_due():
+                    self.fragment_syncs[0] += 1
+                    self.outer_step()
+            else:
+                phase = calls % H
+                # every rank follows the counter (not its drivers: a rank may hold no strategy, and
+                # the tied-param sync and the param all-gather after the merge involve every rank)
+                if phase == tau and calls > H:
+                    self.complete_outer_step()
+                if phase == 0:
+                    self.fragment_syncs[0] += 1
+                    self.launch_outer_step()
+            return result
+        # fragments (``fragments``): fragment p's rounds end at inner steps ≡ o_p (mod H); with τ
+        # the merges due first, then the launches (τ < H/P: never the same fragment)
+        if tau > 0:
+            for p, o in enumerate(self.fragment_offsets):
+                if syncs_at(calls - tau, o, H):
+                    self.complete_outer_step(p)
+        for p, o in enumerate(self.fragment_offsets):
+            if syncs_at(calls, o, H):
+                self.fragment_syncs[p] += 1
+                if tau == 0:
+                    self.outer_step(p)
+                else:
+                    self.launch_outer_step(p)
         return result
 
     def _megatron_timer(self, name: str):
@@ -211,7 +271,9 @@ class OuterLoopOptimizer:
         return timers(name, log_level=1) if timers is not None else None
 
     @torch.no_grad()
-    def outer_step(self) -> List[OuterStepStats]:
+    def outer_step(self, fragment: Optional[int] = None) -> List[OuterStepStats]:
+        """The blocking outer step of every strategy (``fragment``: of that fragment's only)."""
+        strategies = self.strategies if fragment is None else self.fragment_strategies[fragment]
         timer = self._megatron_timer("sparseloco-outer-sync")
         if timer is not None:
             timer.start()
@@ -219,16 +281,20 @@ class OuterLoopOptimizer:
         step_no = self.outer_steps + 1
         self.watch.arrive(step_no)
         try:
-            stats = [s.step() for s in self.strategies]
+            stats = [s.step() for s in strategies]
         except (RuntimeError, dist.DistBackendError) as exc:
             if self.num_workers > 1 and not isinstance(exc, NonFiniteError):
                 raise self.watch.fail(step_no, exc, self.config.outer_timeout_s or 0.0) from exc
             raise
-        self.tied.sync(self.shards, self.strategy_of)
+        if fragment in (None, 0):  # tied params are in fragment 0
+            self.tied.sync(self.shards, self.strategy_of)
         self._publish_main_params()
         if timer is not None:
             timer.stop()
-        self._record(stats)
+        if self.config.fragments > 1:
+            self.log.outer_steps += 1       # on every rank, with or without strategies of the fragment
+        if stats or self.config.fragments == 1:
+            self._record(stats)
         self.log.last["time_exposed_s"] = time.perf_counter() - t0
         interval = self.config.consistency_check_interval
         if interval and self.config.identical_across_workers and self.outer_steps % interval == 0:
@@ -236,8 +302,13 @@ class OuterLoopOptimizer:
         return stats
 
     # ------------------------------------------------------------------ delayed application
-    def launch_outer_step(self) -> None:
-        """End of a round with τ >= 1: every strategy's Δ / payload, then its collective on the comm thread."""
+    def launch_outer_step(self, fragment: Optional[int] = None) -> None:
+        """End of a round with τ >= 1: every strategy's Δ / payload, then its collective on the comm thread.
+
+        ``fragment``: that fragment's strategies only (``--sparseloco-fragments``)."""
+        delayed = self.delayed if fragment is None else self.fragment_delayed[fragment]
+        if fragment is not None:
+            self._unwaited[fragment] = True
         timer = self._megatron_timer("sparseloco-outer-sync")
         if timer is not None:
             timer.start()
@@ -245,26 +316,39 @@ class OuterLoopOptimizer:
         step_no = self.outer_steps + 1
         self.watch.arrive(step_no)
         try:
-            for d in self.delayed:
+            for d in delayed:
                 d.launch()
         except (RuntimeError, dist.DistBackendError) as exc:
             if self.num_workers > 1 and not isinstance(exc, NonFiniteError):
                 raise self.watch.fail(step_no, exc, self.config.outer_timeout_s or 0.0) from exc
             raise
-        if any(d.merge_due and not d.in_flight for d in self.delayed):  # a skipped round reset θ_local
-            self.tied.sync(self.shards, self.strategy_of)
+        if any(d.merge_due and not d.in_flight for d in delayed):  # a skipped round reset θ_local
+            if fragment in (None, 0):
+                self.tied.sync(self.shards, self.strategy_of)
             self._publish_main_params()
         self._exposed_at_launch = time.perf_counter() - t0
         if timer is not None:
             timer.stop()
 
-    def wait_outer_step(self) -> None:
-        """Wait for the round in flight and compute θ_outer,k+1 (no merge); records its stats. Idempotent."""
-        if not any(d.in_flight for d in self.delayed):
+    def wait_outer_step(self, fragment: Optional[int] = None) -> None:
+        """Wait for the round in flight and compute θ_outer,k+1 (no merge); records its stats. Idempotent.
+
+        ``fragment``: that fragment's round only (default: every fragment's, each recorded apart)."""
+        if fragment is None and self.config.fragments > 1:
+            for p in range(self.config.fragments):
+                self.wait_outer_step(p)
+            return
+        delayed = self.delayed if fragment is None else self.fragment_delayed[fragment]
+        if fragment is not None and self.config.fragments > 1:
+            if not self._unwaited[fragment]:
+                return
+            self._unwaited[fragment] = False
+            self.log.outer_steps += 1       # (``_record`` counts only with P = 1)
+        if not any(d.in_flight for d in delayed):
             return
         step_no = self.outer_steps + 1
         try:
-            stats = [d.wait() for d in self.delayed]
+            stats = [d.wait() for d in delayed]
         except (RuntimeError, dist.DistBackendError) as exc:
             if self.num_workers > 1 and not isinstance(exc, NonFiniteError):
                 raise self.watch.fail(step_no, exc, self.config.outer_timeout_s or 0.0) from exc
@@ -273,17 +357,21 @@ class OuterLoopOptimizer:
         if stats:
             self._record(stats)
 
-    def complete_outer_step(self) -> None:
-        """τ inner steps after the launch: wait, merge, tied params, publish, consistency check."""
+    def complete_outer_step(self, fragment: Optional[int] = None) -> None:
+        """τ inner steps after the launch: wait, merge, tied params, publish, consistency check.
+
+        ``fragment``: that fragment's round only (``--sparseloco-fragments``)."""
+        delayed = self.delayed if fragment is None else self.fragment_delayed[fragment]
         timer = self._megatron_timer("sparseloco-outer-sync")
         if timer is not None:
             timer.start()
         t0 = time.perf_counter()
-        waited = any(d.in_flight for d in self.delayed)
-        self.wait_outer_step()
-        for d in self.delayed:
+        waited = any(d.in_flight for d in delayed)
+        self.wait_outer_step(fragment)
+        for d in delayed:
             d.merge()
-        self.tied.sync(self.shards, self.strategy_of)
+        if fragment in (None, 0):  # tied params are in fragment 0
+            self.tied.sync(self.shards, self.strategy_of)
         self._publish_main_params()
         if timer is not None:
             timer.stop()
@@ -293,10 +381,10 @@ class OuterLoopOptimizer:
         if interval and self.config.identical_across_workers and self.outer_steps % interval == 0:
             self.check_consistency()
 
-    def _overlap_merge_due(self) -> bool:
-        """A round launched before ``inner_calls`` whose merge is still to come (derived from the counter)."""
+    def _overlap_merge_due(self, fragment: int = 0) -> bool:
+        """A round of ``fragment`` launched before ``inner_calls`` whose merge is still to come (from the counter)."""
         H, tau = self.config.inner_steps, self.config.overlap_steps
-        return tau > 0 and self.inner_calls >= H and self.inner_calls % H < tau
+        return round_in_flight(self.inner_calls, self.fragment_offsets[fragment], H, tau)
 
     def _publish_main_params(self) -> None:
         """fp32 main params → model params, then the synchronous param all-gather inside the worker."""
@@ -316,9 +404,14 @@ class OuterLoopOptimizer:
                   f"{', '.join(f'{fp & (2**64 - 1):016x}' for fp in fps)})", flush=True)
 
     def _record(self, stats: List[OuterStepStats]) -> None:
+        if self.config.fragments == 1:
+            self.log.outer_steps += 1
         self.log.bytes_sent += sum(s.bytes_sent for s in stats)
         self.log.bytes_received += sum(s.bytes_received for s in stats)
         self.log.numel = sum(s.numel for s in stats)
+        if self.config.fragments > 1:
+            # a sync moves one fragment; dense-equivalent bytes (numel·4 per sync) stay per round
+            self.log.numel = sum(s.params.numel for s in self.strategies) / self.config.fragments
         merged: Dict[str, float] = {}
         for key in ("bytes_sent", "bytes_received", "time_compress_s", "time_communicate_s", "time_apply_s"):
             merged[key] = float(sum(getattr(s, key) for s in stats))
@@ -388,6 +481,7 @@ class OuterLoopOptimizer:
                 "states": {key: sorted(ckpt.elementwise_state(sh, st))
                            for key, sh, st in zip(ckpt.member_keys(self.shards), self.shards, self.strategy_of)},
                 "inner_calls": self.inner_calls, "outer_steps": self.outer_steps,
+                "fragment_syncs": list(self.fragment_syncs),
                 "facts": self.checkpoint_facts(),
                 "inner_steps": self.config.inner_steps}
 
@@ -399,6 +493,8 @@ class OuterLoopOptimizer:
                 facts[key] = {"value": value, "flag": s.checkpoint_fact_flags[key]}
         # a round in flight / a merge due means something only under the same τ and merge rule
         facts["overlap_steps"] = {"value": self.config.overlap_steps, "flag": "--sparseloco-overlap-steps"}
+        # fragment p's state and schedule exist only with the same P (the layout is P-independent)
+        facts["fragments"] = {"value": self.config.fragments, "flag": "--sparseloco-fragments"}
         if self.config.overlap_steps > 0:
             facts["overlap_merge"] = {"value": self.config.overlap_merge, "flag": "--sparseloco-overlap-merge"}
         return facts
@@ -469,17 +565,21 @@ class OuterLoopOptimizer:
             return
         scalars = outer["scalars"]
         self.inner_calls = int(scalars["inner_calls"])
-        for s in self.strategies:
-            s.outer_steps = int(scalars["outer_steps"])
+        self.log.outer_steps = int(scalars["outer_steps"])
+        self.fragment_syncs = [int(n) for n in scalars.get("fragment_syncs", [self.log.outer_steps])]
+        for p, strategies in enumerate(self.fragment_strategies):
+            for s in strategies:
+                s.outer_steps = self.log.outer_steps if self.config.fragments == 1 else self.fragment_syncs[p]
         # Megatron loaded worker 0's params / moments into every worker: put each worker's back,
         # sliced for this rank's ranges (which may differ from the saving run's).
         ckpt.restore_state(self.strategy_of, self.shards, outer["tensors"], self._param_keys)
         ckpt.restore_scalars(self.shards, self.worker_index, self.worker_rank, self.worker_size, self.log,
                              outer["ranks"], self._param_keys)
         self._anchor_at_first_step = False
-        due = self._overlap_merge_due()
-        for d in self.delayed:
-            d.merge_due = due
+        for p, delayed in enumerate(self.fragment_delayed):
+            due = self._overlap_merge_due(p)
+            for d in delayed:
+                d.merge_due = due
         self._publish_main_params()
 
     # ------------------------------------------------------------------ forwarding

@@ -91,6 +91,7 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
         overlap_steps=args.sparseloco_overlap_steps,      # resolved by validate_sparseloco_args
         overlap_merge=args.sparseloco_overlap_merge,
         overlap_alpha=args.sparseloco_overlap_alpha,
+        fragments=args.sparseloco_fragments,
     )
     global ACTIVE
     ACTIVE = OuterLoopOptimizer(optimizer, model_chunks, strategy_factory_from_args(args), config, group=group)

@@ -23,6 +23,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_sparseloco.megatron.fragments import per_tensor_state
+
 
 def is_tied_across_stages(param: torch.Tensor) -> bool:
     """Megatron's flag for the embedding / output-layer copies kept in sync over the embedding group."""
@@ -68,7 +70,7 @@ class TiedParamSync:
 
     @staticmethod
     def _names(shards, strategy) -> List[str]:
-        mine = ["inner.main_param"] + (sorted(f"outer.{k}" for k in strategy.elementwise_state()) if strategy else [])
+        mine = ["inner.main_param"] + sorted(f"outer.{k}" for k in per_tensor_state(strategy))
         group = shards.shard_group
         if group is not None and dist.get_world_size(group) > 1:
             gathered = [None] * dist.get_world_size(group)
@@ -85,10 +87,8 @@ class TiedParamSync:
                 continue
             start, end = shards.ranges[i]
             out["inner.main_param"] = (shards.tensors[i], start, end)
-            if strategy is not None:
-                offsets = strategy.params.offsets
-                for k, v in strategy.elementwise_state().items():
-                    out[f"outer.{k}"] = (v[offsets[i]:offsets[i + 1]], start, end)
+            for k, v in per_tensor_state(strategy).items():
+                out[f"outer.{k}"] = (v[i], start, end)
         return out
 
     @torch.no_grad()
