@@ -36,6 +36,10 @@ def resolved_settings(args) -> Dict[str, object]:
     out["consistency check"] = (f"every {args.sparseloco_consistency_check_interval} outer steps"
                                 if args.sparseloco_consistency_check_interval else "off")
     out["outer timeout"] = f"{args.sparseloco_outer_timeout:g} s"
+    P = getattr(args, "sparseloco_fragments", None) or 1
+    if P > 1:  # (the per-outer-step numbers below are per round: the sum of the P fragment syncs)
+        H = args.sparseloco_inner_steps
+        out["fragments P"] = f"{P}, synced at inner steps ≡ {[p * H // P for p in range(P)]} (mod {H})"
     return out
 
 
