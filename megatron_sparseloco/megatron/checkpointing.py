@@ -185,6 +185,15 @@ def _key(worker: int, state: str, meta) -> str:
     return f"{STATE_PREFIX}.worker{worker}.{state}.{meta.key}"
 
 
+def param_slot(meta) -> str:
+    """The name of one model param in our nested state dicts: its checkpoint key, plus its offset on
+    the prepended axes where Megatron stacks several params under one key (``decoder.layers.*``:
+    every layer's weight is a slice of one ``ShardedTensor`` key, told apart by ``global_offset``)."""
+    prepend = int(getattr(meta, "prepend_axis_num", 0) or 0)
+    offset = tuple(getattr(meta, "global_offset", ()) or ())[:prepend]
+    return meta.key if not offset else f"{meta.key}@{','.join(str(int(o)) for o in offset)}"
+
+
 def member_kind(shards: MainParamShards) -> str:
     """``"expert"`` for the optimizer of expert-parallel params (megatron-core marks them
     ``allreduce=False``), else ``"dense"``."""
@@ -241,7 +250,8 @@ def build_save_state(strategies_by_member, shards_list, worker: int, metas: Dict
                 meta = _metadata_of(metas, shards.all_model_params[j], f"#{j}")
                 # the only copy in the shard group: main replica there (0); other model-parallel
                 # replicas (a param replicated over TP) keep their model replica id
-                member[name][meta.key] = _sharded_like(meta, _key(worker, name, meta), whole, 0 if split else None)
+                member[name][param_slot(meta)] = _sharded_like(meta, _key(worker, name, meta), whole,
+                                                               0 if split else None)
         out[key] = member
     return out
 
@@ -263,7 +273,7 @@ def build_load_request(strategies_by_member, shards_list, worker: int, metas: Di
                     f"the checkpoint has no {missing} for the {key} optimizer (it holds {sorted(have)}). Fix: resume "
                     "with the --sparseloco-* flags of the run that saved it (algorithm, outer momentum)")
         metas_i = [_metadata_of(metas, p, shards.names[i]) for i, p in enumerate(shards.model_params)]
-        _check_unique_param_keys((shards.names[i], m.key) for i, m in enumerate(metas_i))
+        _check_unique_param_keys((shards.names[i], param_slot(m)) for i, m in enumerate(metas_i))
         table = piece_table(shards)
         split = shards.shard_group is not None
         member: Dict[str, dict] = {}
@@ -272,7 +282,7 @@ def build_load_request(strategies_by_member, shards_list, worker: int, metas: Di
             for p, t, meta in zip(shards.model_params, tensors, metas_i):
                 data = torch.empty(p.shape, dtype=t.dtype, device=t.device)
                 reader = (0 if table.owner_of(p) == table.me else table.me) if split else None
-                member[name][meta.key] = _sharded_like(meta, _key(worker, name, meta), data, reader)
+                member[name][param_slot(meta)] = _sharded_like(meta, _key(worker, name, meta), data, reader)
         out[key] = member
     return out
 
@@ -281,7 +291,7 @@ def restore_state(strategies_by_member, shards_list, loaded: Dict[str, dict], ke
     """Slice this rank's ranges out of the loaded whole params into the live state.
 
     ``loaded``: what ``build_load_request`` asked for, ``{member key: {state: {param key: whole param}}}``;
-    ``keys``: ``param_keys`` (id(model param) → its checkpoint key).
+    ``keys``: ``param_keys`` (id(model param) → its ``param_slot``).
     """
     for key, shards, strategy in zip(member_keys(shards_list), shards_list, strategies_by_member):
         live = elementwise_state(shards, strategy)
@@ -301,8 +311,8 @@ def restore_state(strategies_by_member, shards_list, loaded: Dict[str, dict], ke
 
 # ---------------------------------------------------------------------------- scalars
 def param_keys(metas: Dict[int, object]) -> Dict[int, str]:
-    """``{id(model param): its checkpoint key}`` (global across TP / PP / EP ranks)."""
-    return {pid: meta.key for pid, meta in metas.items()}
+    """``{id(model param): its param_slot}`` (global across TP / PP / EP ranks, one per param)."""
+    return {pid: param_slot(meta) for pid, meta in metas.items()}
 
 
 def rank_record(shards_list, worker: int, worker_rank: int, worker_size: int, log, keys: Dict[int, str]) -> dict:
@@ -351,7 +361,8 @@ def restore_scalars(shards_list, worker: int, worker_rank: int, worker_size: int
             continue
         for t, p in zip(sh.tensors, sh.model_params):
             key = keys.get(id(p))
-            value = steps.get("*", steps.get(key))
+            # checkpoints written before slots had offsets keyed the steps by the plain key
+            value = steps.get("*", steps.get(key, steps.get((key or "").split("@")[0])))
             if value is None:
                 if "step" in inner.state.get(t, {}):
                     raise OuterStateLayoutError(f"checkpoint has no Adam step for {key}. Fix: resume with the same "
