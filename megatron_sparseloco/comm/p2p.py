@@ -20,7 +20,9 @@ collective on the group before (Megatron does at setup).
 Byte accounting (kind ``"p2p"``): for an N-byte tensor and P peers, N·P sent and N·P received;
 one call counts as one collective. ``exchange_payloads`` sends 1-D uint8 payloads whose sizes
 may differ: it first exchanges the sizes (one int64 per peer, kind ``"p2p_sizes"``), then the
-payloads at their exact sizes (p2p has no need of padding). ``exchange_pieces`` is an all-to-all
+payloads at their exact sizes (p2p has no need of padding); ``exchange_per_peer`` is the same with
+one (possibly different) payload per peer, the sizes exchanged only when a side cannot know them
+(GASLoC's compressed proposals: a different residual per peer). ``exchange_pieces`` is an all-to-all
 of pieces whose sizes both sides know (SparseLoCo's reduce-scatter aggregation), kind
 ``"all_to_all"``: the bytes of the non-empty pieces sent and received.
 """
@@ -97,6 +99,37 @@ def exchange_payloads(payload: torch.Tensor, peers: Sequence[int], group: Option
     received = {p: torch.empty(int(sizes[p].item()), dtype=torch.uint8, device=payload.device) for p in peers}
     _p2p({p: send for p in peers}, received, group)
     counter.add("p2p", send.numel() * len(peers), sum(r.numel() for r in received.values()))
+    return received
+
+
+def exchange_per_peer(payloads: Dict[int, torch.Tensor], recv_nbytes: Optional[Dict[int, int]],
+                      group: Optional[dist.ProcessGroup], counter: CommCounter) -> Dict[int, torch.Tensor]:
+    """``exchange_payloads`` with one (possibly different) non-empty 1-D uint8 payload per peer.
+
+    ``payloads[p]`` goes to peer p (the peers are the keys). ``recv_nbytes[p]``: the size of peer
+    p's payload when both sides know it (fixed-size codec, dense refresh); ``None`` exchanges the
+    sizes first (one int64 per peer, kind ``"p2p_sizes"``). The payloads travel in one
+    ``batch_isend_irecv`` (kind ``"p2p"``, the exact bytes sent and received).
+    """
+    peers = _check_peers(sorted(payloads), group)
+    if not peers:
+        return {}
+    for p in peers:
+        if payloads[p].dtype != torch.uint8 or payloads[p].dim() != 1 or payloads[p].numel() == 0:
+            raise ValueError(f"payload for peer {p} must be a non-empty 1-D uint8 tensor")
+    dev = payloads[peers[0]].device
+    if recv_nbytes is None:
+        out = {p: torch.tensor([payloads[p].numel()], dtype=torch.int64, device=dev) for p in peers}
+        sizes = {p: torch.empty(1, dtype=torch.int64, device=dev) for p in peers}
+        _p2p(out, sizes, group)
+        counter.add("p2p_sizes", 8 * len(peers), 8 * len(peers))
+        recv_nbytes = {p: int(sizes[p].item()) for p in peers}
+    missing = [p for p in peers if p not in recv_nbytes]
+    if missing:
+        raise ValueError(f"recv_nbytes lacks the size for peer(s) {missing}")
+    received = {p: torch.empty(int(recv_nbytes[p]), dtype=torch.uint8, device=dev) for p in peers}
+    _p2p({p: payloads[p].contiguous() for p in peers}, received, group)
+    counter.add("p2p", sum(payloads[p].numel() for p in peers), sum(r.numel() for r in received.values()))
     return received
 
 

@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparseloco.comm.collectives import CommCounter
-from megatron_sparseloco.comm.p2p import _check_peers, _p2p, exchange
+from megatron_sparseloco.comm.p2p import exchange, exchange_per_peer
 from megatron_sparseloco.compress import CodecConfig, decode, encode, payload_nbytes
 from megatron_sparseloco.comm.topology import TOPOLOGIES, check_topology, neighbours
 from megatron_sparseloco.outer.base import (ConfigError, NonFiniteError, OuterConfig, OuterStepStats,
@@ -166,33 +166,6 @@ class GASLoCConfig(OuterConfig):
         if self.topology == "exponential" and num_workers & (num_workers - 1):
             raise ConfigError(f"topology 'exponential' needs a power-of-two number of workers, got {num_workers}",
                               "topology", "use `topology=ring` or random1/random2, or a power-of-two W")
-
-def exchange_per_peer(payloads: Dict[int, torch.Tensor], recv_nbytes: Optional[Dict[int, int]],
-                      group: Optional[dist.ProcessGroup], counter: CommCounter) -> Dict[int, torch.Tensor]:
-    """``comm.p2p.exchange_payloads`` with one (possibly different) 1-D uint8 payload per peer.
-
-    ``recv_nbytes``: the size each peer's payload will have when both sides know it (packed codec,
-    dense refresh); None exchanges the sizes first (one int64 per peer, kind ``"p2p_sizes"``).
-    Payloads travel in one ``batch_isend_irecv`` (kind ``"p2p"``, exact bytes).
-    """
-    peers = _check_peers(sorted(payloads), group)
-    if not peers:
-        return {}
-    for p in peers:
-        if payloads[p].dtype != torch.uint8 or payloads[p].dim() != 1 or payloads[p].numel() == 0:
-            raise ValueError(f"payload for peer {p} must be a non-empty 1-D uint8 tensor")
-    dev = payloads[peers[0]].device
-    if recv_nbytes is None:
-        out = {p: torch.tensor([payloads[p].numel()], dtype=torch.int64, device=dev) for p in peers}
-        sizes = {p: torch.empty(1, dtype=torch.int64, device=dev) for p in peers}
-        _p2p(out, sizes, group)
-        counter.add("p2p_sizes", 8 * len(peers), 8 * len(peers))
-        recv_nbytes = {p: int(sizes[p].item()) for p in peers}
-    received = {p: torch.empty(recv_nbytes[p], dtype=torch.uint8, device=dev) for p in peers}
-    _p2p({p: payloads[p].contiguous() for p in peers}, received, group)
-    counter.add("p2p", sum(payloads[p].numel() for p in peers), sum(r.numel() for r in received.values()))
-    return received
-
 
 @register_outer_strategy("gasloc")
 class GASLoC(OuterStrategy):
