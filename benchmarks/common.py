@@ -114,6 +114,10 @@ class RunCfg:
     eval_every: int = 15              # ddp eval interval; outer methods evaluate at every outer step
     eval_windows: int = 64
     gasloc_topology: str = "ring"
+    gasloc_rule: str = "ours"               # gasloc: ours | laplacian-momentum (docs/gasloc.md §2)
+    gasloc_compress: bool = False           # gasloc: SparseLoCo-compressed proposals (k=64 of 4096, 2-bit)
+    gasloc_refresh: int = 8                 # gasloc topology bandwidth: rounds between link-cost agreements
+    slow_compute: float = 1.0               # the last worker's inner steps take this many times longer (sleep)
     outer_lr: Optional[float] = None       # None: the method's reference value (below)
     outer_momentum: Optional[float] = None  # diloco only (sparseloco has none: EF plays that role)
     chunking: str = "tensor"                # sparseloco: per-tensor (default) or flat
@@ -128,6 +132,12 @@ class RunCfg:
             tag = self.method
         if self.outer_lr is not None:
             tag += f" lr={self.outer_lr:g}" + (f" mu={self.outer_momentum:g}" if self.outer_momentum is not None else "")
+        if self.method == "gasloc":
+            tag += "" if self.gasloc_topology == "ring" else f" {self.gasloc_topology}"
+            tag += " lap" if self.gasloc_rule == "laplacian-momentum" else ""
+            tag += " c64" if self.gasloc_compress else ""
+        if self.slow_compute != 1.0:
+            tag += f" slow{self.slow_compute:g}x"
         if self.overlap_steps:
             tag += f" tau={self.overlap_steps}" + ("" if self.overlap_merge == "replay" else f" {self.overlap_merge}")
         return tag if self.method == "ddp" else f"{tag} H={self.H}"
@@ -146,8 +156,35 @@ def strategy_fields(run: RunCfg) -> Dict:
                     index_coding=run.index_coding, chunking=run.chunking)
     if run.method == "gasloc":
         # the plugin's defaults for gasloc (GASLoCConfig, outer/gasloc.py): η = 1.0, γ = 0.9
-        return dict(topology=run.gasloc_topology, proposal_lr=1.0, momentum=0.9)
+        out = dict(topology=run.gasloc_topology, proposal_lr=1.0, momentum=0.9, rule=run.gasloc_rule)
+        if run.gasloc_compress:
+            out.update(compress=True, chunk=4096, k=64, value_bits=2)
+        if run.gasloc_topology == "bandwidth":
+            out.update(bandwidth_refresh=run.gasloc_refresh)
+        return out
     raise ValueError(run.method)
+
+
+GASLOC_TOPOLOGIES = ("ring", "exponential", "random1", "random2", "complete", "bandwidth")
+
+
+def gasloc_fields(spec: str) -> Dict:
+    """'gasloc[:topology][:lap][:c]' → RunCfg fields: e.g. 'gasloc:bandwidth:lap:c' is bandwidth-aware
+    one-peer matchings, the laplacian-momentum rule and compressed proposals."""
+    parts = spec.split(":")
+    if parts[0] != "gasloc":
+        raise ValueError(f"not a gasloc spec: {spec!r}")
+    out: Dict = {}
+    for tag in parts[1:]:
+        if tag in GASLOC_TOPOLOGIES:
+            out["gasloc_topology"] = tag
+        elif tag == "lap":
+            out["gasloc_rule"] = "laplacian-momentum"
+        elif tag == "c":
+            out["gasloc_compress"] = True
+        else:
+            raise SystemExit(f"gasloc method {spec!r}: unknown tag {tag!r} (topologies {GASLOC_TOPOLOGIES}, 'lap', 'c')")
+    return out
 
 
 # ---------------------------------------------------------------------------- training (one rank)
@@ -211,6 +248,8 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
     for step in range(1, run.steps + 1):
         t0 = time.perf_counter()
         loss = train_step(ddp, stepper, it, seq_len=model.seq, micro_batch_size=run.mbs)
+        if run.slow_compute > 1.0 and worker == W - 1:  # a slower GPU: stretch this worker's step
+            time.sleep((run.slow_compute - 1.0) * (time.perf_counter() - t0))
         if outer is not None and outer.log.outer_steps > len(sync_times):  # a round completed
             last = outer.log.last
             rec = {k: last.get(k, 0.0) for k in ("time_compress_s", "time_communicate_s", "time_apply_s",

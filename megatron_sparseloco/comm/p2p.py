@@ -70,8 +70,9 @@ def _p2p(tensors_out: Dict[int, torch.Tensor], tensors_in: Dict[int, torch.Tenso
 
 
 def exchange(tensor: torch.Tensor, peers: Sequence[int], group: Optional[dist.ProcessGroup],
-             counter: CommCounter) -> Dict[int, torch.Tensor]:
-    """Send ``tensor`` to each peer, receive a same-shaped tensor from each: ``{peer: received}``."""
+             counter: CommCounter, kind: str = "p2p") -> Dict[int, torch.Tensor]:
+    """Send ``tensor`` to each peer, receive a same-shaped tensor from each: ``{peer: received}``.
+    ``kind``: the counter's name for this traffic (default ``"p2p"``)."""
     peers = _check_peers(peers, group)
     if not peers:
         return {}
@@ -79,7 +80,7 @@ def exchange(tensor: torch.Tensor, peers: Sequence[int], group: Optional[dist.Pr
     received = {p: torch.empty_like(send) for p in peers}
     _p2p({p: send for p in peers}, received, group)
     n = send.numel() * send.element_size()
-    counter.add("p2p", n * len(peers), n * len(peers))
+    counter.add(kind, n * len(peers), n * len(peers))
     return received
 
 
