@@ -278,3 +278,49 @@ def test_bandwidth_matching_is_deterministic_and_uniform_without_a_table():
     uses = sum(1 for r in range(400) for p in bandwidth_matching(4, r, 0, c) if 2 in p)
     fast = sum(1 for r in range(400) for p in bandwidth_matching(4, r, 0, c) if 2 not in p)
     assert uses < fast / 5
+
+
+BASE_ARGS = ["--use-distributed-optimizer", "--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "4"]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--sparseloco-gossip-compress", "--sparseloco-gossip-max-copies", "1"], "--sparseloco-gossip-max-copies"),
+    (["--sparseloco-gossip-compress", "--sparseloco-gossip-topology", "random2", "--sparseloco-gossip-max-copies", "1"],
+     "--sparseloco-gossip-max-copies"),
+    (["--sparseloco-gossip-max-copies", "3"], "--sparseloco-gossip-max-copies"),          # without compress
+    (["--sparseloco-gossip-bandwidth-refresh", "3"], "--sparseloco-gossip-bandwidth-refresh"),  # not bandwidth
+    (["--sparseloco-gossip-rule", "nesterov"], "--sparseloco-gossip-rule"),
+])
+def test_bad_flags_are_refused_before_training(argv, flag, monkeypatch):
+    import sys
+
+    from megatron.training.arguments import parse_args
+
+    from megatron_sparseloco.megatron.arguments import (SparseLoCoArgumentError, add_sparseloco_args,
+                                                        validate_sparseloco_args)
+    monkeypatch.setattr(sys, "argv", ["x"] + BASE_ARGS + argv)
+    try:
+        args = parse_args(add_sparseloco_args)
+    except SystemExit:  # argparse refuses a bad choice itself, naming the flag on stderr
+        assert flag == "--sparseloco-gossip-rule"
+        return
+    with pytest.raises(SparseLoCoArgumentError) as err:
+        validate_sparseloco_args(args, world_size=4)
+    assert flag in str(err.value), str(err.value)
+
+
+def test_new_flags_reach_the_config(monkeypatch):
+    import sys
+
+    from megatron.training.arguments import parse_args
+
+    from megatron_sparseloco.megatron.arguments import add_sparseloco_args, validate_sparseloco_args
+    from megatron_sparseloco.megatron.strategy_from_args import outer_config_fields
+    monkeypatch.setattr(sys, "argv", ["x"] + BASE_ARGS + [
+        "--sparseloco-gossip-topology", "bandwidth", "--sparseloco-gossip-rule", "laplacian-momentum",
+        "--sparseloco-gossip-bandwidth-refresh", "5", "--sparseloco-gossip-compress", "--sparseloco-gossip-max-copies", "2"])
+    args = parse_args(add_sparseloco_args)
+    validate_sparseloco_args(args, world_size=4)
+    cfg = GASLoCConfig(**outer_config_fields(args)).validate()
+    assert (cfg.topology, cfg.rule, cfg.bandwidth_refresh, cfg.compress, cfg.max_copies) == (
+        "bandwidth", "laplacian-momentum", 5, True, 2)

@@ -121,7 +121,8 @@ class GASLoCConfig(OuterConfig):
     """
 
     topology: str = flag_field("ring", flag="gossip-topology", choices=TOPOLOGIES,
-                               help="Gossip graph (exponential needs a power-of-two W).")
+                               help="Gossip graph (exponential needs a power-of-two W; bandwidth: one-peer matchings that "
+                                    "use slow links less, from measured link times).")
     seed: int = flag_field(0, flag="gossip-seed", low=0,
                            help="Seed shared by all workers for the random matchings.")
     proposal_lr: float = flag_field(1.0, flag="gossip-proposal-lr", low=0.0, low_open=True,
