@@ -118,6 +118,7 @@ class RunCfg:
     gasloc_compress: bool = False           # gasloc: SparseLoCo-compressed proposals (k=64 of 4096, 2-bit)
     gasloc_refresh: int = 8                 # gasloc topology bandwidth: rounds between link-cost agreements
     slow_compute: float = 1.0               # the last worker's inner steps take this many times longer (sleep)
+    auto_h: bool = False                    # --sparseloco-inner-steps-per-worker auto (H_w from step times)
     outer_lr: Optional[float] = None       # None: the method's reference value (below)
     outer_momentum: Optional[float] = None  # diloco only (sparseloco has none: EF plays that role)
     chunking: str = "tensor"                # sparseloco: per-tensor (default) or flat
@@ -136,6 +137,8 @@ class RunCfg:
             tag += "" if self.gasloc_topology == "ring" else f" {self.gasloc_topology}"
             tag += " lap" if self.gasloc_rule == "laplacian-momentum" else ""
             tag += " c64" if self.gasloc_compress else ""
+        if self.auto_h:
+            tag += " autoH"
         if self.slow_compute != 1.0:
             tag += f" slow{self.slow_compute:g}x"
         if self.overlap_steps:
@@ -169,21 +172,24 @@ GASLOC_TOPOLOGIES = ("ring", "exponential", "random1", "random2", "complete", "b
 
 
 def gasloc_fields(spec: str) -> Dict:
-    """'gasloc[:topology][:lap][:c]' → RunCfg fields: e.g. 'gasloc:bandwidth:lap:c' is bandwidth-aware
-    one-peer matchings, the laplacian-momentum rule and compressed proposals."""
+    """'gasloc[:topology][:lap][:c][:auto]' → RunCfg fields: e.g. 'gasloc:bandwidth:lap:c:auto' is
+    bandwidth-aware one-peer matchings, the laplacian-momentum rule, compressed proposals and per-worker
+    H_w from measured step times."""
     parts = spec.split(":")
     if parts[0] != "gasloc":
         raise ValueError(f"not a gasloc spec: {spec!r}")
     out: Dict = {}
     for tag in parts[1:]:
-        if tag in GASLOC_TOPOLOGIES:
+        if tag == "auto":
+            out["auto_h"] = True
+        elif tag in GASLOC_TOPOLOGIES:
             out["gasloc_topology"] = tag
         elif tag == "lap":
             out["gasloc_rule"] = "laplacian-momentum"
         elif tag == "c":
             out["gasloc_compress"] = True
         else:
-            raise SystemExit(f"gasloc method {spec!r}: unknown tag {tag!r} (topologies {GASLOC_TOPOLOGIES}, 'lap', 'c')")
+            raise SystemExit(f"gasloc method {spec!r}: unknown tag {tag!r} (topologies {GASLOC_TOPOLOGIES}, 'lap', 'c', 'auto')")
     return out
 
 
@@ -218,7 +224,7 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
             return build_outer_strategy(run.method, params, group, names=names, slices=slices, **fields_)
 
         outer = OuterLoopOptimizer(opt, ddp, factory, OuterLoopConfig(
-            inner_steps=run.H, identical_across_workers=(run.method != "gasloc"),
+            inner_steps=run.H, identical_across_workers=(run.method != "gasloc"), auto_inner_steps=run.auto_h,
             overlap_steps=run.overlap_steps, overlap_merge=run.overlap_merge))
     stepper = outer if outer is not None else opt
     outer_times: List[float] = []
@@ -247,9 +253,14 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
     dense_bytes_per_step = numel * 4  # DDP: fp32 gradients handed to the reduction every step
     for step in range(1, run.steps + 1):
         t0 = time.perf_counter()
-        loss = train_step(ddp, stepper, it, seq_len=model.seq, micro_batch_size=run.mbs)
-        if run.slow_compute > 1.0 and worker == W - 1:  # a slower GPU: stretch this worker's step
-            time.sleep((run.slow_compute - 1.0) * (time.perf_counter() - t0))
+        if run.auto_h and not outer.is_inner_step_active():
+            # a step this worker leaves out of the round (auto H_w): no forward/backward, no data
+            outer.step()
+            loss = train_losses[-1] if train_losses else float("nan")
+        else:
+            loss = train_step(ddp, stepper, it, seq_len=model.seq, micro_batch_size=run.mbs)
+            if run.slow_compute > 1.0 and worker == W - 1:  # a slower GPU: stretch this worker's step
+                time.sleep((run.slow_compute - 1.0) * (time.perf_counter() - t0))
         if outer is not None and outer.log.outer_steps > len(sync_times):  # a round completed
             last = outer.log.last
             rec = {k: last.get(k, 0.0) for k in ("time_compress_s", "time_communicate_s", "time_apply_s",

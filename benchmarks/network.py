@@ -263,7 +263,7 @@ def add_time_to_target(rows):
 #: the heterogeneous case's default methods: blocking DiLoCo and SparseLoCo, GASLoC ring (the old
 #: baseline), uniform one-peer matchings, bandwidth-aware matchings (dense, compressed, laplacian rule)
 HETERO_METHODS = ("diloco,sparseloco:64,gasloc,gasloc:random1,gasloc:bandwidth,gasloc:bandwidth:c,"
-                  "gasloc:bandwidth:lap,gasloc:bandwidth:lap:c")
+                  "gasloc:bandwidth:lap,gasloc:bandwidth:lap:c,gasloc:bandwidth:auto")
 
 
 def hetero_runs(text: str, base: dict):
@@ -303,8 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hetero", action="store_true")
     ap.add_argument("--hetero-methods", default=HETERO_METHODS,
                     help="comma-separated methods of the heterogeneous case: diloco, sparseloco:K, "
-                         "gasloc[:TOPOLOGY][:lap][:c] (topology bandwidth: bandwidth-aware one-peer matchings; "
-                         "lap: laplacian-momentum rule; c: compressed proposals)")
+                         "gasloc[:TOPOLOGY][:lap][:c][:auto] (topology bandwidth: bandwidth-aware one-peer matchings; "
+                         "lap: laplacian-momentum rule; c: compressed proposals; auto: H_w from step times)")
     ap.add_argument("--hetero-slow-compute", type=float, default=1.0,
                     help="the last worker's inner steps take this many times longer (e.g. 2: a 2x slower GPU)")
     ap.add_argument("--overlap-steps", default="",

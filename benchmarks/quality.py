@@ -247,7 +247,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", default="2", help="comma-separated worker counts, e.g. 2,4,8")
     ap.add_argument("--seeds", type=int, default=1, help="seeds per setting (model init and data order)")
     ap.add_argument("--methods", default=METHODS_DEFAULT,
-                    help="comma-separated: ddp, average, diloco, gasloc[:TOPOLOGY][:lap][:c], torchft_diloco, "
+                    help="comma-separated: ddp, average, diloco, gasloc[:TOPOLOGY][:lap][:c][:auto], torchft_diloco, "
                          "sparseloco:K[:flat|:entropy]")
     ap.add_argument("--sweep", action="store_true",
                     help="first sweep the outer lr of diloco and sparseloco (W = first of --workers, seed 0, "

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparseloco.megatron import checkpointing as ckpt
+from megatron_sparseloco.megatron.auto_steps import AutoInnerSteps
 from megatron_sparseloco.megatron.consistency import DivergenceError, check_identical_across_workers
 from megatron_sparseloco.megatron.main_params import main_param_shards, member_optimizers
 from megatron_sparseloco.megatron.outer_group import (OuterStepWatch, WorkerLostError, build_outer_group,
@@ -67,6 +68,7 @@ class OuterLoopConfig:
     overlap_steps: int = 0                      # τ: delayed application (outer/overlap.py), 0: blocking
     overlap_merge: str = "replay"               # "replay" or "lerp"
     overlap_alpha: float = 0.5                  # lerp weight of the local params
+    auto_inner_steps: bool = False              # H_w from measured step times (megatron/auto_steps.py)
 
     def validate(self) -> "OuterLoopConfig":
         if self.inner_steps < 1:
@@ -78,6 +80,8 @@ class OuterLoopConfig:
         if self.consistency_check_interval < 0:
             raise ValueError(f"consistency_check_interval must be >= 0, got {self.consistency_check_interval}")
         self.overlap().validate(self.inner_steps)
+        if self.auto_inner_steps and (self.overlap_steps > 0 or self.active_inner_steps is not None):
+            raise ValueError("auto_inner_steps needs overlap_steps=0 and no fixed active_inner_steps")
         return self
 
     def overlap(self) -> OverlapConfig:
@@ -124,6 +128,13 @@ class OuterLoopOptimizer:
             self.worker_index = 0
         self.watch = OuterStepWatch(self.group if self.num_workers > 1 else None, self.worker_rank)
         self.inner_calls = 0
+        #: --sparseloco-inner-steps-per-worker auto: H_w re-agreed at every outer step
+        self.auto: Optional[AutoInnerSteps] = None
+        self._iteration_end: Optional[float] = None
+        if self.config.auto_inner_steps and self.num_workers > 1:
+            self.auto = AutoInnerSteps(self.config.inner_steps, self.group, intra_worker_group(), self.num_workers,
+                                       torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                                       else torch.device("cpu"))
         self.log = OuterLog()
         self.members = [m for m in member_optimizers(optimizer) if not getattr(m, "is_stub_optimizer", False)]
         self.shards = [main_param_shards(m) for m in self.members]
@@ -177,15 +188,22 @@ class OuterLoopOptimizer:
             for s in self.strategies:
                 s.reset_anchor()
             self._anchor_at_first_step = False
-        if self.is_inner_step_active():
+        active = self.is_inner_step_active()
+        if active:
             result = self.optimizer.step()
         else:
             self.optimizer.zero_grad()
             result = (True, None, None)
         self.inner_calls += 1
+        if self.auto is not None:
+            now = time.perf_counter()
+            if active and self._iteration_end is not None:  # this iteration: since the previous step() returned
+                self.auto.record(now - self._iteration_end)
         if self.config.overlap_steps == 0:
             if self.is_outer_step_due():
                 self.outer_step()
+                if self.auto is not None:
+                    self.config.active_inner_steps = self.auto.agree()
         else:
             phase = self.inner_calls % self.config.inner_steps
             # every rank follows the counter (not its drivers: a rank may hold no strategy, and
@@ -194,6 +212,8 @@ class OuterLoopOptimizer:
                 self.complete_outer_step()
             if phase == 0:
                 self.launch_outer_step()
+        if self.auto is not None:
+            self._iteration_end = time.perf_counter()
         return result
 
     def _megatron_timer(self, name: str):
