@@ -37,6 +37,22 @@ Properties (tested in tests/test_gasloc.py):
   DiLoCo's default Nesterov variant is *not* reproduced; that needs d's look-ahead, not part of
   the §1.3 form.
 
+Rule "laplacian-momentum" (``rule``; the form a summary of the paper gives, docs/gasloc.md §2.1):
+
+    θ_{t+1} = (I − αΛ_t) y_t + γ (y_t − y_{t−1}),      I − αΛ_t = M_r,   y_{−1} := θ_0
+
+i.e. momentum on successive *proposals* instead of successive iterates (ours: θ_{t+1} = M y_t + γ(θ_t − θ_{t−1})).
+State ``proposal_lag`` v = y_{t−1} − θ_t (0 at the start): θ_{t+1} = m + γ((y_t − θ_t) − v), v ← y_t − θ_{t+1}.
+On the complete graph the workers' mean follows DiLoCo with *Nesterov* outer momentum exactly
+(torch SGD nesterov=True, lr η, momentum γ); each worker is off the mean by γ times its own proposal
+difference minus the mean one.
+
+Topology "bandwidth": one-peer matchings drawn (comm.topology.bandwidth_matching) from a table of measured
+link costs that all workers agree on every ``bandwidth_refresh`` rounds by a W-float point-to-point
+exchange; a link k× slower than the fastest is used at most 1/k as often as proposed. Compressed copies
+of dynamic topologies are capped at ``max_copies`` peers (an LRU per worker, simulated for all workers
+from the shared matchings so both ends of a pair agree); static ones refuse a cap below their degree.
+
 Non-finite guard (replaces the base class's global one): the base guard all-reduces a flag over
 the whole group, a global collective, which GASLoC must not issue. Here each worker checks only
 its own tensors, and one extra fp32 element (the flag) travels with every bucket's proposal to
@@ -118,6 +134,9 @@ class GASLoCConfig(OuterConfig):
                    error feedback (β = 1); see the module docstring
     gossip_step    ξ, CHOCO's consensus step on the copy differences (compressed mode only);
                    1 = the uncompressed mixing when the codec is lossless
+    rule           "ours" (momentum on the mixed increment) or "laplacian-momentum" (on proposals)
+    max_copies     compressed mode: most peers whose public copies are kept (LRU, dynamic topologies)
+    bandwidth_refresh  topology "bandwidth": rounds between agreements on the link-cost table
     """
 
     topology: str = flag_field("ring", flag="gossip-topology", choices=TOPOLOGIES,
