@@ -93,7 +93,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.comm.collectives import CommCounter
 from megatron_sparseloco.comm.p2p import exchange, exchange_per_peer
 from megatron_sparseloco.compress import CodecConfig, decode, encode, payload_nbytes
 from megatron_sparseloco.comm.topology import (MAX_DEGREE, TOPOLOGIES, check_topology, edges, neighbours_from_edges,
