@@ -114,6 +114,11 @@ class RunCfg:
     eval_every: int = 15              # ddp eval interval; outer methods evaluate at every outer step
     eval_windows: int = 64
     gasloc_topology: str = "ring"
+    gasloc_rule: str = "ours"               # gasloc: ours | laplacian-momentum (docs/gasloc.md §2)
+    gasloc_compress: bool = False           # gasloc: SparseLoCo-compressed proposals (k=64 of 4096, 2-bit)
+    gasloc_refresh: int = 8                 # gasloc topology bandwidth: rounds between link-cost agreements
+    slow_compute: float = 1.0               # the last worker's inner steps take this many times longer (sleep)
+    auto_h: bool = False                    # --sparseloco-inner-steps-per-worker auto (H_w from step times)
     outer_lr: Optional[float] = None       # None: the method's reference value (below)
     outer_momentum: Optional[float] = None  # diloco only (sparseloco has none: EF plays that role)
     chunking: str = "tensor"                # sparseloco: per-tensor (default) or flat
@@ -135,6 +140,14 @@ class RunCfg:
             tag = self.method
         if self.outer_lr is not None:
             tag += f" lr={self.outer_lr:g}" + (f" mu={self.outer_momentum:g}" if self.outer_momentum is not None else "")
+        if self.method == "gasloc":
+            tag += "" if self.gasloc_topology == "ring" else f" {self.gasloc_topology}"
+            tag += " lap" if self.gasloc_rule == "laplacian-momentum" else ""
+            tag += " c64" if self.gasloc_compress else ""
+        if self.auto_h:
+            tag += " autoH"
+        if self.slow_compute != 1.0:
+            tag += f" slow{self.slow_compute:g}x"
         if self.overlap_steps:
             tag += f" tau={self.overlap_steps}" + ("" if self.overlap_merge == "replay" else f" {self.overlap_merge}")
         if self.fragments > 1:
@@ -157,8 +170,38 @@ def strategy_fields(run: RunCfg) -> Dict:
                     **({"owner_value_bits": run.owner_value_bits} if run.owner_value_bits else {}))
     if run.method == "gasloc":
         # the plugin's defaults for gasloc (GASLoCConfig, outer/gasloc.py): η = 1.0, γ = 0.9
-        return dict(topology=run.gasloc_topology, proposal_lr=1.0, momentum=0.9)
+        out = dict(topology=run.gasloc_topology, proposal_lr=1.0, momentum=0.9, rule=run.gasloc_rule)
+        if run.gasloc_compress:
+            out.update(compress=True, chunk=4096, k=64, value_bits=2)
+        if run.gasloc_topology == "bandwidth":
+            out.update(bandwidth_refresh=run.gasloc_refresh)
+        return out
     raise ValueError(run.method)
+
+
+GASLOC_TOPOLOGIES = ("ring", "exponential", "random1", "random2", "complete", "bandwidth")
+
+
+def gasloc_fields(spec: str) -> Dict:
+    """'gasloc[:topology][:lap][:c][:auto]' → RunCfg fields: e.g. 'gasloc:bandwidth:lap:c:auto' is
+    bandwidth-aware one-peer matchings, the laplacian-momentum rule, compressed proposals and per-worker
+    H_w from measured step times."""
+    parts = spec.split(":")
+    if parts[0] != "gasloc":
+        raise ValueError(f"not a gasloc spec: {spec!r}")
+    out: Dict = {}
+    for tag in parts[1:]:
+        if tag == "auto":
+            out["auto_h"] = True
+        elif tag in GASLOC_TOPOLOGIES:
+            out["gasloc_topology"] = tag
+        elif tag == "lap":
+            out["gasloc_rule"] = "laplacian-momentum"
+        elif tag == "c":
+            out["gasloc_compress"] = True
+        else:
+            raise SystemExit(f"gasloc method {spec!r}: unknown tag {tag!r} (topologies {GASLOC_TOPOLOGIES}, 'lap', 'c', 'auto')")
+    return out
 
 
 # ---------------------------------------------------------------------------- training (one rank)
@@ -192,7 +235,7 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
             return build_outer_strategy(run.method, params, group, names=names, slices=slices, **fields_)
 
         outer = OuterLoopOptimizer(opt, ddp, factory, OuterLoopConfig(
-            inner_steps=run.H, identical_across_workers=(run.method != "gasloc"),
+            inner_steps=run.H, identical_across_workers=(run.method != "gasloc"), auto_inner_steps=run.auto_h,
             overlap_steps=run.overlap_steps, overlap_merge=run.overlap_merge, fragments=run.fragments))
     stepper = outer if outer is not None else opt
     outer_times: List[float] = []
@@ -221,7 +264,14 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
     dense_bytes_per_step = numel * 4  # DDP: fp32 gradients handed to the reduction every step
     for step in range(1, run.steps + 1):
         t0 = time.perf_counter()
-        loss = train_step(ddp, stepper, it, seq_len=model.seq, micro_batch_size=run.mbs)
+        if run.auto_h and not outer.is_inner_step_active():
+            # a step this worker leaves out of the round (auto H_w): no forward/backward, no data
+            outer.step()
+            loss = train_losses[-1] if train_losses else float("nan")
+        else:
+            loss = train_step(ddp, stepper, it, seq_len=model.seq, micro_batch_size=run.mbs)
+            if run.slow_compute > 1.0 and worker == W - 1:  # a slower GPU: stretch this worker's step
+                time.sleep((run.slow_compute - 1.0) * (time.perf_counter() - t0))
         if outer is not None and outer.outer_steps > len(sync_times):  # a round completed
             last = outer.log.last
             rec = {k: last.get(k, 0.0) for k in ("time_compress_s", "time_communicate_s", "time_apply_s",

@@ -233,7 +233,7 @@ def summarise(res, world, case):
             return (sum(steady) / len(steady)) if steady else None
         steps = curve[-1]["step"]
         wall = max(p["wall_s"] for p in per_rank)
-        row = {"case": case, "method": run["method"], "k": run["k"], "H": run["H"] if run["method"] != "ddp" else None,
+        row = {"case": case, "label": RunCfg(**run).label(), "method": run["method"], "k": run["k"], "H": run["H"] if run["method"] != "ddp" else None,
                "workers": world, "numel": per_rank[0]["numel"], "steps": steps, "tokens": curve[-1]["tokens"],
                "held_out_loss": curve[-1]["held_out_loss"],
                "bytes_sent_per_worker": int(max(p["bytes_sent"] for p in per_rank)),
@@ -260,7 +260,30 @@ def add_time_to_target(rows):
     return rows
 
 
+#: the heterogeneous case's default methods: blocking DiLoCo and SparseLoCo, GASLoC ring (the old
+#: baseline), uniform one-peer matchings, bandwidth-aware matchings (dense, compressed, laplacian rule)
+HETERO_METHODS = ("diloco,sparseloco:64,gasloc,gasloc:random1,gasloc:bandwidth,gasloc:bandwidth:c,"
+                  "gasloc:bandwidth:lap,gasloc:bandwidth:lap:c,gasloc:bandwidth:auto")
+
+
+def hetero_runs(text: str, base: dict):
+    runs = []
+    for item in [t.strip() for t in text.split(",") if t.strip()]:
+        parts = item.split(":")
+        if parts[0] == "gasloc":
+            runs.append(RunCfg("gasloc", **base, **common.gasloc_fields(item)))
+        elif parts[0] == "sparseloco":
+            runs.append(RunCfg("sparseloco", k=int(parts[1]) if len(parts) > 1 else 64, **base))
+        elif parts[0] == "diloco":
+            runs.append(RunCfg("diloco", **base))
+        else:
+            raise SystemExit(f"--hetero-methods: unknown method {item!r}")
+    return runs
+
+
 def label(r):
+    if r.get("label"):
+        return r["label"]
     if r["method"] == "sparseloco":
         return f"sparseloco k={r['k']} H={r['H']}"
     return r["method"] if r["method"] == "ddp" else f"{r['method']} H={r['H']}"
@@ -286,6 +309,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--slow-rate", default="10mbit")
     ap.add_argument("--no-hetero", action="store_true")
+    ap.add_argument("--hetero-methods", default=HETERO_METHODS,
+                    help="comma-separated methods of the heterogeneous case: diloco, sparseloco:K, "
+                         "gasloc[:TOPOLOGY][:lap][:c][:auto] (topology bandwidth: bandwidth-aware one-peer matchings; "
+                         "lap: laplacian-momentum rule; c: compressed proposals; auto: H_w from step times)")
+    ap.add_argument("--hetero-slow-compute", type=float, default=1.0,
+                    help="the last worker's inner steps take this many times longer (e.g. 2: a 2x slower GPU)")
     ap.add_argument("--overlap-steps", default="",
                     help="comma-separated τ values (e.g. 1,7,14): extra diloco and sparseloco rows with the outer "
                          "step delayed by τ inner steps (--sparseloco-overlap-steps); each τ < H")
@@ -347,7 +376,7 @@ def main(argv=None) -> int:
     rows = add_time_to_target(summarise(res, args.workers, "uniform"))
     out["results"] += rows
     for r in rows:
-        print(f"  {label(r):24s} loss {r['held_out_loss']:.4f}  sync comm {r['sync_communicate_s']}  "
+        print(f"  {label(r):34s} loss {r['held_out_loss']:.4f}  sync comm {r['sync_communicate_s']}  "
               f"outer step {r['sync_outer_step_s']}  step {r['step_s']:.3f}s  to-target {r['time_to_target_s']}",
               flush=True)
     if not args.no_hetero:
@@ -358,9 +387,11 @@ def main(argv=None) -> int:
         hsteps = args.hetero_steps or (steps if args.smoke else (30 if args.quick else 90))
         hbase = dict(base, steps=hsteps)
         out["hetero"]["steps"] = hsteps
-        hmethods = [RunCfg("diloco", **hbase), RunCfg("gasloc", **hbase)]
-        if taus:  # blocking vs overlapped on the 10x slower link, DiLoCo and SparseLoCo
-            hmethods.append(RunCfg("sparseloco", k=64, **hbase))
+        if args.hetero_slow_compute < 1.0:
+            raise SystemExit(f"--hetero-slow-compute must be >= 1, got {args.hetero_slow_compute}")
+        hbase["slow_compute"] = args.hetero_slow_compute
+        out["hetero"]["slow_compute"] = args.hetero_slow_compute
+        hmethods = hetero_runs(args.hetero_methods, hbase)
         for t in taus:
             hmethods += [RunCfg("diloco", overlap_steps=t, **hbase), RunCfg("sparseloco", k=64, overlap_steps=t, **hbase)]
         for P, t in frag_runs:
@@ -371,7 +402,7 @@ def main(argv=None) -> int:
         hrows = add_time_to_target(summarise(hres, Wh, "hetero"))
         out["results"] += hrows
         for r in hrows:
-            print(f"  {label(r):24s} loss {r['held_out_loss']:.4f}  sync comm {r['sync_communicate_s']}  "
+            print(f"  {label(r):34s} loss {r['held_out_loss']:.4f}  sync comm {r['sync_communicate_s']}  "
                   f"outer step {r['sync_outer_step_s']}  to-target {r['time_to_target_s']}", flush=True)
     out["total_wall_s"] = time.perf_counter() - t0
     if args.json:

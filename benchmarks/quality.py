@@ -61,6 +61,10 @@ def parse_methods(text: str):
     out = []
     for item in text.split(","):
         parts = item.strip().split(":")
+        if parts[0] == "gasloc":  # gasloc[:topology][:lap][:c], see common.gasloc_fields
+            common.gasloc_fields(item.strip())
+            out.append(("gasloc", None, item.strip()))
+            continue
         method, k = parts[0], (int(parts[1]) if len(parts) > 1 else None)
         extra = parts[2] if len(parts) > 2 else None
         if method not in ("ddp", "average", "diloco", "sparseloco", "gasloc", "torchft_diloco"):
@@ -91,6 +95,8 @@ def make_run(method, k, extra, H, seed, base, tuned):
                       **owner_codec(extra), **fields)
     if method == "diloco":
         return RunCfg("diloco", outer_lr=lr, outer_momentum=mu, **fields)
+    if method == "gasloc" and extra:
+        return RunCfg("gasloc", **fields, **common.gasloc_fields(extra))
     return RunCfg(method, **fields)
 
 
@@ -265,7 +271,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", default="2", help="comma-separated worker counts, e.g. 2,4,8")
     ap.add_argument("--seeds", type=int, default=1, help="seeds per setting (model init and data order)")
     ap.add_argument("--methods", default=METHODS_DEFAULT,
-                    help="comma-separated: ddp, average, diloco, gasloc, torchft_diloco, sparseloco:K[:flat|:entropy|:rs|:rsN|:rsNbB]")
+                    help="comma-separated: ddp, average, diloco, gasloc[:TOPOLOGY][:lap][:c][:auto], torchft_diloco, "
+                         "sparseloco:K[:flat|:entropy|:rs|:rsN|:rsNbB]")
     ap.add_argument("--sweep", action="store_true",
                     help="first sweep the outer lr of diloco and sparseloco (W = first of --workers, seed 0, "
                          "--sweep-steps), then run every method at the best setting")

@@ -18,7 +18,9 @@ round where some worker idles would then be undefined, so the caller should have
 collective on the group before (Megatron does at setup).
 
 Byte accounting (kind ``"p2p"``): for an N-byte tensor and P peers, N·P sent and N·P received;
-one call counts as one collective. ``exchange_pieces`` is an all-to-all
+one call counts as one collective. ``exchange_per_peer`` sends one (possibly different, any size)
+1-D uint8 payload per peer, the sizes exchanged first only when a side cannot know them (GASLoC's
+compressed proposals: a different residual per peer). ``exchange_pieces`` is an all-to-all
 of pieces whose sizes both sides know (SparseLoCo's reduce-scatter aggregation), kind
 ``"all_to_all"``: the bytes of the non-empty pieces sent and received.
 """
@@ -66,8 +68,9 @@ def _p2p(tensors_out: Dict[int, torch.Tensor], tensors_in: Dict[int, torch.Tenso
 
 
 def exchange(tensor: torch.Tensor, peers: Sequence[int], group: Optional[dist.ProcessGroup],
-             counter: CommCounter) -> Dict[int, torch.Tensor]:
-    """Send ``tensor`` to each peer, receive a same-shaped tensor from each: ``{peer: received}``."""
+             counter: CommCounter, kind: str = "p2p") -> Dict[int, torch.Tensor]:
+    """Send ``tensor`` to each peer, receive a same-shaped tensor from each: ``{peer: received}``.
+    ``kind``: the counter's name for this traffic (default ``"p2p"``)."""
     peers = _check_peers(peers, group)
     if not peers:
         return {}
@@ -75,7 +78,38 @@ def exchange(tensor: torch.Tensor, peers: Sequence[int], group: Optional[dist.Pr
     received = {p: torch.empty_like(send) for p in peers}
     _p2p({p: send for p in peers}, received, group)
     n = send.numel() * send.element_size()
-    counter.add("p2p", n * len(peers), n * len(peers))
+    counter.add(kind, n * len(peers), n * len(peers))
+    return received
+
+
+def exchange_per_peer(payloads: Dict[int, torch.Tensor], recv_nbytes: Optional[Dict[int, int]],
+                      group: Optional[dist.ProcessGroup], counter: CommCounter) -> Dict[int, torch.Tensor]:
+    """One (possibly different) non-empty 1-D uint8 payload per peer, any sizes.
+
+    ``payloads[p]`` goes to peer p (the peers are the keys). ``recv_nbytes[p]``: the size of peer
+    p's payload when both sides know it (fixed-size codec, dense refresh); ``None`` exchanges the
+    sizes first (one int64 per peer, kind ``"p2p_sizes"``). The payloads travel in one
+    ``batch_isend_irecv`` (kind ``"p2p"``, the exact bytes sent and received).
+    """
+    peers = _check_peers(sorted(payloads), group)
+    if not peers:
+        return {}
+    for p in peers:
+        if payloads[p].dtype != torch.uint8 or payloads[p].dim() != 1 or payloads[p].numel() == 0:
+            raise ValueError(f"payload for peer {p} must be a non-empty 1-D uint8 tensor")
+    dev = payloads[peers[0]].device
+    if recv_nbytes is None:
+        out = {p: torch.tensor([payloads[p].numel()], dtype=torch.int64, device=dev) for p in peers}
+        sizes = {p: torch.empty(1, dtype=torch.int64, device=dev) for p in peers}
+        _p2p(out, sizes, group)
+        counter.add("p2p_sizes", 8 * len(peers), 8 * len(peers))
+        recv_nbytes = {p: int(sizes[p].item()) for p in peers}
+    missing = [p for p in peers if p not in recv_nbytes]
+    if missing:
+        raise ValueError(f"recv_nbytes lacks the size for peer(s) {missing}")
+    received = {p: torch.empty(int(recv_nbytes[p]), dtype=torch.uint8, device=dev) for p in peers}
+    _p2p({p: payloads[p].contiguous() for p in peers}, received, group)
+    counter.add("p2p", sum(payloads[p].numel() for p in peers), sum(r.numel() for r in received.values()))
     return received
 
 

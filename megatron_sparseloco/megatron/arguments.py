@@ -53,7 +53,8 @@ class LoopFlags:
     inner_steps_per_worker: Optional[str] = flag_field(
         None, type=str, flag="inner-steps-per-worker",
         help="Comma-separated inner steps H_w per worker: a round lasts max(H_w) iterations, worker w steps on the "
-             "first H_w (a slower worker does fewer steps instead of stalling the others).")
+             "first H_w (a slower worker does fewer steps instead of stalling the others); 'auto': H_w from measured "
+             "step times, re-agreed at every outer step.")
     """H_w per worker, for strategies with ``per_worker_inner_steps`` (parsed to a list of ints)."""
     consistency_check_interval: int = flag_field(0, flag="consistency-check-interval", low=0,
                                                  help="Every N outer steps compare a hash of θ_outer across workers "
@@ -344,11 +345,17 @@ def loop_flags_from_args(args: argparse.Namespace, given: Collection[str], strat
         if algo not in able:
             _fail("inner-steps-per-worker", f"only {', '.join(able)} {'supports' if len(able) == 1 else 'support'} per-worker step counts, not {algo}",
                   f"drop the flag or use --sparseloco-algorithm {' / '.join(able)}")
-        if "inner-steps" in given:
-            _fail("inner-steps", "is replaced by --sparseloco-inner-steps-per-worker when that is given",
-                  "give only one of them")
-        loop.inner_steps_per_worker = parse_per_worker_steps(loop.inner_steps_per_worker, W)
-        loop.inner_steps = max(loop.inner_steps_per_worker)
+        if loop.inner_steps_per_worker.strip() == "auto":  # H = --sparseloco-inner-steps, H_w measured
+            loop.inner_steps_per_worker = "auto"
+            if loop.overlap_steps > 0:
+                _fail("inner-steps-per-worker", "'auto' re-agrees H_w at blocking outer steps only",
+                      "use --sparseloco-overlap-steps 0, or give fixed per-worker steps")
+        else:
+            if "inner-steps" in given:
+                _fail("inner-steps", "is replaced by --sparseloco-inner-steps-per-worker when that is given",
+                      "give only one of them")
+            loop.inner_steps_per_worker = parse_per_worker_steps(loop.inner_steps_per_worker, W)
+            loop.inner_steps = max(loop.inner_steps_per_worker)
     if loop.consistency_check_interval > 0 and algo not in takers("consistency-check-interval"):
         _fail("consistency-check-interval", f"{algo} workers legitimately differ between rounds, "
               "so θ_outer hashes never agree", f"use 0 with {algo}")

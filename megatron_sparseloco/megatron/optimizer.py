@@ -41,6 +41,7 @@ import torch.distributed as dist
 from megatron_sparseloco.megatron import checkpointing as ckpt
 from megatron_sparseloco.megatron.fragments import (MemberFragments, fragment_offsets, param_fragments,
                                                     round_in_flight, syncs_at)
+from megatron_sparseloco.megatron.auto_steps import AutoInnerSteps
 from megatron_sparseloco.megatron.consistency import DivergenceError, check_identical_across_workers
 from megatron_sparseloco.megatron.main_params import main_param_shards, member_optimizers
 from megatron_sparseloco.megatron.outer_group import (OuterStepWatch, WorkerLostError, build_outer_group,
@@ -75,6 +76,7 @@ class OuterLoopConfig:
     overlap_merge: str = "replay"               # "replay" or "lerp"
     overlap_alpha: float = 0.5                  # lerp weight of the local params
     fragments: int = 1                          # P: Streaming-DiLoCo fragments (megatron/fragments.py)
+    auto_inner_steps: bool = False              # H_w from measured step times (megatron/auto_steps.py)
 
     def validate(self) -> "OuterLoopConfig":
         if self.inner_steps < 1:
@@ -91,6 +93,9 @@ class OuterLoopConfig:
         if self.fragments > 1 and self.overlap_steps * self.fragments >= self.inner_steps:
             raise ValueError(f"overlap_steps τ={self.overlap_steps} must be < inner_steps / fragments = "
                              f"{self.inner_steps}/{self.fragments} (one fragment in flight at a time)")
+        if self.auto_inner_steps and (self.overlap_steps > 0 or self.active_inner_steps is not None
+                                      or self.fragments > 1):
+            raise ValueError("auto_inner_steps needs overlap_steps=0, fragments=1 and no fixed active_inner_steps")
         return self
 
     def overlap(self) -> OverlapConfig:
@@ -140,6 +145,13 @@ class OuterLoopOptimizer:
             self.worker_index = 0
         self.watch = OuterStepWatch(self.group if self.num_workers > 1 else None, self.worker_rank)
         self.inner_calls = 0
+        #: --sparseloco-inner-steps-per-worker auto: H_w re-agreed at every outer step
+        self.auto: Optional[AutoInnerSteps] = None
+        self._iteration_end: Optional[float] = None
+        if self.config.auto_inner_steps and self.num_workers > 1:
+            self.auto = AutoInnerSteps(self.config.inner_steps, self.group, intra_worker_group(), self.num_workers,
+                                       torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                                       else torch.device("cpu"))
         self.log = OuterLog()
         self.members = [m for m in member_optimizers(optimizer) if not getattr(m, "is_stub_optimizer", False)]
         self.shards = [main_param_shards(m) for m in self.members]
@@ -228,18 +240,25 @@ class OuterLoopOptimizer:
             for s in self.strategies:
                 s.reset_anchor()
             self._anchor_at_first_step = False
-        if self.is_inner_step_active():
+        active = self.is_inner_step_active()
+        if active:
             result = self.optimizer.step()
         else:
             self.optimizer.zero_grad()
             result = (True, None, None)
         self.inner_calls += 1
         H, tau, calls = self.config.inner_steps, self.config.overlap_steps, self.inner_calls
+        if self.auto is not None:
+            now = time.perf_counter()
+            if active and self._iteration_end is not None:  # this iteration: since the previous step() returned
+                self.auto.record(now - self._iteration_end)
         if self.config.fragments == 1:
             if tau == 0:
                 if self.is_outer_step_due():
                     self.fragment_syncs[0] += 1
                     self.outer_step()
+                    if self.auto is not None:
+                        self.config.active_inner_steps = self.auto.agree()
             else:
                 phase = calls % H
                 # every rank follows the counter (not its drivers: a rank may hold no strategy, and
@@ -249,6 +268,8 @@ class OuterLoopOptimizer:
                 if phase == 0:
                     self.fragment_syncs[0] += 1
                     self.launch_outer_step()
+            if self.auto is not None:
+                self._iteration_end = time.perf_counter()
             return result
         # fragments (``fragments``): fragment p's rounds end at inner steps ≡ o_p (mod H); with τ
         # the merges due first, then the launches (τ < H/P: never the same fragment)

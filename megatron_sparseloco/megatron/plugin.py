@@ -82,9 +82,11 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
     group = cross_worker_group(model_chunks)
     worker = dist.get_rank(group) if group is not None else 0
     per_worker = args.sparseloco_inner_steps_per_worker
+    auto = per_worker == "auto"
     config = OuterLoopConfig(
-        inner_steps=max(per_worker) if per_worker else args.sparseloco_inner_steps,
-        active_inner_steps=inner_steps_for_worker(args, worker),
+        inner_steps=max(per_worker) if per_worker and not auto else args.sparseloco_inner_steps,
+        active_inner_steps=None if auto else inner_steps_for_worker(args, worker),
+        auto_inner_steps=auto,
         consistency_check_interval=args.sparseloco_consistency_check_interval,
         identical_across_workers=outer_strategy_class(args.sparseloco_algorithm).identical_across_workers,
         outer_timeout_s=args.sparseloco_outer_timeout,

@@ -30,6 +30,8 @@ def outer_config_fields(args: argparse.Namespace) -> Dict[str, object]:
 
 def inner_steps_for_worker(args: argparse.Namespace, worker_index: int) -> int:
     per_worker = getattr(args, "sparseloco_inner_steps_per_worker", None)
+    if per_worker == "auto":  # measured at run time (megatron/auto_steps.py); H until the first agreement
+        return args.sparseloco_inner_steps
     return per_worker[worker_index] if per_worker else args.sparseloco_inner_steps
 
 

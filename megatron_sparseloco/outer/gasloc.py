@@ -37,6 +37,22 @@ Properties (tested in tests/test_gasloc.py):
   DiLoCo's default Nesterov variant is *not* reproduced; that needs d's look-ahead, not part of
   the §1.3 form.
 
+Rule "laplacian-momentum" (``rule``; the form a summary of the paper gives, docs/gasloc.md §2.1):
+
+    θ_{t+1} = (I − αΛ_t) y_t + γ (y_t − y_{t−1}),      I − αΛ_t = M_r,   y_{−1} := θ_0
+
+i.e. momentum on successive *proposals* instead of successive iterates (ours: θ_{t+1} = M y_t + γ(θ_t − θ_{t−1})).
+State ``proposal_lag`` v = y_{t−1} − θ_t (0 at the start): θ_{t+1} = m + γ((y_t − θ_t) − v), v ← y_t − θ_{t+1}.
+On the complete graph the workers' mean follows DiLoCo with *Nesterov* outer momentum exactly
+(torch SGD nesterov=True, lr η, momentum γ); each worker is off the mean by γ times its own proposal
+difference minus the mean one.
+
+Topology "bandwidth": one-peer matchings drawn (comm.topology.bandwidth_matching) from a table of measured
+link costs that all workers agree on every ``bandwidth_refresh`` rounds by a W-float point-to-point
+exchange; a link k× slower than the fastest is used at most 1/k as often as proposed. Compressed copies
+of dynamic topologies are capped at ``max_copies`` peers (an LRU per worker, simulated for all workers
+from the shared matchings so both ends of a pair agree); static ones refuse a cap below their degree.
+
 Non-finite guard (replaces the base class's global one): the base guard all-reduces a flag over
 the whole group, a global collective, which GASLoC must not issue. Here each worker checks only
 its own tensors, and one extra fp32 element (the flag) travels with every bucket's proposal to
@@ -69,16 +85,18 @@ dynamic ones (exponential, random1, random2) keep own[j] and heard[j] per distin
 from __future__ import annotations
 
 import math
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.comm.collectives import CommCounter
-from megatron_sparseloco.comm.p2p import _check_peers, _p2p, exchange
+from megatron_sparseloco.comm.p2p import exchange, exchange_per_peer
 from megatron_sparseloco.compress import CodecConfig, decode, encode, payload_nbytes
-from megatron_sparseloco.comm.topology import TOPOLOGIES, check_topology, neighbours
+from megatron_sparseloco.comm.topology import (MAX_DEGREE, TOPOLOGIES, check_topology, edges, neighbours_from_edges,
+                                               symmetric_costs)
 from megatron_sparseloco.outer.base import (ConfigError, NonFiniteError, OuterConfig, OuterStepStats,
                                             OuterStrategy)
 from megatron_sparseloco.outer.codec_fields import (check_bucket_holds_a_chunk, check_codec, codec_chunk_field,
@@ -92,6 +110,9 @@ VALUE_BITS = (2, 4, 8, 32)
 _COMPRESSED = {"compress": True}
 #: topologies whose neighbour set never changes: one own public copy serves every neighbour
 STATIC_TOPOLOGIES = ("ring", "complete")
+#: update rules (docs/gasloc.md §2): "ours" d ← γd + (My − θ0), θ ← θ0 + d (momentum on the mixed
+#: increment); "laplacian-momentum" θ ← (I − αΛ)y + γ(y − y_prev) (momentum on successive proposals)
+RULES = ("ours", "laplacian-momentum")
 
 
 @dataclass
@@ -112,10 +133,14 @@ class GASLoCConfig(OuterConfig):
                    error feedback (β = 1); see the module docstring
     gossip_step    ξ, CHOCO's consensus step on the copy differences (compressed mode only);
                    1 = the uncompressed mixing when the codec is lossless
+    rule           "ours" (momentum on the mixed increment) or "laplacian-momentum" (on proposals)
+    max_copies     compressed mode: most peers whose public copies are kept (LRU, dynamic topologies)
+    bandwidth_refresh  topology "bandwidth": rounds between agreements on the link-cost table
     """
 
     topology: str = flag_field("ring", flag="gossip-topology", choices=TOPOLOGIES,
-                               help="Gossip graph (exponential needs a power-of-two W).")
+                               help="Gossip graph (exponential needs a power-of-two W; bandwidth: one-peer matchings that "
+                                    "use slow links less, from measured link times).")
     seed: int = flag_field(0, flag="gossip-seed", low=0,
                            help="Seed shared by all workers for the random matchings.")
     proposal_lr: float = flag_field(1.0, flag="gossip-proposal-lr", low=0.0, low_open=True,
@@ -133,6 +158,17 @@ class GASLoCConfig(OuterConfig):
     gossip_step: float = flag_field(0.05, flag="gossip-step", low=0.0, high=1.0, low_open=True, requires=_COMPRESSED,
                                     help="With --sparseloco-gossip-compress: step ξ on the public-copy differences "
                                          "(1 diverges at k=64/4096, see docs/gasloc.md).")
+
+    rule: str = flag_field("ours", flag="gossip-rule", choices=RULES,
+                           help="Update rule: ours (momentum on the mixed increment) or laplacian-momentum "
+                                "(θ ← (I−αΛ)y + γ(y − y_prev)); docs/gasloc.md §2.")
+    max_copies: int = flag_field(4, flag="gossip-max-copies", low=1, requires=_COMPRESSED,
+                                 help="With --sparseloco-gossip-compress: most peers whose public copies a worker "
+                                      "keeps (LRU; 2 shard-sized fp32 copies per peer on one-peer topologies).")
+    bandwidth_refresh: int = flag_field(8, flag="gossip-bandwidth-refresh", low=1,
+                                        requires={"topology": "bandwidth"},
+                                        help="Topology bandwidth: rounds between agreements on the measured "
+                                             "link-cost table (a W-float point-to-point exchange).")
 
     #: the mixed increment d is applied with step 1 (θ ← θ0 + d), heavy ball: the step on Δ is proposal_lr
     implied_flags = {"outer-lr": 1.0, "outer-nesterov": False}
@@ -160,43 +196,45 @@ class GASLoCConfig(OuterConfig):
         if self.compress:
             check_codec(self.codec(), "GASLoCConfig codec")
             check_bucket_holds_a_chunk(self)
+            if self.topology not in STATIC_TOPOLOGIES and self.max_copies < MAX_DEGREE[self.topology]:
+                raise ConfigError(f"max_copies must be >= {MAX_DEGREE[self.topology]} for topology "
+                                  f"{self.topology!r} (a worker meets that many peers in one round and needs a "
+                                  f"copy pair for each), got {self.max_copies}", "max_copies",
+                                  f"use `max_copies={MAX_DEGREE[self.topology]}` or more")
         return self
+
+    def static_degree(self, num_workers: int) -> int:
+        """Neighbours of a static topology (ring, complete) with W workers; 0 for the others."""
+        if self.topology == "ring":
+            return min(2, num_workers - 1)
+        if self.topology == "complete":
+            return num_workers - 1
+        return 0
+
+    def check_copies(self, num_workers: int, shard_numel: Optional[int] = None) -> None:
+        """Compressed static topologies keep a heard copy per neighbour, all needed every round:
+        refuse when ``max_copies`` is below the degree, with the memory it would take."""
+        deg = self.static_degree(num_workers)
+        if not self.compress or deg <= self.max_copies:
+            return
+        mem = (f" = {(1 + deg) * 4 * shard_numel / 2**20:.1f} MiB for this rank's {shard_numel}-element shard"
+               if shard_numel is not None else "")
+        raise ConfigError(
+            f"max_copies={self.max_copies} is below the {deg} neighbours of compressed topology {self.topology!r} "
+            f"with {num_workers} workers: it keeps 1 + {deg} fp32 copies of the shard{mem}", "max_copies",
+            f"use `max_copies={deg}` to accept that memory, or a one-peer topology (`topology=random1`, "
+            "exponential, bandwidth), whose copies are capped")
 
     def check_workers(self, num_workers: int) -> None:
         if self.topology == "exponential" and num_workers & (num_workers - 1):
             raise ConfigError(f"topology 'exponential' needs a power-of-two number of workers, got {num_workers}",
                               "topology", "use `topology=ring` or random1/random2, or a power-of-two W")
-
-def exchange_per_peer(payloads: Dict[int, torch.Tensor], recv_nbytes: Optional[Dict[int, int]],
-                      group: Optional[dist.ProcessGroup], counter: CommCounter) -> Dict[int, torch.Tensor]:
-    """``comm.p2p.exchange`` for 1-D uint8 payloads, one (possibly different, any size) per peer.
-
-    ``recv_nbytes``: the size each peer's payload will have when both sides know it (packed codec,
-    dense refresh); None exchanges the sizes first (one int64 per peer, kind ``"p2p_sizes"``).
-    Payloads travel in one ``batch_isend_irecv`` (kind ``"p2p"``, exact bytes).
-    """
-    peers = _check_peers(sorted(payloads), group)
-    if not peers:
-        return {}
-    for p in peers:
-        if payloads[p].dtype != torch.uint8 or payloads[p].dim() != 1 or payloads[p].numel() == 0:
-            raise ValueError(f"payload for peer {p} must be a non-empty 1-D uint8 tensor")
-    dev = payloads[peers[0]].device
-    if recv_nbytes is None:
-        out = {p: torch.tensor([payloads[p].numel()], dtype=torch.int64, device=dev) for p in peers}
-        sizes = {p: torch.empty(1, dtype=torch.int64, device=dev) for p in peers}
-        _p2p(out, sizes, group)
-        counter.add("p2p_sizes", 8 * len(peers), 8 * len(peers))
-        recv_nbytes = {p: int(sizes[p].item()) for p in peers}
-    received = {p: torch.empty(recv_nbytes[p], dtype=torch.uint8, device=dev) for p in peers}
-    _p2p({p: payloads[p].contiguous() for p in peers}, received, group)
-    counter.add("p2p", sum(payloads[p].numel() for p in peers), sum(r.numel() for r in received.values()))
-    return received
-
+        self.check_copies(num_workers)
 
 @register_outer_strategy("gasloc")
 class GASLoC(OuterStrategy):
-    """Gossip outer step with momentum; see the module docstring. Extra state: ``momentum`` (d)."""
+    """Gossip outer step with momentum; see the module docstring. Extra state: ``momentum`` (d, rule
+    "ours") or ``proposal_lag`` (v = y_prev − θ0, rule "laplacian-momentum")."""
 
     name = "gasloc"
     config_class = GASLoCConfig
@@ -209,12 +247,25 @@ class GASLoC(OuterStrategy):
         if not isinstance(config, GASLoCConfig):
             raise ConfigError(f"GASLoC needs a GASLoCConfig, got {type(config).__name__}")
         super().__init__(params, group, config, names, slices)
-        self.momentum = torch.zeros_like(self.anchor)
+        config.check_copies(self.world_size, self.params.numel)
+        self.laplacian = config.rule == "laplacian-momentum"
+        # rule "ours": d (heavy ball); "laplacian-momentum": v = y_{t−1} − θ_t, v = 0 at the start
+        # meaning y_{−1} := θ_0 (no momentum in round 0). The other one is None (not kept).
+        self.momentum: Optional[torch.Tensor] = None if self.laplacian else torch.zeros_like(self.anchor)
+        self.proposal_lag: Optional[torch.Tensor] = torch.zeros_like(self.anchor) if self.laplacian else None
         # compressed mode: CHOCO public copies, allocated the first time a peer is met
         self.codec: Optional[CodecConfig] = config.codec() if config.compress else None
         self.static = config.topology in STATIC_TOPOLOGIES
         self.own_copy: Dict[int, torch.Tensor] = {}    # peer j → x̂_{me→j} (static: one shared tensor)
         self.heard_copy: Dict[int, torch.Tensor] = {}  # peer j → x̂_{j→me}
+        #: dynamic topologies, compressed: every worker's LRU of peers (simulated for all W workers
+        #: from the shared matchings, so both ends of a pair agree on whether its copies survive)
+        self._lru: Optional[List["OrderedDict[int, None]"]] = None
+        # bandwidth topology: the agreed link-cost table, and this worker's measurements since
+        self.link_costs: Optional[List[List[float]]] = None
+        self._cost_row: List[float] = [0.0] * self.world_size        # seconds per byte, 0: not measured
+        self._measured: Dict[int, List[float]] = {}                   # peer → [seconds, bytes] since agreement
+        self._edges_cache: Optional[Tuple[int, list]] = None
 
     def buckets(self):
         n, b = self.params.numel, self.config.effective_bucket_numel
@@ -227,11 +278,61 @@ class GASLoC(OuterStrategy):
         return sum(t.numel() * t.element_size() for t in seen.values())
 
     # ------------------------------------------------------------------ topology
-    def round_neighbours(self, round: Optional[int] = None) -> List[Tuple[int, float]]:
-        """``[(peer, M[me, peer])]`` for outer round ``round`` (default: the next step's round)."""
+    def round_edges(self, round: Optional[int] = None) -> list:
+        """All edges ``(i, j, w)`` of round ``round`` (default: the next step's), the same on every worker."""
         r = self.outer_steps if round is None else round
         c: GASLoCConfig = self.config  # type: ignore[assignment]
-        return neighbours(c.topology, self.world_size, r, c.seed, self.rank, c.mixing_weight)
+        if self._edges_cache is not None and self._edges_cache[0] == r:
+            return self._edges_cache[1]
+        out = edges(c.topology, self.world_size, r, c.seed, c.mixing_weight, self.link_costs)
+        self._edges_cache = (r, out)
+        return out
+
+    def round_neighbours(self, round: Optional[int] = None) -> List[Tuple[int, float]]:
+        """``[(peer, M[me, peer])]`` for outer round ``round`` (default: the next step's round)."""
+        return neighbours_from_edges(self.round_edges(round), self.rank)
+
+    # ------------------------------------------------------------------ bandwidth topology
+    def _record_link(self, peer: int, seconds: float, nbytes: int) -> None:
+        """One timed exchange with ``peer`` (seconds for ``nbytes`` sent each way)."""
+        acc = self._measured.setdefault(peer, [0.0, 0.0])
+        acc[0] += seconds
+        acc[1] += nbytes
+
+    def _agree_link_costs(self) -> None:
+        """Every ``bandwidth_refresh`` rounds: each worker sends its row of measured costs (seconds
+        per byte, W fp64) to every other worker, point to point, and all build the same table."""
+        W = self.world_size
+        for p, (sec, nb) in self._measured.items():
+            if nb > 0:
+                self._cost_row[p] = sec / nb
+        self._measured.clear()
+        row = torch.tensor(self._cost_row, dtype=torch.float64)
+        got = exchange(row, [p for p in range(W) if p != self.rank], self.group, self.counter, kind="p2p_costs")
+        table = [self._cost_row if i == self.rank else got[i].tolist() for i in range(W)]
+        self.link_costs = symmetric_costs(table, W)
+        self._edges_cache = None
+
+    def _timed_exchange(self, fn, peers: List[int], nbytes: int):
+        if self.config.topology != "bandwidth" or not peers:  # type: ignore[attr-defined]
+            return fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        out = fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        for p in peers:
+            self._record_link(p, dt, nbytes)
+        return out
+
+    def _begin_round(self, peers: List[int]) -> None:
+        """Bandwidth topology: a 1-element handshake with this round's peer, so that the timed
+        payload exchanges measure the link and not the partner's late arrival."""
+        if self.config.topology == "bandwidth" and peers:  # type: ignore[attr-defined]
+            exchange(torch.zeros(1, dtype=torch.float32, device=self.device), peers, self.group, self.counter,
+                     kind="p2p_sync")
 
     # ------------------------------------------------------------------ guard
     #: local check only (no collective): the verdict travels with the proposals
@@ -244,13 +345,39 @@ class GASLoC(OuterStrategy):
             f"{self.name} outer step {self.outer_steps + 1}: non-finite pseudo-gradient in {where}; θ_outer left "
             "untouched (policy 'abort'; use nonfinite_policy='skip' to let that worker discard its local progress)")
 
+    # ------------------------------------------------------------------ the update rule
+    def _apply_rule(self, s: int, e: int, y: torch.Tensor, mix: torch.Tensor) -> float:
+        """θ0 ← the rule's new point from proposal ``y`` and mixed proposal ``mix`` (consumed) on one
+        bucket; returns ‖θ_new − θ0‖².
+
+        ours:                d ← γd + (m − θ0) ;  θ ← θ0 + d
+        laplacian-momentum:  θ ← m + γ(y − y_prev),  y − y_prev = (y − θ0) − v,  then v ← y − θ_new
+        """
+        c: GASLoCConfig = self.config  # type: ignore[assignment]
+        theta0 = self.anchor[s:e]
+        if not self.laplacian:
+            d = self.momentum[s:e]
+            d.mul_(c.momentum).add_(mix.sub_(theta0))  # d ← γd + (m − θ0)
+            theta0.add_(d)  # θ_outer ← θ0 + d (in place on the anchor)
+            return float(torch.dot(d, d))
+        v = self.proposal_lag[s:e]
+        step = torch.sub(y, theta0).sub_(v)            # y_t − y_{t−1}
+        new = mix.add_(step, alpha=c.momentum)         # θ_{t+1} = (I − αΛ)y_t + γ(y_t − y_{t−1})
+        upd = torch.sub(new, theta0)
+        theta0.copy_(new)
+        torch.sub(y, theta0, out=v)                    # v ← y_t − θ_{t+1}
+        return float(torch.dot(upd, upd))
+
     # ------------------------------------------------------------------ the step
     def _outer_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
+        c: GASLoCConfig = self.config  # type: ignore[assignment]
+        if c.topology == "bandwidth" and self.outer_steps > 0 and self.outer_steps % c.bandwidth_refresh == 0:
+            self._agree_link_costs()
         if self.codec is not None:
             return self._compressed_step(stats, nonfinite_tensor)
-        c: GASLoCConfig = self.config  # type: ignore[assignment]
         nbrs = self.round_neighbours()
         peers = [p for p, _ in nbrs]
+        self._begin_round(peers)
         self_weight = 1.0 - sum(w for _, w in nbrs)
         abort = c.nonfinite_policy == "abort"
         bad = nonfinite_tensor is not None
@@ -271,7 +398,8 @@ class GASLoC(OuterStrategy):
                     y.mul_(-c.proposal_lr).add_(theta0)  # y = θ0 − ηΔ
                 send[n] = 1.0 if bad else 0.0
             with self._timer(stats, "time_communicate_s"):
-                received = exchange(send, peers, self.group, self.counter)
+                received = self._timed_exchange(lambda: exchange(send, peers, self.group, self.counter), peers,
+                                                4 * (n + 1))
             bad_peers = sorted(p for p, buf in received.items() if buf[n].item() != 0.0)
             peers_nonfinite.update(bad_peers)
             if abort and (bad or bad_peers):  # always at bucket 0: the flag rides on every bucket
@@ -283,10 +411,7 @@ class GASLoC(OuterStrategy):
                 for _, w, v in terms:  # same order on every worker: identical sums on the complete graph
                     mix.add_(v, alpha=w)
                 sq_shift += float(torch.sum((mix - y) ** 2))
-                d = self.momentum[s:e]
-                d.mul_(c.momentum).add_(mix.sub_(theta0))  # d ← γd + (m − θ0)
-                sq_update += float(torch.dot(d, d))
-                theta0.add_(d)  # θ_outer ← θ0 + d (in place on the anchor)
+                sq_update += self._apply_rule(s, e, y, mix)
                 self.write_back(s, e)
         stats.delta_norm = math.sqrt(sq_delta)
         stats.update_norm = math.sqrt(sq_update)
@@ -294,10 +419,34 @@ class GASLoC(OuterStrategy):
         stats.extra.update({"gossip_peers": float(len(peers)), "self_weight": self_weight,
                             "mix_shift_norm": math.sqrt(sq_shift), "peers_nonfinite": float(len(peers_nonfinite))})
 
-
     # ------------------------------------------------------------------ compressed step (CHOCO copies)
-    def _new_copies(self, peers: List[int]) -> List[int]:
-        """Allocate the copies of the peers met for the first time; return those peers (dense refresh)."""
+    def _plan_copies(self, peers: List[int]) -> List[int]:
+        """Decide which copies this round refreshes densely, evict, allocate; return the fresh peers.
+
+        Static topologies: copies are made at the first meeting and kept (``max_copies`` ≥ degree is
+        checked at construction). Dynamic ones: every worker keeps an LRU of at most ``max_copies``
+        peers; the copies of pair (i, j) are valid iff j is in i's LRU and i in j's. Every worker
+        simulates all W LRUs from the round's full matching (the same everywhere), so both ends of a
+        pair agree. The LRUs are updated with this round's edges *before* allocating, and copies of
+        peers no longer valid are freed first: at no time are more than ``max_copies`` peers' copies
+        held (the round's own peers are always valid after the update: max_copies ≥ the degree).
+        """
+        me = self.rank
+        if not self.static:
+            cap = self.config.max_copies  # type: ignore[attr-defined]
+            if self._lru is None:
+                self._lru = [OrderedDict() for _ in range(self.world_size)]
+            lru = self._lru
+            for i, j, _ in self.round_edges():
+                for a, b in ((i, j), (j, i)):
+                    lru[a].pop(b, None)
+                    lru[a][b] = None
+                    while len(lru[a]) > cap:
+                        lru[a].popitem(last=False)
+            keep = {p for p in lru[me] if me in lru[p]}
+            assert set(peers) <= keep, (peers, keep)
+            for p in [q for q in self.heard_copy if q not in keep]:
+                del self.heard_copy[p], self.own_copy[p]
         fresh = [p for p in peers if p not in self.heard_copy]
         if self.static and fresh and len(fresh) != len(peers):
             raise RuntimeError(f"{self.name}: static topology met new and known peers in one round ({peers})")
@@ -315,10 +464,11 @@ class GASLoC(OuterStrategy):
         c: GASLoCConfig = self.config  # type: ignore[assignment]
         nbrs = self.round_neighbours()
         peers = [p for p, _ in nbrs]
+        self._begin_round(peers)
         self_weight = 1.0 - sum(w for _, w in nbrs)
         abort = c.nonfinite_policy == "abort"
         bad = nonfinite_tensor is not None
-        fresh = set(self._new_copies(peers))
+        fresh = set(self._plan_copies(peers))
         packed = c.index_coding == "packed"
         flag = torch.tensor([1 if bad else 0], dtype=torch.uint8, device=self.device)
         sq_delta = sq_update = sq_shift = sq_resid = 0.0
@@ -358,7 +508,9 @@ class GASLoC(OuterStrategy):
                 else:
                     recv_nbytes = None
             with self._timer(stats, "time_communicate_s"):
-                received = exchange_per_peer(payloads, recv_nbytes, self.group, self.counter)
+                sent_bytes = max((int(b.numel()) for b in payloads.values()), default=0)
+                received = self._timed_exchange(
+                    lambda: exchange_per_peer(payloads, recv_nbytes, self.group, self.counter), peers, sent_bytes)
             bad_peers = sorted(p for p, buf in received.items() if int(buf[-1].item()) != 0)
             peers_nonfinite.update(bad_peers)
             if abort and (bad or bad_peers):  # at bucket 0, before any copy changed
@@ -376,12 +528,9 @@ class GASLoC(OuterStrategy):
                 corr = torch.zeros(n, dtype=torch.float32, device=self.device)
                 for p, w in nbrs:  # sorted by peer
                     corr.add_(self.heard_copy[p][s:e] - self.own_copy[p][s:e], alpha=w)
-                mix = y.add_(corr, alpha=c.gossip_step)  # m = y + ξ Σ_j M_ij (x̂_{j→i} − x̂_{i→j})
+                mix = torch.add(y, corr, alpha=c.gossip_step)  # m = y + ξ Σ_j M_ij (x̂_{j→i} − x̂_{i→j})
                 sq_shift += float(torch.dot(corr, corr)) * c.gossip_step ** 2
-                d = self.momentum[s:e]
-                d.mul_(c.momentum).add_(mix.sub_(theta0))  # d ← γd + (m − θ0)
-                sq_update += float(torch.dot(d, d))
-                theta0.add_(d)
+                sq_update += self._apply_rule(s, e, y, mix)
                 self.write_back(s, e)
         stats.delta_norm = math.sqrt(sq_delta)
         stats.update_norm = math.sqrt(sq_update)
@@ -406,11 +555,17 @@ class GASLoC(OuterStrategy):
         copy[dec.indices] += dec.values
 
     # ------------------------------------------------------------------ state
-    elementwise_buffers = ("momentum",)
+    elementwise_buffers = ("momentum", "proposal_lag")  # one of them None, by rule
 
     def load_state_dict(self, sd: dict) -> None:
         """Public copies are not checkpointed: they are dropped, and every pair refreshes them densely
-        at its next meeting (all workers resume from the same round, so both ends agree)."""
+        at its next meeting (all workers resume from the same round, so both ends agree). Neither is
+        the bandwidth topology's link-cost table: uniform matchings until the next agreement."""
         super().load_state_dict(sd)
         self.own_copy.clear()
         self.heard_copy.clear()
+        self._lru = None
+        self.link_costs = None
+        self._cost_row = [0.0] * self.world_size
+        self._measured.clear()
+        self._edges_cache = None
