@@ -291,6 +291,18 @@ class OuterLoopOptimizer:
         timers = getattr(getattr(self.members[0], "config", None), "timers", None) if self.members else None
         return timers(name, log_level=1) if timers is not None else None
 
+    @contextlib.contextmanager
+    def _lost_worker_named(self, step_no: int):
+        """A collective failure inside the block (timeout, closed peer) becomes the watch's
+        ``WorkerLostError`` naming the workers that never reached outer step ``step_no`` (W > 1);
+        ``NonFiniteError`` and single-worker errors pass through unchanged."""
+        try:
+            yield
+        except (RuntimeError, dist.DistBackendError) as exc:
+            if self.num_workers > 1 and not isinstance(exc, NonFiniteError):
+                raise self.watch.fail(step_no, exc, self.config.outer_timeout_s or 0.0) from exc
+            raise
+
     @torch.no_grad()
     def outer_step(self, fragment: Optional[int] = None) -> List[OuterStepStats]:
         """The blocking outer step of every strategy (``fragment``: of that fragment's only)."""
@@ -301,12 +313,8 @@ class OuterLoopOptimizer:
         t0 = time.perf_counter()
         step_no = self.outer_steps + 1
         self.watch.arrive(step_no)
-        try:
+        with self._lost_worker_named(step_no):
             stats = [s.step() for s in strategies]
-        except (RuntimeError, dist.DistBackendError) as exc:
-            if self.num_workers > 1 and not isinstance(exc, NonFiniteError):
-                raise self.watch.fail(step_no, exc, self.config.outer_timeout_s or 0.0) from exc
-            raise
         if fragment in (None, 0):  # tied params are in fragment 0
             self.tied.sync(self.shards, self.strategy_of)
         self._publish_main_params()
@@ -336,13 +344,9 @@ class OuterLoopOptimizer:
         t0 = time.perf_counter()
         step_no = self.outer_steps + 1
         self.watch.arrive(step_no)
-        try:
+        with self._lost_worker_named(step_no):
             for d in delayed:
                 d.launch()
-        except (RuntimeError, dist.DistBackendError) as exc:
-            if self.num_workers > 1 and not isinstance(exc, NonFiniteError):
-                raise self.watch.fail(step_no, exc, self.config.outer_timeout_s or 0.0) from exc
-            raise
         if any(d.merge_due and not d.in_flight for d in delayed):  # a skipped round reset θ_local
             if fragment in (None, 0):
                 self.tied.sync(self.shards, self.strategy_of)
@@ -368,12 +372,8 @@ class OuterLoopOptimizer:
         if not any(d.in_flight for d in delayed):
             return
         step_no = self.outer_steps + 1
-        try:
+        with self._lost_worker_named(step_no):
             stats = [d.wait() for d in delayed]
-        except (RuntimeError, dist.DistBackendError) as exc:
-            if self.num_workers > 1 and not isinstance(exc, NonFiniteError):
-                raise self.watch.fail(step_no, exc, self.config.outer_timeout_s or 0.0) from exc
-            raise
         stats = [s for s in stats if s is not None]
         if stats:
             self._record(stats)
