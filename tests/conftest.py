@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # Keep each test process to one thread: multi-rank tests share 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -11,3 +13,14 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """The byte-level corpus (300 kB, 10 % validation) the real-loop checkpoint tests train on,
+    built once per session. Megatron keeps its sample-index caches beside it; they are keyed by
+    the dataset config, so runs with other settings do not share them."""
+    from megatron_sparseloco.data.build import build_dataset
+    return build_dataset(str(tmp_path_factory.mktemp("corpus")), max_bytes=300_000, valid_percent=10.0,
+                         log=lambda *_: None)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megatron_sparseloco.demo import build_command, run_training
+from megatron_sparseloco.testing.prefork import use_prefork
 
 H, ITERS, SAVE_AT = 5, 12, 7
 PREFIX = "optimizer.sparseloco."
@@ -31,7 +32,7 @@ def _run(tmp_path, data, name, nproc, extra, train_iters=ITERS, workers=2, expec
                         extra=["--num-layers", "2", "--hidden-size", "64", "--ckpt-format", "torch_dist",
                                "--lr-warmup-iters", "1"] + extra)
     summary = str(tmp_path / f"{name}.json")
-    res = run_training(cmd, str(tmp_path / f"{name}.log"), summary, timeout=400, echo=lambda *_: None)
+    res = run_training(use_prefork(cmd), str(tmp_path / f"{name}.log"), summary, timeout=400, echo=lambda *_: None)
     if not expect_ok:
         return res, None
     assert res["returncode"] == 0, "\n".join(res["log_lines"][-60:])
@@ -53,9 +54,8 @@ def _only_iteration(src_dir, iteration, dst_dir):
 
 
 @pytest.mark.timeout(1200)
-def test_resume_with_other_intra_worker_dp_size_keeps_outer_state(tmp_path):
-    from megatron_sparseloco.data.build import build_dataset
-    data = build_dataset(str(tmp_path / "data"), max_bytes=300_000, valid_percent=10.0, log=lambda *_: None)
+def test_resume_with_other_intra_worker_dp_size_keeps_outer_state(tmp_path, corpus):
+    data = corpus
 
     ckpt_a = tmp_path / "ckpt_a"
     res_a, sum_a = _run(tmp_path, data, "a", 4, ["--save", str(ckpt_a), "--save-interval", str(SAVE_AT)])
@@ -111,13 +111,12 @@ def test_resume_with_other_intra_worker_dp_size_keeps_outer_state(tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_plain_megatron_checkpoint_continues_with_outer_loop(tmp_path):
+def test_plain_megatron_checkpoint_continues_with_outer_loop(tmp_path, corpus):
     """A checkpoint of a plain Megatron run (no outer state) resumed with 2 SparseLoCo workers: Megatron's
     state loads, θ_outer is anchored on the *loaded* params (not the random init the optimizer was built
     from), so the first outer step does not throw the model back: the loss after it stays near the
     loss at resume. Warned about in the log."""
-    from megatron_sparseloco.data.build import build_dataset
-    data = build_dataset(str(tmp_path / "data"), max_bytes=300_000, valid_percent=10.0, log=lambda *_: None)
+    data = corpus
     ckpt = tmp_path / "ckpt"
     end = SAVE_AT + H + 2
     cmd_args = dict(nproc=2, inner_steps=H, train_iters=end, eval_interval=100, eval_iters=1, log_interval=1,
@@ -127,11 +126,11 @@ def test_plain_megatron_checkpoint_continues_with_outer_loop(tmp_path):
     prefixes = {"train": data.prefix("train"), "valid": data.prefix("valid")}
     plain = build_command(prefixes, workers=2, algorithm="none", **cmd_args)
     plain += ["--save", str(ckpt), "--save-interval", str(SAVE_AT), "--exit-interval", str(SAVE_AT)]
-    res = run_training(plain, str(tmp_path / "plain.log"), str(tmp_path / "plain.json"), timeout=300, echo=lambda *_: None)
+    res = run_training(use_prefork(plain), str(tmp_path / "plain.log"), str(tmp_path / "plain.json"), timeout=300, echo=lambda *_: None)
     assert res["returncode"] == 0, "\n".join(res["log_lines"][-60:])
     outer = build_command(prefixes, workers=2, algorithm="sparseloco", **cmd_args)
     outer += ["--load", str(ckpt)]
-    res = run_training(outer, str(tmp_path / "outer.log"), str(tmp_path / "outer.json"), timeout=300, echo=lambda *_: None)
+    res = run_training(use_prefork(outer), str(tmp_path / "outer.log"), str(tmp_path / "outer.json"), timeout=300, echo=lambda *_: None)
     assert res["returncode"] == 0, "\n".join(res["log_lines"][-60:])
     log = "\n".join(res["log_lines"])
     assert "checkpoint has no sparseloco outer state" in log
@@ -167,7 +166,7 @@ def test_moe_dense_and_expert_state_reshard_bitwise(tmp_path):
                             eval_iters=1, log_interval=1, micro_batch_size=4 // nproc, seq_length=32,
                             extra=["--num-layers", "2", "--hidden-size", "64", "--ckpt-format", "torch_dist",
                                    "--lr-warmup-iters", "1"] + MOE_FLAGS + extra)
-        res = run_training(cmd, str(tmp_path / f"{name}.log"), str(tmp_path / f"{name}.json"), timeout=300,
+        res = run_training(use_prefork(cmd), str(tmp_path / f"{name}.log"), str(tmp_path / f"{name}.json"), timeout=300,
                            echo=lambda *_: None)
         assert res["returncode"] == 0, "\n".join(res["log_lines"][-60:])
 

@@ -13,6 +13,7 @@ import shutil
 import pytest
 
 from megatron_sparseloco.demo import build_command, run_training
+from megatron_sparseloco.testing.prefork import use_prefork
 
 H, ITERS, SAVE_AT = 5, 12, 7
 
@@ -29,7 +30,7 @@ def _run(tmp_path, data, name, extra, expect_ok=True, env=None, launcher=None):
     old_env = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
-        res = run_training(cmd, str(tmp_path / f"{name}.log"), summary, timeout=280, echo=lambda *_: None)
+        res = run_training(use_prefork(cmd), str(tmp_path / f"{name}.log"), summary, timeout=280, echo=lambda *_: None)
     finally:
         for k, v in old_env.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -41,9 +42,8 @@ def _run(tmp_path, data, name, extra, expect_ok=True, env=None, launcher=None):
 
 
 @pytest.mark.timeout(900)
-def test_resume_mid_inner_loop_is_bitwise_identical(tmp_path):
-    from megatron_sparseloco.data.build import build_dataset
-    data = build_dataset(str(tmp_path / "data"), max_bytes=300_000, valid_percent=10.0, log=lambda *_: None)
+def test_resume_mid_inner_loop_is_bitwise_identical(tmp_path, corpus):
+    data = corpus
     ckpt_a = tmp_path / "ckpt_a"
     res_a, sum_a = _run(tmp_path, data, "a", ["--save", str(ckpt_a), "--save-interval", str(SAVE_AT)])
     assert (ckpt_a / f"iter_{SAVE_AT:07d}").is_dir() and (ckpt_a / f"iter_{ITERS:07d}").is_dir()
@@ -97,13 +97,12 @@ def test_megatron_workarounds_still_needed():
 
 
 @pytest.mark.timeout(900)
-def test_crash_inside_outer_step_resumes_from_last_complete_checkpoint(tmp_path):
+def test_crash_inside_outer_step_resumes_from_last_complete_checkpoint(tmp_path, corpus):
     """Worker 1 dies inside outer step 2 (iteration 10), after the iteration-5 checkpoint, when the
     workers' states are mixed. (torchrun then stops the other rank at once; that a surviving worker
     names the dead one is tested in test_megatron_faults.py.) The tracker still names iteration 5,
     no later checkpoint exists, and resuming from it ends bitwise where an uninterrupted run ends."""
-    from megatron_sparseloco.data.build import build_dataset
-    data = build_dataset(str(tmp_path / "data"), max_bytes=300_000, valid_percent=10.0, log=lambda *_: None)
+    data = corpus
     _, ref = _run(tmp_path, data, "ref", [])
     ckpt = tmp_path / "ckpt"
     launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_launcher.py")

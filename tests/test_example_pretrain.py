@@ -13,6 +13,7 @@ import re
 import pytest
 
 from megatron_sparseloco.demo import build_command, parse_megatron_log, run_training, summarize_counters
+from megatron_sparseloco.testing.prefork import use_prefork
 
 ITERS, H, LOG_INTERVAL = 20, 5, 5
 
@@ -162,7 +163,7 @@ def test_example_pretrain_moe_mock_data(tmp_path):
     i = cmd.index("--train-data-path")
     del cmd[i:i + 4]
     counters_path = str(tmp_path / "counters.json")
-    res = run_training(cmd, str(tmp_path / "train.log"), counters_path, timeout=180, echo=lambda *_: None)
+    res = run_training(use_prefork(cmd), str(tmp_path / "train.log"), counters_path, timeout=180, echo=lambda *_: None)
     tail = "\n".join(res["log_lines"][-60:])
     assert res["returncode"] == 0, tail
     assert res["iterations"] == [1, 2, 3, 4], tail

@@ -17,9 +17,8 @@ TAU = 3
 
 
 @pytest.mark.timeout(900)
-def test_save_inside_overlap_window_resumes_bitwise(tmp_path):
-    from megatron_sparseloco.data.build import build_dataset
-    data = build_dataset(str(tmp_path / "data"), max_bytes=300_000, valid_percent=10.0, log=lambda *_: None)
+def test_save_inside_overlap_window_resumes_bitwise(tmp_path, corpus):
+    data = corpus
     overlap = ["--sparseloco-overlap-steps", str(TAU)]
     ckpt_a = tmp_path / "ckpt_a"
     res_a, sum_a = _run(tmp_path, data, "a", overlap + ["--save", str(ckpt_a), "--save-interval", str(SAVE_AT)])
@@ -47,12 +46,11 @@ FRAGMENTS = ["--sparseloco-fragments", "2", "--sparseloco-overlap-steps", "1"]
 
 
 @pytest.mark.timeout(900)
-def test_fragments_save_inside_a_fragment_window_resumes_bitwise(tmp_path):
+def test_fragments_save_inside_a_fragment_window_resumes_bitwise(tmp_path, corpus):
     """P = 2 fragments with τ = 1 (H = 5: fragment 0 launches at 5, 10 and merges at 6, 11; fragment 1,
     offset 2, launches at 2, 7, 12 and merges at 3, 8). The save at 7 falls inside fragment 1's window:
     the resumed run's losses, θ_outer of both fragments and every rank's main params are bitwise A's."""
-    from megatron_sparseloco.data.build import build_dataset
-    data = build_dataset(str(tmp_path / "data"), max_bytes=300_000, valid_percent=10.0, log=lambda *_: None)
+    data = corpus
     ckpt_a = tmp_path / "ckpt_a"
     res_a, sum_a = _run(tmp_path, data, "a", FRAGMENTS + ["--save", str(ckpt_a), "--save-interval", str(SAVE_AT)])
     ckpt_b = tmp_path / "ckpt_b"

@@ -30,6 +30,7 @@ import re
 import pytest
 
 from megatron_sparseloco.demo import build_command, run_training
+from megatron_sparseloco.testing.prefork import use_prefork
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "semantics_launcher.py")
 
@@ -53,7 +54,7 @@ def launch(tmp_path, name, *, nproc=2, workers=2, algorithm="sparseloco", H=2, i
     saved = {k: os.environ.get(k) for k in ["SEMANTICS_OUT"] + list(env or {})}
     os.environ.update({"SEMANTICS_OUT": out, **(env or {})})
     try:
-        res = run_training(cmd, out + "/train.log", out + "/summary.json", timeout=timeout, echo=lambda *_: None)
+        res = run_training(use_prefork(cmd), out + "/train.log", out + "/summary.json", timeout=timeout, echo=lambda *_: None)
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)

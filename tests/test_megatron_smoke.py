@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from megatron_sparseloco.testing.multirank import run_ranks  # noqa: E402
+from megatron_sparseloco.testing.prefork import use_prefork  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.megatron]
 
@@ -219,7 +220,7 @@ def test_megatron_training_pretrain_two_ranks(tmp_path):
     assert "--sparseloco-algorithm" not in cmd
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, cwd=str(tmp_path))
+    proc = subprocess.run(use_prefork(cmd), env=env, capture_output=True, text=True, timeout=TIMEOUT, cwd=str(tmp_path))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-8000:]
     seen = [int(m) for m in re.findall(r"iteration\s+(\d+)/\s*%d" % iters, out)]

@@ -2,10 +2,11 @@
 
     results = run_ranks(fn, world_size=4, args=(...,), timeout=120)
 
-``fn(rank, world_size, *args)`` runs in a fresh process (spawn) after
+``fn(rank, world_size, *args)`` runs in its own process after
 ``torch.distributed.init_process_group("gloo")`` on a free 127.0.0.1 port; its return value
 (picklable) comes back in ``results[rank]``. An exception in any rank fails the call with that
-rank's traceback. A rank still running ``timeout`` seconds after start dumps all its threads'
+rank's traceback. Ranks are forked from multiprocessing's fork server, which imported ``PRELOAD``
+once per test session (a spawned rank re-imported torch and megatron: seconds per rank). A rank still running ``timeout`` seconds after start dumps all its threads'
 stacks (faulthandler) and is killed, and the call raises ``RankTimeout`` carrying every rank's
 captured output, so a hung collective fails a test instead of hanging CI.
 """
@@ -21,6 +22,12 @@ import tempfile
 import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
+
+
+#: what the fork server imports once per test session: a rank is forked from it, so it starts with
+#: torch and megatron imported (spawn re-imported them per rank: about 7 CPU-seconds each, most of a
+#: multi-rank test's time on 2 cores). Third-party only; the rank imports ``fn``'s module itself.
+PRELOAD = ("torch", "torch.distributed", "numpy", "megatron.core", "megatron.training")
 
 
 class RankFailure(RuntimeError):
@@ -45,6 +52,7 @@ def _rank_main(fn, rank, world_size, port, args, out_dir, timeout, env):
     sys.stdout = sys.stderr = log
     # Dump every thread's stack shortly before the parent gives up on us.
     faulthandler.dump_traceback_later(max(1.0, timeout - 2.0), exit=True, file=log)
+    os.environ.clear()                 # the caller's environment, not the fork server's
     os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -54,6 +62,8 @@ def _rank_main(fn, rank, world_size, port, args, out_dir, timeout, env):
         import torch
         import torch.distributed as dist
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        import numpy as np
+        np.random.seed()               # fresh, as a spawned process had it (Python's random reseeds at fork)
         from datetime import timedelta
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=timeout))
@@ -87,9 +97,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     Ranks in ``expect_dead`` are allowed to die without a result (fault-injection tests); their
     entry in the returned list is ``None``.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
     port = free_port()
-    env = dict(env or {})
+    env = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="sparseloco-ranks-") as out_dir:
         procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, tuple(args), out_dir, timeout, env),
                              daemon=True) for r in range(world_size)]
