@@ -101,7 +101,7 @@ class ModelCfg:
 
 @dataclass
 class RunCfg:
-    method: str                       # ddp | diloco | sparseloco | gasloc | torchft_diloco
+    method: str                       # ddp | diloco | sparseloco | gasloc | torchft_diloco | local (W workers, never synced)
     H: int = 15
     steps: int = 300                  # inner steps per worker
     k: Optional[int] = None           # sparseloco top-k of C=4096
@@ -152,7 +152,7 @@ class RunCfg:
             tag += f" tau={self.overlap_steps}" + ("" if self.overlap_merge == "replay" else f" {self.overlap_merge}")
         if self.fragments > 1:
             tag += f" P={self.fragments}"
-        return tag if self.method == "ddp" else f"{tag} H={self.H}"
+        return tag if self.method in ("ddp", "local") else f"{tag} H={self.H}"
 
 
 def strategy_fields(run: RunCfg) -> Dict:
@@ -226,7 +226,7 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
                                       num_distributed_optimizer_instances=instances)
     numel = _model_numel(chunks)
     outer = None
-    if run.method != "ddp":
+    if run.method not in ("ddp", "local"):
         from megatron_sparseloco.megatron.optimizer import OuterLoopConfig, OuterLoopOptimizer
         from megatron_sparseloco.outer.registry import build_outer_strategy
         fields_ = strategy_fields(run)

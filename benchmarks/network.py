@@ -233,7 +233,7 @@ def summarise(res, world, case):
             return (sum(steady) / len(steady)) if steady else None
         steps = curve[-1]["step"]
         wall = max(p["wall_s"] for p in per_rank)
-        row = {"case": case, "label": RunCfg(**run).label(), "method": run["method"], "k": run["k"], "H": run["H"] if run["method"] != "ddp" else None,
+        row = {"case": case, "label": RunCfg(**run).label(), "method": run["method"], "k": run["k"], "H": run["H"] if run["method"] not in ("ddp", "local") else None,
                "workers": world, "numel": per_rank[0]["numel"], "steps": steps, "tokens": curve[-1]["tokens"],
                "held_out_loss": curve[-1]["held_out_loss"],
                "bytes_sent_per_worker": int(max(p["bytes_sent"] for p in per_rank)),
@@ -248,9 +248,10 @@ def summarise(res, world, case):
 
 
 def add_time_to_target(rows):
-    """Target = the worst final held-out loss among the outer methods (ddp runs fewer steps and is
-    not part of the target); time = the first evaluation at or below it (training + sync clock)."""
-    outer = [r for r in rows if r["method"] != "ddp"] or rows
+    """Target = the worst final held-out loss among the outer methods (ddp runs fewer steps and
+    local never syncs: neither is part of the target); time = the first evaluation at or below it
+    (training + sync clock)."""
+    outer = [r for r in rows if r["method"] not in ("ddp", "local")] or rows
     target = max(r["held_out_loss"] for r in outer)
     for r in rows:
         r["target_loss"] = target
@@ -364,6 +365,8 @@ def main(argv=None) -> int:
     for P, t in frag_runs:
         methods += [RunCfg("diloco", overlap_steps=t, fragments=P, **base),
                     RunCfg("sparseloco", k=64, overlap_steps=t, fragments=P, **base)]
+    if taus or frag_runs:  # the same training with no outer communication: the tokens/s ceiling
+        methods.append(RunCfg("local", **base))
     if not args.no_ddp:  # dense DDP syncs every step: a third of the steps keeps its run short
         methods.insert(0, RunCfg("ddp", **dict(base, steps=steps if args.smoke else max(H, steps // 3))))
     out = {"benchmark": "network", "model": asdict(model), "machine": common.machine_info(),
