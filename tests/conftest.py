@@ -5,6 +5,13 @@ import pytest
 # Keep each test process to one thread: multi-rank tests share 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# megatron-core decorates its fused elementwise functions (bias-GeLU, bias-dropout-add) with
+# torch.compile, and megatron.training warms them up before training: on CPU inductor's C++
+# compile costs 2–4 s per launch, more than a test's training. The tests run them eagerly (dynamo
+# reads this when megatron is imported, so it is set before anything imports it). The tests that
+# launch exactly as a user does (tests/test_recipes_cpu_run.py, the example-script test) unset it.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 # Without a GPU, Triton kernels can only run in its CPU interpreter, and Triton reads
 # TRITON_INTERPRET once, at its first import (megatron-core imports triton early). Set it for the
 # whole session so tests/test_compress_triton.py checks the kernels instead of skipping.
@@ -13,7 +20,6 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
-
 
 
 @pytest.fixture(scope="session")

@@ -64,8 +64,10 @@ def test_summarize_counters_sums_ranks_per_worker():
 @pytest.mark.multirank
 @pytest.mark.megatron
 @pytest.mark.timeout(300)
-def test_example_pretrain_runs_unmodified_with_outer_loop(tmp_path):
+def test_example_pretrain_runs_unmodified_with_outer_loop(tmp_path, monkeypatch):
     from megatron_sparseloco.data.build import build_dataset
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)  # as a user runs it: Megatron's torch.compile on
 
     data = build_dataset(str(tmp_path / "data"), max_bytes=600_000, valid_percent=10.0, log=lambda *_: None)
     algorithm = _algorithm()
