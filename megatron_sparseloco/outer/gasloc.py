@@ -87,7 +87,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -232,6 +232,37 @@ class GASLoCConfig(OuterConfig):
         self.check_copies(num_workers)
 
 @register_outer_strategy("gasloc")
+@dataclass
+class _Round:
+    """One outer round of one worker: its neighbours and what the step adds up over the buckets."""
+
+    nbrs: List[Tuple[int, float]]
+    peers: List[int]
+    self_weight: float
+    bad: bool                              # this worker's pseudo-gradient is non-finite
+    nonfinite_tensor: Optional[str]
+    abort: bool
+    fresh: set = field(default_factory=set)  # compressed: peers refreshed densely this round
+    peers_nonfinite: set = field(default_factory=set)
+    sq_delta: float = 0.0
+    sq_update: float = 0.0
+    sq_shift: float = 0.0
+    sq_resid: float = 0.0
+    payload_bytes: int = 0
+
+    def into(self, stats: OuterStepStats, copies_bytes: Optional[int]) -> None:
+        stats.delta_norm = math.sqrt(self.sq_delta)
+        stats.update_norm = math.sqrt(self.sq_update)
+        stats.skipped = self.bad
+        stats.extra.update({"gossip_peers": float(len(self.peers)), "self_weight": self.self_weight,
+                            "mix_shift_norm": math.sqrt(self.sq_shift),
+                            "peers_nonfinite": float(len(self.peers_nonfinite))})
+        if copies_bytes is not None:
+            stats.error_norm = math.sqrt(self.sq_resid)  # ‖y − x̂‖ before sending, over the compressed payloads
+            stats.extra.update({"dense_refresh_peers": float(len(self.fresh)),
+                                "payload_bytes": float(self.payload_bytes), "copies_bytes": float(copies_bytes)})
+
+
 class GASLoC(OuterStrategy):
     """Gossip outer step with momentum; see the module docstring. Extra state: ``momentum`` (d, rule
     "ours") or ``proposal_lag`` (v = y_prev − θ0, rule "laplacian-momentum")."""
@@ -368,56 +399,71 @@ class GASLoC(OuterStrategy):
         torch.sub(y, theta0, out=v)                    # v ← y_t − θ_{t+1}
         return float(torch.dot(upd, upd))
 
-    # ------------------------------------------------------------------ the step
+    # ------------------------------------------------------------------ the step, in phases
+    # Both steps run per bucket: propose (compress timer) → exchange with this round's peers
+    # (communicate) → check the peers' non-finite flags → mix and apply the rule (apply).
+    # ``_Round`` carries what a step accumulates over its buckets into the stats.
+
     def _outer_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
         c: GASLoCConfig = self.config  # type: ignore[assignment]
         if c.topology == "bandwidth" and self.outer_steps > 0 and self.outer_steps % c.bandwidth_refresh == 0:
             self._agree_link_costs()
+        rnd = self._start_round(nonfinite_tensor)
         if self.codec is not None:
-            return self._compressed_step(stats, nonfinite_tensor)
+            self._compressed_buckets(stats, rnd)
+        else:
+            self._dense_buckets(stats, rnd)
+        rnd.into(stats, self.copies_nbytes() if self.codec is not None else None)
+
+    def _start_round(self, nonfinite_tensor: Optional[str]) -> "_Round":
         nbrs = self.round_neighbours()
-        peers = [p for p, _ in nbrs]
-        self._begin_round(peers)
-        self_weight = 1.0 - sum(w for _, w in nbrs)
-        abort = c.nonfinite_policy == "abort"
-        bad = nonfinite_tensor is not None
-        sq_delta = sq_update = sq_shift = 0.0
-        peers_nonfinite: set = set()
+        rnd = _Round(nbrs=nbrs, peers=[p for p, _ in nbrs], self_weight=1.0 - sum(w for _, w in nbrs),
+                     bad=nonfinite_tensor is not None, nonfinite_tensor=nonfinite_tensor,
+                     abort=self.config.nonfinite_policy == "abort")  # type: ignore[attr-defined]
+        self._begin_round(rnd.peers)
+        return rnd
+
+    def _propose(self, s: int, e: int, rnd: "_Round", out: torch.Tensor) -> torch.Tensor:
+        """y = θ0 − ηΔ on bucket [s, e), into ``out``; adds ‖Δ‖² to the round.
+
+        A worker with a non-finite Δ proposes y = θ0: under "skip" it discards its local progress
+        (Δ = 0) and still mixes; under "abort" it is something finite to send, and the flag sent
+        with it makes every neighbour raise at bucket 0, before anything changed."""
+        if rnd.bad:
+            return out.copy_(self.anchor[s:e])
+        self.pseudo_gradient(s, e, out=out)
+        rnd.sq_delta += float(torch.dot(out, out))
+        return out.mul_(-self.config.proposal_lr).add_(self.anchor[s:e])  # type: ignore[attr-defined]
+
+    def _check_flags(self, rnd: "_Round", flags: Dict[int, bool]) -> None:
+        """The peers' non-finite flags of one bucket (the same on every bucket): under "abort" any
+        flag, ours or a neighbour's, raises here at bucket 0."""
+        bad_peers = sorted(p for p, f in flags.items() if f)
+        rnd.peers_nonfinite.update(bad_peers)
+        if rnd.abort and (rnd.bad or bad_peers):
+            self._raise_nonfinite(bad_peers, rnd.nonfinite_tensor)
+
+    def _dense_buckets(self, stats: OuterStepStats, rnd: "_Round") -> None:
+        """Proposals sent whole (fp32, plus the flag element): m = Σ_j M_ij y_j."""
         for s, e in self.buckets():
             n = e - s
-            theta0 = self.anchor[s:e]
             with self._timer(stats, "time_compress_s"):
                 send = torch.empty(n + 1, dtype=torch.float32, device=self.device)
-                y = send[:n]
-                if bad and not abort:
-                    y.copy_(theta0)  # skip: discard this worker's local progress, Δ = 0
-                else:
-                    self.pseudo_gradient(s, e, out=y)
-                    if not bad:
-                        sq_delta += float(torch.dot(y, y))
-                    y.mul_(-c.proposal_lr).add_(theta0)  # y = θ0 − ηΔ
-                send[n] = 1.0 if bad else 0.0
+                y = self._propose(s, e, rnd, send[:n])
+                send[n] = 1.0 if rnd.bad else 0.0
             with self._timer(stats, "time_communicate_s"):
-                received = self._timed_exchange(lambda: exchange(send, peers, self.group, self.counter), peers,
-                                                4 * (n + 1))
-            bad_peers = sorted(p for p, buf in received.items() if buf[n].item() != 0.0)
-            peers_nonfinite.update(bad_peers)
-            if abort and (bad or bad_peers):  # always at bucket 0: the flag rides on every bucket
-                self._raise_nonfinite(bad_peers, nonfinite_tensor)
+                received = self._timed_exchange(lambda: exchange(send, rnd.peers, self.group, self.counter),
+                                                rnd.peers, 4 * (n + 1))
+            self._check_flags(rnd, {p: buf[n].item() != 0.0 for p, buf in received.items()})
             with self._timer(stats, "time_apply_s"):
-                terms = sorted([(self.rank, self_weight, y)] + [(p, w, received[p][:n]) for p, w in nbrs],
+                terms = sorted([(self.rank, rnd.self_weight, y)] + [(p, w, received[p][:n]) for p, w in rnd.nbrs],
                                key=lambda t: t[0])
                 mix = torch.zeros(n, dtype=torch.float32, device=self.device)
                 for _, w, v in terms:  # same order on every worker: identical sums on the complete graph
                     mix.add_(v, alpha=w)
-                sq_shift += float(torch.sum((mix - y) ** 2))
-                sq_update += self._apply_rule(s, e, y, mix)
+                rnd.sq_shift += float(torch.sum((mix - y) ** 2))
+                rnd.sq_update += self._apply_rule(s, e, y, mix)
                 self.write_back(s, e)
-        stats.delta_norm = math.sqrt(sq_delta)
-        stats.update_norm = math.sqrt(sq_update)
-        stats.skipped = bad
-        stats.extra.update({"gossip_peers": float(len(peers)), "self_weight": self_weight,
-                            "mix_shift_norm": math.sqrt(sq_shift), "peers_nonfinite": float(len(peers_nonfinite))})
 
     # ------------------------------------------------------------------ compressed step (CHOCO copies)
     def _plan_copies(self, peers: List[int]) -> List[int]:
@@ -460,86 +506,75 @@ class GASLoC(OuterStrategy):
                 self.own_copy[p] = torch.zeros_like(self.anchor)
         return fresh
 
-    def _compressed_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
-        c: GASLoCConfig = self.config  # type: ignore[assignment]
-        nbrs = self.round_neighbours()
-        peers = [p for p, _ in nbrs]
-        self._begin_round(peers)
-        self_weight = 1.0 - sum(w for _, w in nbrs)
-        abort = c.nonfinite_policy == "abort"
-        bad = nonfinite_tensor is not None
-        fresh = set(self._plan_copies(peers))
-        packed = c.index_coding == "packed"
-        flag = torch.tensor([1 if bad else 0], dtype=torch.uint8, device=self.device)
-        sq_delta = sq_update = sq_shift = sq_resid = 0.0
-        payload_bytes = 0
-        peers_nonfinite: set = set()
+    def _compressed_buckets(self, stats: OuterStepStats, rnd: "_Round") -> None:
+        """CHOCO copies: each peer gets the compressed residual y − x̂_{me→p} (densely y itself the
+        first time a pair meets); m = y + ξ Σ_j M_ij (x̂_{j→me} − x̂_{me→j})."""
+        rnd.fresh = set(self._plan_copies(rnd.peers))
+        flag = torch.tensor([1 if rnd.bad else 0], dtype=torch.uint8, device=self.device)
         for s, e in self.buckets():
             n = e - s
-            theta0 = self.anchor[s:e]
             with self._timer(stats, "time_compress_s"):
-                y = torch.empty(n, dtype=torch.float32, device=self.device)
-                if bad and not abort:
-                    y.copy_(theta0)  # skip: discard this worker's local progress
-                else:
-                    self.pseudo_gradient(s, e, out=y)
-                    if not bad:
-                        sq_delta += float(torch.dot(y, y))
-                    y.mul_(-c.proposal_lr).add_(theta0)  # y = θ0 − ηΔ
-                    if bad:  # abort: send something finite, the flag makes everyone raise
-                        y.copy_(theta0)
-                bodies: Dict[int, torch.Tensor] = {}
-                by_copy: Dict[Tuple[int, bool], torch.Tensor] = {}  # (id(own copy), fresh) → body
-                for p in peers:
-                    key = (id(self.own_copy[p]), p in fresh)
-                    if key not in by_copy:
-                        if p in fresh:
-                            by_copy[key] = y.view(torch.uint8)
-                        else:
-                            resid = y - self.own_copy[p][s:e]
-                            sq_resid += float(torch.dot(resid, resid))
-                            by_copy[key] = encode(resid, self.codec, name=f"{self.name} residual to worker {p}")
-                    bodies[p] = by_copy[key]
-                payloads = {p: torch.cat([b, flag]) for p, b in bodies.items()}
-                payload_bytes += sum(int(b.numel()) for b in bodies.values())
-                if packed:
-                    comp_n = payload_nbytes(n, self.codec) + 1
-                    recv_nbytes: Optional[Dict[int, int]] = {p: (4 * n + 1 if p in fresh else comp_n) for p in peers}
-                else:
-                    recv_nbytes = None
+                y = self._propose(s, e, rnd, torch.empty(n, dtype=torch.float32, device=self.device))
+                bodies = self._encode_for_peers(s, e, y, rnd)
             with self._timer(stats, "time_communicate_s"):
-                sent_bytes = max((int(b.numel()) for b in payloads.values()), default=0)
-                received = self._timed_exchange(
-                    lambda: exchange_per_peer(payloads, recv_nbytes, self.group, self.counter), peers, sent_bytes)
-            bad_peers = sorted(p for p, buf in received.items() if int(buf[-1].item()) != 0)
-            peers_nonfinite.update(bad_peers)
-            if abort and (bad or bad_peers):  # at bucket 0, before any copy changed
-                self._raise_nonfinite(bad_peers, nonfinite_tensor)
+                received = self._exchange_bodies(n, bodies, flag, rnd)
+            self._check_flags(rnd, {p: int(buf[-1].item()) != 0 for p, buf in received.items()})
             with self._timer(stats, "time_apply_s"):
-                done = set()
-                for p in peers:  # own copies: x̂_{me→p} += decode(q) (once per distinct tensor)
-                    own = self.own_copy[p]
-                    if id(own) in done:
-                        continue
-                    done.add(id(own))
-                    self._apply_to_copy(own[s:e], bodies[p], p in fresh, n)
-                for p in peers:  # heard copies: x̂_{p→me} += decode(q_p)
-                    self._apply_to_copy(self.heard_copy[p][s:e], received[p][:-1], p in fresh, n, peer=p)
-                corr = torch.zeros(n, dtype=torch.float32, device=self.device)
-                for p, w in nbrs:  # sorted by peer
-                    corr.add_(self.heard_copy[p][s:e] - self.own_copy[p][s:e], alpha=w)
-                mix = torch.add(y, corr, alpha=c.gossip_step)  # m = y + ξ Σ_j M_ij (x̂_{j→i} − x̂_{i→j})
-                sq_shift += float(torch.dot(corr, corr)) * c.gossip_step ** 2
-                sq_update += self._apply_rule(s, e, y, mix)
+                self._refresh_copies(s, e, bodies, {p: buf[:-1] for p, buf in received.items()}, rnd)
+                mix = self._choco_mix(s, e, y, rnd)
+                rnd.sq_update += self._apply_rule(s, e, y, mix)
                 self.write_back(s, e)
-        stats.delta_norm = math.sqrt(sq_delta)
-        stats.update_norm = math.sqrt(sq_update)
-        stats.error_norm = math.sqrt(sq_resid)  # ‖y − x̂‖ before sending, over the compressed payloads
-        stats.skipped = bad
-        stats.extra.update({"gossip_peers": float(len(peers)), "self_weight": self_weight,
-                            "mix_shift_norm": math.sqrt(sq_shift), "peers_nonfinite": float(len(peers_nonfinite)),
-                            "dense_refresh_peers": float(len(fresh)), "payload_bytes": float(payload_bytes),
-                            "copies_bytes": float(self.copies_nbytes())})
+
+    def _encode_for_peers(self, s: int, e: int, y: torch.Tensor, rnd: "_Round") -> Dict[int, torch.Tensor]:
+        """peer → the bytes it gets: y (dense refresh) or encode(y − x̂_{me→p}), once per distinct copy."""
+        bodies: Dict[int, torch.Tensor] = {}
+        by_copy: Dict[Tuple[int, bool], torch.Tensor] = {}  # (id(own copy), fresh) → body
+        for p in rnd.peers:
+            key = (id(self.own_copy[p]), p in rnd.fresh)
+            if key not in by_copy:
+                if p in rnd.fresh:
+                    by_copy[key] = y.view(torch.uint8)
+                else:
+                    resid = y - self.own_copy[p][s:e]
+                    rnd.sq_resid += float(torch.dot(resid, resid))
+                    by_copy[key] = encode(resid, self.codec, name=f"{self.name} residual to worker {p}")
+            bodies[p] = by_copy[key]
+        rnd.payload_bytes += sum(int(b.numel()) for b in bodies.values())
+        return bodies
+
+    def _exchange_bodies(self, n: int, bodies: Dict[int, torch.Tensor], flag: torch.Tensor,
+                         rnd: "_Round") -> Dict[int, torch.Tensor]:
+        """Each body with the flag byte appended, to its peer; peer → what it sent (flag last)."""
+        payloads = {p: torch.cat([b, flag]) for p, b in bodies.items()}
+        recv_nbytes: Optional[Dict[int, int]] = None
+        if self.config.index_coding == "packed":  # type: ignore[attr-defined]
+            comp_n = payload_nbytes(n, self.codec) + 1
+            recv_nbytes = {p: (4 * n + 1 if p in rnd.fresh else comp_n) for p in rnd.peers}
+        sent_bytes = max((int(b.numel()) for b in payloads.values()), default=0)
+        return self._timed_exchange(lambda: exchange_per_peer(payloads, recv_nbytes, self.group, self.counter),
+                                    rnd.peers, sent_bytes)
+
+    def _refresh_copies(self, s: int, e: int, bodies: Dict[int, torch.Tensor], received: Dict[int, torch.Tensor],
+                        rnd: "_Round") -> None:
+        """x̂_{me→p} += decode(q_me) (once per distinct tensor) and x̂_{p→me} += decode(q_p)."""
+        n = e - s
+        done = set()
+        for p in rnd.peers:
+            own = self.own_copy[p]
+            if id(own) not in done:
+                done.add(id(own))
+                self._apply_to_copy(own[s:e], bodies[p], p in rnd.fresh, n)
+        for p in rnd.peers:
+            self._apply_to_copy(self.heard_copy[p][s:e], received[p], p in rnd.fresh, n, peer=p)
+
+    def _choco_mix(self, s: int, e: int, y: torch.Tensor, rnd: "_Round") -> torch.Tensor:
+        """m = y + ξ Σ_j M_ij (x̂_{j→me} − x̂_{me→j}), the neighbours in peer order."""
+        c: GASLoCConfig = self.config  # type: ignore[assignment]
+        corr = torch.zeros(e - s, dtype=torch.float32, device=self.device)
+        for p, w in rnd.nbrs:  # sorted by peer
+            corr.add_(self.heard_copy[p][s:e] - self.own_copy[p][s:e], alpha=w)
+        rnd.sq_shift += float(torch.dot(corr, corr)) * c.gossip_step ** 2
+        return torch.add(y, corr, alpha=c.gossip_step)
 
     def _apply_to_copy(self, copy: torch.Tensor, body: torch.Tensor, dense: bool, n: int,
                        peer: Optional[int] = None) -> None:

@@ -195,6 +195,40 @@ class SparseLoCoConfig(OuterConfig):
 
 
 @register_outer_strategy("sparseloco")
+@dataclass
+class _RoundTotals:
+    """What one outer step adds up over its buckets, for ``OuterStepStats`` (norms as fp64 tensors:
+    no host sync per bucket)."""
+
+    delta_sq: torch.Tensor
+    error_sq: torch.Tensor
+    upd_sq: torch.Tensor
+    kept_local: int = 0
+    kept_union: int = 0
+    payload_bytes: int = 0
+    applied: int = 0
+    clip_min: float = 1.0
+
+    @classmethod
+    def zeros(cls, device) -> "_RoundTotals":
+        return cls(*(torch.zeros((), dtype=torch.float64, device=device) for _ in range(3)))
+
+    def into(self, stats: OuterStepStats, cfg: "SparseLoCoConfig", numel: int, reduce_scatter: bool) -> None:
+        stats.delta_norm = float(self.delta_sq.sqrt().item())
+        stats.error_norm = float(self.error_sq.sqrt().item())
+        stats.update_norm = cfg.lr * float(self.upd_sq.sqrt().item())
+        stats.extra.update({
+            "density": self.kept_local / numel,              # share of this rank's elements it sent
+            "aggregate_density": self.kept_union / numel,    # chosen by at least one worker (rs: of owned ranges)
+            "payload_bytes": float(self.payload_bytes),      # this rank's encoded bytes (all buckets)
+            "bits_per_param": 8.0 * self.payload_bytes / numel,
+        })
+        if cfg.peer_norm_clip:
+            stats.extra["peer_clip_scale_min"] = self.clip_min
+        if reduce_scatter:
+            stats.extra["update_density"] = self.applied / numel  # elements the owners' re-encoding sent
+
+
 class SparseLoCo(OuterStrategy):
     """Error-feedback Top-k compression, all-gather of packed payloads, sparse mean, outer SGD."""
 
@@ -330,133 +364,101 @@ class SparseLoCo(OuterStrategy):
             self.write_back(s, e)
         return kept_union, clip_min, update
 
-    def _outer_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
+    # Both the blocking step and the delayed one (``_launch_round``) run each bucket through the
+    # same three phases: ``_compress_bucket`` (Δ, EF, encode), the exchange
+    # (``_exchange_bucket``: all-gather, or reduce-scatter to owners with their re-encoding) and
+    # ``_apply_bucket`` (decode, mean, outer SGD). ``_RoundTotals`` adds up what the stats report.
+
+    def _compress_bucket(self, s: int, e: int, plan: Optional[BucketPlan], work: torch.Tensor,
+                         tot: "_RoundTotals") -> Tuple[torch.Tensor, Decoded]:
+        delta = self.pseudo_gradient(s, e, out=work)
+        tot.delta_sq += torch.linalg.vector_norm(delta, dtype=torch.float64).square()
+        payload, local = self._compress(s, e, plan, delta)
+        tot.error_sq += torch.linalg.vector_norm(self.error_feedback[s:e], dtype=torch.float64).square()
+        tot.kept_local += int(local.indices.numel())
+        tot.payload_bytes += int(payload.numel())
+        return payload, local
+
+    def _exchange_bucket(self, b: int, s: int, e: int, plan: Optional[BucketPlan], payload: torch.Tensor,
+                         rs_out: Optional[torch.Tensor], rs_counts: Optional[torch.Tensor]):
+        """All-gather: every worker's payload. Reduce-scatter: (union, applied), the bucket's update
+        written into ``rs_out`` (``rs_counts`` is the owners' scratch)."""
         cfg: SparseLoCoConfig = self.config
-        packed = cfg.index_coding == "packed"
+        if self.reduce_scatter is None:
+            return all_gather_payloads(payload, self.group, self.counter, equal_sizes=cfg.index_coding == "packed")
+        return self.reduce_scatter.aggregate(b, plan, payload, self.group, self.counter, rs_out, rs_counts,
+                                             cfg.reduce, self._bucket_name(s, e))
+
+    def _apply_bucket(self, s: int, e: int, plan: Optional[BucketPlan], got, local: Decoded,
+                      rs_out: Optional[torch.Tensor], work: torch.Tensor, counts: torch.Tensor,
+                      tot: "_RoundTotals", write: bool) -> None:
+        """Reduce-scatter: outer SGD with the owners' update in ``rs_out``. All-gather: decode
+        ``got`` (every worker's payload), mean into ``work``, outer SGD. Write-back unless delayed."""
+        if self.reduce_scatter is not None:
+            union, applied = got
+            _, _, update = self._finish_bucket(s, e, rs_out, None, 1.0, write=write)
+            tot.applied += applied
+        else:
+            union, clip, update = self._apply(s, e, plan, got, local, work, counts, write=write)
+            tot.clip_min = min(tot.clip_min, clip)
+        tot.kept_union += union
+        tot.upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
+
+    def _outer_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
+        """Bucket by bucket: compress, exchange, apply (one work buffer of the largest bucket)."""
         largest = max(e - s for s, e in self.buckets())
         work = torch.empty(largest, dtype=torch.float32, device=self.device)
-        counts_buf = torch.empty(largest, dtype=self.count_dtype, device=self.device)
-        f64 = dict(dtype=torch.float64, device=self.device)
-        delta_sq, error_sq, upd_sq = torch.zeros((), **f64), torch.zeros((), **f64), torch.zeros((), **f64)
-        kept_local = kept_union = payload_bytes = applied_total = 0
-        clip_min = 1.0
+        counts = torch.empty(largest, dtype=self.count_dtype, device=self.device)
+        tot = _RoundTotals.zeros(self.device)
         for b, (s, e, plan) in enumerate(self._bucket_plans()):
             n = e - s
             with self._timer(stats, "time_compress_s"):
-                delta = self.pseudo_gradient(s, e, out=work[:n])
-                delta_sq += torch.linalg.vector_norm(delta, dtype=torch.float64).square()
-                payload, local = self._compress(s, e, plan, delta)
-                error_sq += torch.linalg.vector_norm(self.error_feedback[s:e], dtype=torch.float64).square()
-                kept_local += int(local.indices.numel())
-                payload_bytes += int(payload.numel())
-            if self.reduce_scatter is not None:  # pieces to owners, owners' re-encoded ranges to all
-                with self._timer(stats, "time_communicate_s"):
-                    union, applied = self.reduce_scatter.aggregate(b, plan, payload, self.group, self.counter,
-                                                                   work[:n], counts_buf[:n], cfg.reduce,
-                                                                   self._bucket_name(s, e))
-                with self._timer(stats, "time_apply_s"):
-                    _, _, update = self._finish_bucket(s, e, work[:n], None, 1.0)
-                kept_union += union
-                applied_total += applied
-                upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
-                continue
+                payload, local = self._compress_bucket(s, e, plan, work[:n], tot)
             with self._timer(stats, "time_communicate_s"):
-                payloads = all_gather_payloads(payload, self.group, self.counter, equal_sizes=packed)
+                got = self._exchange_bucket(b, s, e, plan, payload, work[:n], counts[:n])
             with self._timer(stats, "time_apply_s"):
-                union, clip, update = self._apply(s, e, plan, payloads, local, work[:n], counts_buf[:n])
-                kept_union += union
-                clip_min = min(clip_min, clip)
-                upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
-        numel = self.params.numel
-        stats.delta_norm = float(delta_sq.sqrt().item())
-        stats.error_norm = float(error_sq.sqrt().item())
-        stats.update_norm = cfg.lr * float(upd_sq.sqrt().item())
-        stats.extra.update({
-            "density": kept_local / numel,                # share of this rank's elements it sent
-            "aggregate_density": kept_union / numel,      # share chosen by at least one worker
-            "payload_bytes": float(payload_bytes),        # this rank's encoded bytes (all buckets)
-            "bits_per_param": 8.0 * payload_bytes / numel,
-        })
-        if cfg.peer_norm_clip:
-            stats.extra["peer_clip_scale_min"] = clip_min
-        if self.reduce_scatter is not None:  # aggregate_density: of the ranges this rank owns
-            stats.extra["update_density"] = applied_total / numel  # elements the owners' re-encoding sent
+                self._apply_bucket(s, e, plan, got, local, work[:n], work[:n], counts[:n], tot, write=True)
+        tot.into(stats, self.config, self.params.numel, self.reduce_scatter is not None)
 
     # ------------------------------------------------------------------ delayed application
     supports_overlap = True
 
     def _launch_round(self, stats: OuterStepStats):
-        """``_outer_step`` split for delayed application (``outer/overlap.py``).
+        """``_outer_step`` split for delayed application (``outer/overlap.py``), on the same phases.
 
-        Launch (main thread): per bucket Δ, e ← βe + Δ, encode, e ← e − decode(sent) — the EF
-        update belongs to the round that is launched, the payload sizes are fixed by it.
-        ``communicate`` (overlap thread): per bucket the all-gather (entropy coding: its size
-        exchange first, in the same thread) or the reduce-scatter exchange with the owners'
-        re-encoding (which touches only the owner error feedback and its own output buffers).
-        ``finish`` (main thread): decode, aggregate, outer SGD on θ_outer per bucket, as the
-        blocking step does, without the write-back. Extra memory while in flight: the payloads
-        and this rank's decoded (index, value) lists (reduce-scatter: one shard of fp32 for the
-        updates, and a count buffer per bucket).
+        Launch (main thread): every bucket's compress phase — the EF update belongs to the round
+        that is launched, the payload sizes are fixed by it. ``communicate`` (overlap thread):
+        every bucket's exchange (entropy coding: its size exchange first, in the same thread; the
+        reduce-scatter's owner re-encoding touches only the owner error feedback and its own
+        output buffers). ``finish`` (main thread): every bucket's apply phase, as the blocking
+        step does, without the write-back. Extra memory while in flight: the payloads and this
+        rank's decoded (index, value) lists (reduce-scatter: one shard of fp32 for the updates,
+        and a count buffer per bucket).
         """
-        cfg: SparseLoCoConfig = self.config
-        packed = cfg.index_coding == "packed"
         largest = max(e - s for s, e in self.buckets())
         work = torch.empty(largest, dtype=torch.float32, device=self.device)
-        f64 = dict(dtype=torch.float64, device=self.device)
-        delta_sq, error_sq = torch.zeros((), **f64), torch.zeros((), **f64)
-        kept_local = payload_bytes = 0
+        tot = _RoundTotals.zeros(self.device)
         launched = []  # (b, s, e, plan, payload, local)
-        for b, (s, e, plan) in enumerate(self._bucket_plans()):
-            n = e - s
-            with self._timer(stats, "time_compress_s"):
-                delta = self.pseudo_gradient(s, e, out=work[:n])
-                delta_sq += torch.linalg.vector_norm(delta, dtype=torch.float64).square()
-                payload, local = self._compress(s, e, plan, delta)
-                error_sq += torch.linalg.vector_norm(self.error_feedback[s:e], dtype=torch.float64).square()
-                kept_local += int(local.indices.numel())
-                payload_bytes += int(payload.numel())
-            launched.append((b, s, e, plan, payload, local))
+        with self._timer(stats, "time_compress_s"):
+            for b, (s, e, plan) in enumerate(self._bucket_plans()):
+                launched.append((b, s, e, plan) + self._compress_bucket(s, e, plan, work[:e - s], tot))
         received: List[object] = [None] * len(launched)
-        rs_out = (torch.empty(self.params.numel, dtype=torch.float32, device=self.device)
-                  if self.reduce_scatter is not None else None)
+        rs = self.reduce_scatter is not None
+        rs_out = torch.empty(self.params.numel, dtype=torch.float32, device=self.device) if rs else None
 
         def communicate() -> None:
             for i, (b, s, e, plan, payload, _) in enumerate(launched):
-                if self.reduce_scatter is not None:
-                    counts = torch.empty(e - s, dtype=self.count_dtype, device=self.device)
-                    received[i] = self.reduce_scatter.aggregate(b, plan, payload, self.group, self.counter,
-                                                                rs_out[s:e], counts, cfg.reduce, self._bucket_name(s, e))
-                else:
-                    received[i] = all_gather_payloads(payload, self.group, self.counter, equal_sizes=packed)
+                rs_counts = torch.empty(e - s, dtype=self.count_dtype, device=self.device) if rs else None
+                received[i] = self._exchange_bucket(b, s, e, plan, payload, rs_out[s:e] if rs else None, rs_counts)
 
         def finish() -> None:
-            counts_buf = torch.empty(largest, dtype=self.count_dtype, device=self.device)
-            upd_sq = torch.zeros((), **f64)
-            kept_union = applied_total = 0
-            clip_min = 1.0
+            counts = torch.empty(largest, dtype=self.count_dtype, device=self.device)
             with self._timer(stats, "time_apply_s"):
                 for (b, s, e, plan, payload, local), got in zip(launched, received):
                     n = e - s
-                    if self.reduce_scatter is not None:
-                        union, applied = got
-                        _, _, update = self._finish_bucket(s, e, rs_out[s:e], None, 1.0, write=False)
-                        kept_union += union
-                        applied_total += applied
-                    else:
-                        union, clip, update = self._apply(s, e, plan, got, local, work[:n], counts_buf[:n], write=False)
-                        kept_union += union
-                        clip_min = min(clip_min, clip)
-                    upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
-            numel = self.params.numel
-            stats.delta_norm = float(delta_sq.sqrt().item())
-            stats.error_norm = float(error_sq.sqrt().item())
-            stats.update_norm = cfg.lr * float(upd_sq.sqrt().item())
-            stats.extra.update({"density": kept_local / numel, "aggregate_density": kept_union / numel,
-                                "payload_bytes": float(payload_bytes), "bits_per_param": 8.0 * payload_bytes / numel})
-            if cfg.peer_norm_clip:
-                stats.extra["peer_clip_scale_min"] = clip_min
-            if self.reduce_scatter is not None:
-                stats.extra["update_density"] = applied_total / numel
+                    self._apply_bucket(s, e, plan, got, local, rs_out[s:e] if rs else None,
+                                       work[:n], counts[:n], tot, write=False)
+            tot.into(stats, self.config, self.params.numel, rs)
 
         return communicate, finish
 
