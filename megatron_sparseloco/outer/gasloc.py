@@ -231,7 +231,6 @@ class GASLoCConfig(OuterConfig):
                               "topology", "use `topology=ring` or random1/random2, or a power-of-two W")
         self.check_copies(num_workers)
 
-@register_outer_strategy("gasloc")
 @dataclass
 class _Round:
     """One outer round of one worker: its neighbours and what the step adds up over the buckets."""
@@ -263,6 +262,7 @@ class _Round:
                                 "payload_bytes": float(self.payload_bytes), "copies_bytes": float(copies_bytes)})
 
 
+@register_outer_strategy("gasloc")
 class GASLoC(OuterStrategy):
     """Gossip outer step with momentum; see the module docstring. Extra state: ``momentum`` (d, rule
     "ours") or ``proposal_lag`` (v = y_prev − θ0, rule "laplacian-momentum")."""

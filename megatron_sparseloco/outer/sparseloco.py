@@ -194,7 +194,6 @@ class SparseLoCoConfig(OuterConfig):
         return max(self.chunk, self.bucket_numel - self.bucket_numel % self.chunk)
 
 
-@register_outer_strategy("sparseloco")
 @dataclass
 class _RoundTotals:
     """What one outer step adds up over its buckets, for ``OuterStepStats`` (norms as fp64 tensors:
@@ -229,6 +228,7 @@ class _RoundTotals:
             stats.extra["update_density"] = self.applied / numel  # elements the owners' re-encoding sent
 
 
+@register_outer_strategy("sparseloco")
 class SparseLoCo(OuterStrategy):
     """Error-feedback Top-k compression, all-gather of packed payloads, sparse mean, outer SGD."""
 
