@@ -3,7 +3,8 @@
     results = run_ranks(fn, world_size=4, args=(...,), timeout=120)
 
 ``fn(rank, world_size, *args)`` runs in its own process after
-``torch.distributed.init_process_group("gloo")`` on a free 127.0.0.1 port; its return value
+``torch.distributed.init_process_group("gloo")`` on a TCP store that the calling process hosts
+(as torchrun's agent does; a rank that returns early does not take the store with it); its return value
 (picklable) comes back in ``results[rank]``. An exception in any rank fails the call with that
 rank's traceback. Ranks are forked from multiprocessing's fork server, which imported ``PRELOAD``
 once per test session (a spawned rank re-imported torch and megatron: seconds per rank). A rank still running ``timeout`` seconds after start dumps all its threads'
@@ -54,7 +55,8 @@ def _rank_main(fn, rank, world_size, port, args, out_dir, timeout, env):
     faulthandler.dump_traceback_later(max(1.0, timeout - 2.0), exit=True, file=log)
     os.environ.clear()                 # the caller's environment, not the fork server's
     os.environ.update(env)
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                       "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
     result_path = os.path.join(out_dir, f"rank{rank}.pkl")
@@ -65,8 +67,11 @@ def _rank_main(fn, rank, world_size, port, args, out_dir, timeout, env):
         import numpy as np
         np.random.seed()               # fresh, as a spawned process had it (Python's random reseeds at fork)
         from datetime import timedelta
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=timeout))
+        # the store lives in the calling process (as torchrun's agent hosts it): a rank that
+        # finishes first can exit without taking the others' rendezvous with it
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
         value = fn(rank, world_size, *args)
         payload = ("ok", value)
     except BaseException as exc:  # report everything, including SystemExit from a bad rank
@@ -97,9 +102,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     Ranks in ``expect_dead`` are allowed to die without a result (fault-injection tests); their
     entry in the returned list is ``None``.
     """
+    import torch.distributed as dist
+    from datetime import timedelta
+
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    port = store.port
     env = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="sparseloco-ranks-") as out_dir:
         procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, tuple(args), out_dir, timeout, env),

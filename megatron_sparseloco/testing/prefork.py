@@ -15,7 +15,8 @@ never computes anything, so no OpenMP pool or thread exists when it forks.
 What a rank gets is what torchrun gives it: its own process; the client's stdin/stdout/stderr (the
 file descriptors themselves, passed over the unix socket); the client's environment and working
 directory, plus ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
-``MASTER_ADDR``/``MASTER_PORT`` (a free loopback port unless ``--master-port``); ``sys.path`` as
+``MASTER_ADDR``/``MASTER_PORT`` (a free loopback port unless ``--master-port``) with the rendezvous
+store hosted by the launcher (``TORCHELASTIC_USE_AGENT_STORE``, as torchrun's agent); ``sys.path`` as
 ``python -m TARGET`` (working directory first) or ``python TARGET`` (the script's directory first)
 would set it, with the client's ``PYTHONPATH``; ``sys.argv``; fresh numpy / Python RNG state.
 One difference, for speed: megatron's dist-checkpoint write-results queue is an in-process
@@ -200,6 +201,13 @@ def _launch(conn) -> int:
         pids[pid] = rank
     for fd in fds:
         os.close(fd)
+    # the rendezvous store, hosted here as torchrun's agent hosts it (created after the forks: the
+    # ranks retry until it listens), so that a rank that exits first does not take it away
+    import datetime
+
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", port, n, is_master=True, wait_for_workers=False,  # noqa: F841
+                          timeout=datetime.timedelta(seconds=1800))
     codes, failed_at = {}, None
     while len(codes) < n:
         try:
@@ -246,6 +254,7 @@ def _rank_main(job, fds, rank: int, world: int, port: int) -> None:
         env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                     "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
                     "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "TORCHELASTIC_USE_AGENT_STORE": "True",
                     "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"})
         os.environ.clear()
         os.environ.update(env)
