@@ -123,3 +123,27 @@ def test_overlap_and_fragments_pp2_tied_two_workers(tmp_path):
         emb = [r["tied"]["embedding"] for r in mine if r["pp_rank"] == 0]
         out = [r["tied"]["output"] for r in mine if r["pp_rank"] == 1]
         assert len(emb) == len(out) == 1 and emb == out, (w, emb, out)
+
+
+@pytest.mark.multirank
+@pytest.mark.megatron
+@pytest.mark.timeout(600)
+def test_overlap_and_fragments_dp2_inside_each_worker(tmp_path):
+    """W 2 × DP 2 inside each worker (4 ranks, the distributed optimizer shards each worker's state over
+    its 2 ranks), DiLoCo with P = 2 fragments and τ = 1, H = 4: 4 fragment syncs, θ_outer identical
+    across the workers at every place, and the two ranks of each worker hold the same model (the merge
+    is published inside the worker)."""
+    from test_megatron_semantics import launch, tail
+    res, ranks = launch(tmp_path, "dp2_tau_frag", nproc=4, workers=2, algorithm="diloco", H=4, iters=9,
+                        extra=FRAGMENTS)
+    assert res["returncode"] == 0, tail(res)
+    assert len(ranks) == 4 and all(r["outer_steps"] == 4 for r in ranks), [r["outer_steps"] for r in ranks]
+    by_worker = [sorted((r for r in ranks if r["worker_of"][str(r["rank"])] == w), key=lambda r: r["rank"])
+                 for w in (0, 1)]
+    for shard in (0, 1):  # the i-th rank of each worker holds the same shard of θ_outer
+        a, b = by_worker[0][shard], by_worker[1][shard]
+        assert a["theta_outer"] and a["theta_outer"] == b["theta_outer"], (a["rank"], b["rank"])
+    assert by_worker[0][0]["theta_outer"] != by_worker[0][1]["theta_outer"]  # two different shards
+    for mine in by_worker:
+        assert mine[0]["params"] and mine[0]["params"] == mine[1]["params"], [r["rank"] for r in mine]
+    assert by_worker[0][0]["params"] != by_worker[1][0]["params"]  # the workers' local progress differs
