@@ -158,7 +158,7 @@ class RunCfg:
 def strategy_fields(run: RunCfg) -> Dict:
     """The outer strategy and its config fields for a run (reference hyper-parameters, docs/design.md §1,
     unless the run sets its outer lr / momentum)."""
-    if run.method == "average":
+    if run.method in ("average", "local"):  # local: a strategy that never runs
         return dict()
     if run.method == "diloco":
         return dict(lr=0.7 if run.outer_lr is None else run.outer_lr,
@@ -226,16 +226,17 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
                                       num_distributed_optimizer_instances=instances)
     numel = _model_numel(chunks)
     outer = None
-    if run.method not in ("ddp", "local"):
+    if run.method != "ddp":  # local: the outer loop's worker-local inner steps, its round never comes
         from megatron_sparseloco.megatron.optimizer import OuterLoopConfig, OuterLoopOptimizer
         from megatron_sparseloco.outer.registry import build_outer_strategy
         fields_ = strategy_fields(run)
 
         def factory(params, group, names, slices=None):
-            return build_outer_strategy(run.method, params, group, names=names, slices=slices, **fields_)
+            return build_outer_strategy("average" if run.method == "local" else run.method, params, group, names=names, slices=slices, **fields_)
 
         outer = OuterLoopOptimizer(opt, ddp, factory, OuterLoopConfig(
-            inner_steps=run.H, identical_across_workers=(run.method != "gasloc"), auto_inner_steps=run.auto_h,
+            inner_steps=run.steps + 1 if run.method == "local" else run.H,
+            identical_across_workers=(run.method != "gasloc"), auto_inner_steps=run.auto_h,
             overlap_steps=run.overlap_steps, overlap_merge=run.overlap_merge, fragments=run.fragments))
     stepper = outer if outer is not None else opt
     outer_times: List[float] = []

@@ -351,7 +351,6 @@ def main(argv=None) -> int:
     else:
         model = ModelCfg(layers=4, hidden=256, heads=4, seq=128)
         steps, H, mbs = args.steps or (60 if args.quick else 150), args.H, 4
-    timeout = args.timeout or (240 if args.smoke else 1500)
     t0 = time.perf_counter()
     paths = common.ensure_data()
     base = dict(H=H, steps=steps, mbs=mbs, eval_windows=8 if args.smoke else 32, eval_every=H)
@@ -369,6 +368,9 @@ def main(argv=None) -> int:
         methods.append(RunCfg("local", **base))
     if not args.no_ddp:  # dense DDP syncs every step: a third of the steps keeps its run short
         methods.insert(0, RunCfg("ddp", **dict(base, steps=steps if args.smoke else max(H, steps // 3))))
+    # one run_ranks call trains every method in turn: its budget grows with the method count
+    # (a 150-step run takes 60–140 s here; the fixed 1500 s ran out at 14 methods)
+    timeout = args.timeout or (240 if args.smoke else 300 * len(methods))
     out = {"benchmark": "network", "model": asdict(model), "machine": common.machine_info(),
            "uniform": {"rate": args.rate, "tbf": TBF, "workers": args.workers,
                        "note": "all ranks share the shaped loopback: the rate is the aggregate of all traffic"},
@@ -401,7 +403,7 @@ def main(argv=None) -> int:
             hmethods += [RunCfg("diloco", overlap_steps=t, fragments=P, **hbase),
                          RunCfg("sparseloco", k=64, overlap_steps=t, fragments=P, **hbase)]
         print(f"[network] heterogeneous: W={Wh}, links {rates}", flush=True)
-        hres = run_hetero(model, hmethods, paths, rates, timeout)
+        hres = run_hetero(model, hmethods, paths, rates, args.timeout or (240 if args.smoke else 300 * len(hmethods)))
         hrows = add_time_to_target(summarise(hres, Wh, "hetero"))
         out["results"] += hrows
         for r in hrows:
