@@ -285,8 +285,15 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
         train_losses.append(loss)
         if step % eval_every == 0 or step == run.steps:
             sent = outer.log.bytes_sent if outer is not None else dense_bytes_per_step * step
+            if step == run.steps and outer is not None and run.overlap_steps:
+                # the round launched at the last step is still in flight: evaluate what the job
+                # ends with (what a checkpoint's model holds), θ_outer,k+1, as the blocking runs do
+                with outer.model_holds_outer_params():
+                    loss_now = heldout_loss(gpt, windows)
+            else:
+                loss_now = heldout_loss(gpt, windows)
             curve.append({"step": step, "tokens": step * tokens_per_step, "bytes_per_worker": int(sent),
-                          "held_out_loss": heldout_loss(gpt, windows), "wall_s": wall})
+                          "held_out_loss": loss_now, "wall_s": wall})
         # stop early (same step on every rank) when the budget is spent
         if time_budget_s < 1e9 and step % eval_every == 0:
             flag = torch.tensor([1.0 if wall > time_budget_s else 0.0])
