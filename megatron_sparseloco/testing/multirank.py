@@ -7,9 +7,10 @@
 (as torchrun's agent does; a rank that returns early does not take the store with it); its return value
 (picklable) comes back in ``results[rank]``. An exception in any rank fails the call with that
 rank's traceback. Ranks are forked from multiprocessing's fork server, which imported ``PRELOAD``
-once per test session (a spawned rank re-imported torch and megatron: seconds per rank). A rank still running ``timeout`` seconds after start dumps all its threads'
-stacks (faulthandler) and is killed, and the call raises ``RankTimeout`` carrying every rank's
-captured output, so a hung collective fails a test instead of hanging CI.
+once per test session (a spawned rank re-imported torch and megatron: seconds per rank). A rank
+still running ``timeout`` seconds after start dumps all its threads' stacks (faulthandler) and is
+killed, and the call raises ``RankTimeout`` carrying every rank's captured output, so a hung
+collective fails a test instead of hanging CI.
 """
 from __future__ import annotations
 

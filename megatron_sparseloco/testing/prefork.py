@@ -148,6 +148,7 @@ def serve(path: str) -> None:
             continue
         conn.settimeout(None)
         if os.fork() == 0:
+            os.setsid()     # the launcher and its ranks: one process group, killed as one at the end
             listener.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             try:
@@ -180,18 +181,12 @@ def _recv_job(conn):
     return json.loads(data[8:]), fds
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(conn) -> int:
     """One torchrun-like launch: fork the ranks, wait, stop the rest on the first failure."""
+    from megatron_sparseloco.testing.multirank import free_port
     job, fds = _recv_job(conn)
-    os.setsid()                                            # the ranks share this process group
     os.dup2(fds[2], 2)                                     # the launcher's own messages: to the client
-    port = job["master_port"] or _free_port()
+    port = job["master_port"] or free_port()
     n = job["nproc"]
     pids = {}
     for rank in range(n):
