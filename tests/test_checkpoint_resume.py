@@ -41,41 +41,56 @@ def _run(tmp_path, data, name, extra, expect_ok=True, env=None, launcher=None):
         return res, json.load(f)
 
 
-@pytest.mark.timeout(900)
-def test_resume_mid_inner_loop_is_bitwise_identical(tmp_path, corpus):
-    data = corpus
+def save_and_resume(tmp_path, data, flags):
+    """Run A (with ``flags``) saves at SAVE_AT and at ITERS into ``tmp_path/ckpt_a``; run B loads only
+    A's SAVE_AT checkpoint (copied to ``tmp_path/ckpt_b``) and trains to ITERS. Returns
+    (res_a, sum_a, res_b, sum_b)."""
     ckpt_a = tmp_path / "ckpt_a"
-    res_a, sum_a = _run(tmp_path, data, "a", ["--save", str(ckpt_a), "--save-interval", str(SAVE_AT)])
+    res_a, sum_a = _run(tmp_path, data, "a", flags + ["--save", str(ckpt_a), "--save-interval", str(SAVE_AT)])
     assert (ckpt_a / f"iter_{SAVE_AT:07d}").is_dir() and (ckpt_a / f"iter_{ITERS:07d}").is_dir()
-
-    # B: only A's iteration-7 checkpoint
     ckpt_b = tmp_path / "ckpt_b"
     ckpt_b.mkdir()
     shutil.copytree(ckpt_a / f"iter_{SAVE_AT:07d}", ckpt_b / f"iter_{SAVE_AT:07d}")
     (ckpt_b / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
-    res_b, sum_b = _run(tmp_path, data, "b", ["--load", str(ckpt_b), "--save", str(ckpt_b), "--save-interval", "100"])
+    res_b, sum_b = _run(tmp_path, data, "b", flags + ["--load", str(ckpt_b), "--save", str(ckpt_b),
+                                                      "--save-interval", "100"])
+    return res_a, sum_a, res_b, sum_b
 
-    losses_a = dict(res_a["train_loss"])
-    losses_b = dict(res_b["train_loss"])
+
+def assert_resumed_bitwise(res_a, sum_a, res_b, sum_b):
+    """B logs exactly the iterations after SAVE_AT; its losses equal A's at SAVE_AT + 1 and from
+    SAVE_AT + 3 on (SAVE_AT + 2: Megatron averages it with the first after a restart, see
+    test_resume_mid_inner_loop_is_bitwise_identical), and every rank ends with A's θ_outer, fp32
+    main params and bytes sent."""
+    losses_a, losses_b = dict(res_a["train_loss"]), dict(res_b["train_loss"])
     assert sorted(losses_b) == list(range(SAVE_AT + 1, ITERS + 1)), sorted(losses_b)
-    # Megatron's training_log does not reset its loss accumulators on the first iteration after a
-    # (re)start, so B's second logged loss is the mean of its first two iterations; every other
-    # logged loss is that iteration's own.
-    first, second = SAVE_AT + 1, SAVE_AT + 2
-    assert losses_b[first] == losses_a[first]
-    assert losses_b[second] == pytest.approx((losses_a[first] + losses_a[second]) / 2, abs=2e-6)
-    for it in range(second + 1, ITERS + 1):
+    assert losses_b[SAVE_AT + 1] == losses_a[SAVE_AT + 1]
+    for it in range(SAVE_AT + 3, ITERS + 1):
         assert losses_a[it] == losses_b[it], (it, losses_a[it], losses_b[it])
-    assert sum_a["outer_steps"] == sum_b["outer_steps"] == ITERS // H
     for ra, rb in zip(sum_a["per_rank"], sum_b["per_rank"]):
         assert ra["rank"] == rb["rank"]
-        assert ra["inner_calls"] == rb["inner_calls"] == ITERS
         assert ra["theta_outer_fingerprint"] == rb["theta_outer_fingerprint"]
         assert ra["main_params_fingerprint"] == rb["main_params_fingerprint"]
         assert ra["bytes_sent"] == rb["bytes_sent"]
 
+
+@pytest.mark.timeout(900)
+def test_resume_mid_inner_loop_is_bitwise_identical(tmp_path, corpus):
+    res_a, sum_a, res_b, sum_b = save_and_resume(tmp_path, corpus, [])
+    assert_resumed_bitwise(res_a, sum_a, res_b, sum_b)
+    # Megatron's training_log does not reset its loss accumulators on the first iteration after a
+    # (re)start, so B's second logged loss is the mean of its first two iterations; every other
+    # logged loss is that iteration's own.
+    losses_a, losses_b = dict(res_a["train_loss"]), dict(res_b["train_loss"])
+    first, second = SAVE_AT + 1, SAVE_AT + 2
+    assert losses_b[second] == pytest.approx((losses_a[first] + losses_a[second]) / 2, abs=2e-6)
+    assert sum_a["outer_steps"] == sum_b["outer_steps"] == ITERS // H
+    for ra, rb in zip(sum_a["per_rank"], sum_b["per_rank"]):
+        assert ra["inner_calls"] == rb["inner_calls"] == ITERS
+
     # C: the state was saved with per-tensor chunking (the default); a flat-chunking resume is refused
-    res_c, _ = _run(tmp_path, data, "c", ["--load", str(ckpt_b), "--sparseloco-chunking", "flat"], expect_ok=False)
+    res_c, _ = _run(tmp_path, corpus, "c", ["--load", str(tmp_path / "ckpt_b"), "--sparseloco-chunking", "flat"],
+                    expect_ok=False)
     log_c = "\n".join(res_c["log_lines"])
     assert res_c["returncode"] != 0
     assert "--sparseloco-chunking tensor" in log_c and "--no-load-optim" in log_c, log_c[-3000:]

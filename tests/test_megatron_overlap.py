@@ -7,37 +7,19 @@ snapshot, the merge stays due at 8) and at 12 (inside round 2's window). Run B r
 iteration-7 checkpoint. Losses 9..12 and the exact fingerprints of θ_outer and of every rank's
 fp32 main params at the end must be equal; the log line reports the exposed outer time.
 """
-import shutil
-
 import pytest
 
-from test_checkpoint_resume import ITERS, SAVE_AT, _run
+from test_checkpoint_resume import ITERS, _run, assert_resumed_bitwise, save_and_resume
 
 TAU = 3
 
 
 @pytest.mark.timeout(900)
 def test_save_inside_overlap_window_resumes_bitwise(tmp_path, corpus):
-    data = corpus
-    overlap = ["--sparseloco-overlap-steps", str(TAU)]
-    ckpt_a = tmp_path / "ckpt_a"
-    res_a, sum_a = _run(tmp_path, data, "a", overlap + ["--save", str(ckpt_a), "--save-interval", str(SAVE_AT)])
-    ckpt_b = tmp_path / "ckpt_b"
-    ckpt_b.mkdir()
-    shutil.copytree(ckpt_a / f"iter_{SAVE_AT:07d}", ckpt_b / f"iter_{SAVE_AT:07d}")
-    (ckpt_b / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
-    res_b, sum_b = _run(tmp_path, data, "b", overlap + ["--load", str(ckpt_b), "--save", str(ckpt_b),
-                                                        "--save-interval", "100"])
-    losses_a, losses_b = dict(res_a["train_loss"]), dict(res_b["train_loss"])
-    assert sorted(losses_b) == list(range(SAVE_AT + 1, ITERS + 1))
-    assert losses_b[SAVE_AT + 1] == losses_a[SAVE_AT + 1]  # the merge at 8 happened after this iteration's loss
-    for it in range(SAVE_AT + 3, ITERS + 1):               # (9 is the mean of two after a restart, see there)
-        assert losses_a[it] == losses_b[it], (it, losses_a[it], losses_b[it])
+    # the merge at 8 happens after iteration 8's loss, so B's first loss already matches A's
+    res_a, sum_a, res_b, sum_b = save_and_resume(tmp_path, corpus, ["--sparseloco-overlap-steps", str(TAU)])
+    assert_resumed_bitwise(res_a, sum_a, res_b, sum_b)
     assert sum_a["outer_steps"] == sum_b["outer_steps"] == ITERS // 5
-    for ra, rb in zip(sum_a["per_rank"], sum_b["per_rank"]):
-        assert ra["theta_outer_fingerprint"] == rb["theta_outer_fingerprint"]
-        assert ra["main_params_fingerprint"] == rb["main_params_fingerprint"]
-        assert ra["bytes_sent"] == rb["bytes_sent"]
     log_a = "\n".join(res_a["log_lines"])
     assert "exposed:" in log_a, log_a[-2000:]
 
@@ -50,27 +32,12 @@ def test_fragments_save_inside_a_fragment_window_resumes_bitwise(tmp_path, corpu
     """P = 2 fragments with τ = 1 (H = 5: fragment 0 launches at 5, 10 and merges at 6, 11; fragment 1,
     offset 2, launches at 2, 7, 12 and merges at 3, 8). The save at 7 falls inside fragment 1's window:
     the resumed run's losses, θ_outer of both fragments and every rank's main params are bitwise A's."""
-    data = corpus
-    ckpt_a = tmp_path / "ckpt_a"
-    res_a, sum_a = _run(tmp_path, data, "a", FRAGMENTS + ["--save", str(ckpt_a), "--save-interval", str(SAVE_AT)])
-    ckpt_b = tmp_path / "ckpt_b"
-    ckpt_b.mkdir()
-    shutil.copytree(ckpt_a / f"iter_{SAVE_AT:07d}", ckpt_b / f"iter_{SAVE_AT:07d}")
-    (ckpt_b / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
-    res_b, sum_b = _run(tmp_path, data, "b", FRAGMENTS + ["--load", str(ckpt_b), "--save", str(ckpt_b),
-                                                          "--save-interval", "100"])
-    losses_a, losses_b = dict(res_a["train_loss"]), dict(res_b["train_loss"])
-    assert sorted(losses_b) == list(range(SAVE_AT + 1, ITERS + 1))
-    assert losses_b[SAVE_AT + 1] == losses_a[SAVE_AT + 1]
-    for it in range(SAVE_AT + 3, ITERS + 1):
-        assert losses_a[it] == losses_b[it], (it, losses_a[it], losses_b[it])
+    res_a, sum_a, res_b, sum_b = save_and_resume(tmp_path, corpus, FRAGMENTS)
+    assert_resumed_bitwise(res_a, sum_a, res_b, sum_b)
     assert sum_a["outer_steps"] == sum_b["outer_steps"] >= 4   # fragment syncs
-    for ra, rb in zip(sum_a["per_rank"], sum_b["per_rank"]):
-        assert ra["theta_outer_fingerprint"] == rb["theta_outer_fingerprint"]
-        assert ra["main_params_fingerprint"] == rb["main_params_fingerprint"]
-        assert ra["bytes_sent"] == rb["bytes_sent"]
     # a resume with another P is refused before training, naming the flag
-    res_c, _ = _run(tmp_path, data, "c", ["--sparseloco-overlap-steps", "1", "--load", str(ckpt_b)], expect_ok=False)
+    res_c, _ = _run(tmp_path, corpus, "c", ["--sparseloco-overlap-steps", "1", "--load", str(tmp_path / "ckpt_b")],
+                    expect_ok=False)
     assert res_c["returncode"] != 0
     assert "--sparseloco-fragments 2" in "\n".join(res_c["log_lines"]), "\n".join(res_c["log_lines"][-30:])
 
