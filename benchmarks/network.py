@@ -234,7 +234,8 @@ def summarise(res, world, case):
         steps = curve[-1]["step"]
         wall = max(p["wall_s"] for p in per_rank)
         row = {"case": case, "label": RunCfg(**run).label(), "method": run["method"], "k": run["k"], "H": run["H"] if run["method"] not in ("ddp", "local") else None,
-               "workers": world, "numel": per_rank[0]["numel"], "steps": steps, "tokens": curve[-1]["tokens"],
+               "workers": world, "overlap_steps": run.get("overlap_steps", 0), "fragments": run.get("fragments", 1),
+               "numel": per_rank[0]["numel"], "steps": steps, "tokens": curve[-1]["tokens"],
                "held_out_loss": curve[-1]["held_out_loss"],
                "bytes_sent_per_worker": int(max(p["bytes_sent"] for p in per_rank)),
                "outer_steps": n_sync,
@@ -253,12 +254,23 @@ def add_time_to_target(rows):
     (training + sync clock)."""
     outer = [r for r in rows if r["method"] not in ("ddp", "local")] or rows
     target = max(r["held_out_loss"] for r in outer)
+    # the second target: blocking DiLoCo's final loss (what GASLoC and the overlapped runs must reach)
+    diloco = next((r for r in rows if r["method"] == "diloco" and not r.get("overlap_steps")
+                   and r.get("fragments", 1) == 1), None)
     for r in rows:
         r["target_loss"] = target
-        hit = next((p for p in r["curve"] if p["step"] > 0 and p["held_out_loss"] <= target), None)
+        hit = _first_at_or_below(r["curve"], target)
         r["time_to_target_s"] = hit["wall_s"] if hit else None
         r["steps_to_target"] = hit["step"] if hit else None
+        if diloco is not None:
+            r["diloco_loss"] = diloco["held_out_loss"]
+            hit = _first_at_or_below(r["curve"], diloco["held_out_loss"])
+            r["time_to_diloco_s"] = hit["wall_s"] if hit else None
     return rows
+
+
+def _first_at_or_below(curve, loss):
+    return next((p for p in curve if p["step"] > 0 and p["held_out_loss"] <= loss), None)
 
 
 #: the heterogeneous case's default methods: blocking DiLoCo and SparseLoCo, GASLoC ring (the old
@@ -310,6 +322,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--slow-rate", default="10mbit")
     ap.add_argument("--no-hetero", action="store_true")
+    ap.add_argument("--no-uniform", action="store_true", help="run only the heterogeneous case")
     ap.add_argument("--hetero-methods", default=HETERO_METHODS,
                     help="comma-separated methods of the heterogeneous case: diloco, sparseloco:K, "
                          "gasloc[:TOPOLOGY][:lap][:c][:auto] (topology bandwidth: bandwidth-aware one-peer matchings; "
@@ -375,15 +388,18 @@ def main(argv=None) -> int:
            "uniform": {"rate": args.rate, "tbf": TBF, "workers": args.workers,
                        "note": "all ranks share the shaped loopback: the rate is the aggregate of all traffic"},
            "results": []}
-    print(f"[network] uniform: W={args.workers}, lo tbf {args.rate}, methods "
-          f"{[m.method for m in methods]}, {steps} steps, H={H}", flush=True)
-    res = run_uniform(model, methods, paths, args.workers, args.rate, timeout)
-    rows = add_time_to_target(summarise(res, args.workers, "uniform"))
-    out["results"] += rows
-    for r in rows:
-        print(f"  {label(r):34s} loss {r['held_out_loss']:.4f}  sync comm {r['sync_communicate_s']}  "
-              f"outer step {r['sync_outer_step_s']}  step {r['step_s']:.3f}s  to-target {r['time_to_target_s']}",
-              flush=True)
+    if args.no_uniform and args.no_hetero:
+        raise SystemExit("--no-uniform and --no-hetero together leave nothing to run")
+    if not args.no_uniform:
+        print(f"[network] uniform: W={args.workers}, lo tbf {args.rate}, methods "
+              f"{[m.method for m in methods]}, {steps} steps, H={H}", flush=True)
+        res = run_uniform(model, methods, paths, args.workers, args.rate, timeout)
+        rows = add_time_to_target(summarise(res, args.workers, "uniform"))
+        out["results"] += rows
+        for r in rows:
+            print(f"  {label(r):34s} loss {r['held_out_loss']:.4f}  sync comm {r['sync_communicate_s']}  "
+                  f"outer step {r['sync_outer_step_s']}  step {r['step_s']:.3f}s  to-target {r['time_to_target_s']}",
+                  flush=True)
     if not args.no_hetero:
         Wh = args.hetero_workers
         rates = [args.rate] * (Wh - 1) + [args.slow_rate]
@@ -408,7 +424,8 @@ def main(argv=None) -> int:
         out["results"] += hrows
         for r in hrows:
             print(f"  {label(r):34s} loss {r['held_out_loss']:.4f}  sync comm {r['sync_communicate_s']}  "
-                  f"outer step {r['sync_outer_step_s']}  to-target {r['time_to_target_s']}", flush=True)
+                  f"outer step {r['sync_outer_step_s']}  to-target {r['time_to_target_s']}  "
+                  f"to-diloco {r.get('time_to_diloco_s')}", flush=True)
     out["total_wall_s"] = time.perf_counter() - t0
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
