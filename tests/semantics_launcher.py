@@ -15,7 +15,9 @@ cross workers). After ``train`` returns, each rank writes ``<dir>/rank<r>.json``
 - ``params``: {model param name: sha256 of its bytes} of this rank's model chunks, and
   ``tied``: {"embedding"/"output": sha256} of the first stage's ``word_embeddings.weight`` and the
   last stage's ``output_layer.weight`` (where this rank holds them);
-- ``pp_rank``, ``tp_rank``, ``ep_rank``: the rank's place (to pair ranks holding the same shard).
+- ``pp_rank``, ``tp_rank``, ``ep_rank``: the rank's place (to pair ranks holding the same shard);
+- ``forward_calls``: how many times the pretrain script's forward step ran (once per microbatch of
+  every iteration that computed), ``iterations``: train_step calls.
 
 With env ``SEMANTICS_DUMP=1`` each rank also writes its model params (``{name: tensor}``, ``torch.save``)
 after every outer step to ``<dir>/outer<step>_rank<r>.pt`` (then they hold θ_outer) and at the start
@@ -23,8 +25,10 @@ of ``train`` to ``<dir>/start_rank<r>.pt`` (what a load put there) — also with
 
 Fault injection (env ``STALL_RANK=r``, ``STALL_AT_ITER=n``): global rank r stops itself with SIGSTOP
 at the start of iteration n (a stalled worker: alive, connections open, silent); a rank whose
-train_step raises prints ``semantics_launcher: rank <r> failed t=<time>: <error>``.
+train_step raises prints ``semantics_launcher: rank <r> failed t=<time>: <error>``. A slow GPU
+(env ``SLOW_RANK=r``, ``SLOW_FORWARD_S=s``): global rank r sleeps s seconds in every forward step it runs.
 """
+import functools
 import hashlib
 import json
 import os
@@ -43,6 +47,9 @@ OUT = os.environ["SEMANTICS_OUT"]
 STALL_RANK = int(os.environ.get("STALL_RANK", "-1"))
 STALL_AT = int(os.environ.get("STALL_AT_ITER", "0"))
 DUMP = os.environ.get("SEMANTICS_DUMP") == "1"
+#: optional slow GPU: this global rank sleeps this long in every forward step
+SLOW_RANK = int(os.environ.get("SLOW_RANK", "-1"))
+SLOW_FORWARD_S = float(os.environ.get("SLOW_FORWARD_S", "0"))
 
 
 def _dump(chunks, name: str) -> None:
@@ -135,7 +142,18 @@ def _install():
     mtrain.train = train
     orig_train_step = mtrain.train_step
 
+    def count_forward(forward_step_func):
+        @functools.wraps(forward_step_func)
+        def counted(*fa, **fkw):
+            state["forward_calls"] = state.get("forward_calls", 0) + 1
+            if SLOW_RANK == dist.get_rank():
+                time.sleep(SLOW_FORWARD_S)
+            return forward_step_func(*fa, **fkw)
+        return counted
+
+    @functools.wraps(orig_train_step)
     def train_step(*a, **kw):
+        a = (count_forward(a[0]),) + a[1:]
         spy = state["spy"]
         if spy is not None and state.get("first") is None:
             state["first"] = len(spy.calls)  # record from the first iteration on
@@ -177,6 +195,7 @@ def _report(spy, state, active):
            "outer_calls": state["outer_calls"], "outer_groups": sorted(list(g) for g in state["outer_groups"]), "outer_steps": active.outer_steps if active is not None else 0,
            "params": params, "tied": tied, "pp_rank": ps.get_pipeline_model_parallel_rank(),
            "theta_outer": [_sha(s.anchor) for s in active.strategies] if active is not None else [],
+           "forward_calls": state.get("forward_calls", 0), "iterations": state.get("iteration", 0),
            "tp_rank": ps.get_tensor_model_parallel_rank(), "ep_rank": ps.get_expert_model_parallel_rank()}
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:

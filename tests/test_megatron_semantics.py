@@ -18,7 +18,9 @@ checked (issue 16):
   a plugin checkpoint (model + worker 0's optimizer state) naming the flags that continue the loop;
 - checkpoint_model: the model part of a checkpoint saved mid-round is θ_outer (gasloc: the
   workers' mean), read back bit for bit by a plain Megatron load of the model alone;
-- matrix cells: gasloc × TP 2, average × W = 1 × EP 2 (MoE).
+- matrix cells: gasloc × TP 2, average × W = 1 × EP 2 (MoE);
+- per-worker inner steps: a worker's inactive iterations run no forward/backward and are logged
+  as skipped.
 """
 from __future__ import annotations
 
@@ -46,6 +48,9 @@ def launch(tmp_path, name, *, nproc=2, workers=2, algorithm="sparseloco", H=2, i
                                "--split", "98,1,1"] + list(extra))
     i = cmd.index("--train-data-path")
     del cmd[i:i + 4]
+    if "--sparseloco-inner-steps-per-worker" in extra and "auto" not in extra:  # it replaces H
+        i = cmd.index("--sparseloco-inner-steps")
+        del cmd[i:i + 2]
     if not workers_flag:
         i = cmd.index("--sparseloco-workers")
         del cmd[i:i + 2]
@@ -389,3 +394,55 @@ def test_matrix_single_worker_and_inner_isolation_cells(tmp_path, cell):
         assert_identical_within_worker(ranks)
     else:
         assert_identical_replicas(ranks)
+
+
+# ------------------------------------------------------------------------------ per-worker H
+@pytest.mark.multirank
+@pytest.mark.megatron
+@pytest.mark.timeout(300)
+def test_inactive_iterations_run_no_forward_backward(tmp_path):
+    """gasloc W = 2, --sparseloco-inner-steps-per-worker 4,2 (H = 4), 8 iterations: worker 0 computes
+    every iteration, worker 1 only the first 2 of each round; its other iterations read no batch,
+    cost no forward/backward (what lets a slow GPU keep pace) and appear in Megatron's log as skipped
+    iterations; both workers still run both outer steps. Used to run the forward/backward of every
+    iteration and discard its gradients."""
+    res, ranks = launch(tmp_path, "per_worker", algorithm="gasloc", iters=8,
+                        extra=["--sparseloco-inner-steps-per-worker", "4,2"])
+    assert res["returncode"] == 0, tail(res)
+    worker_of = {int(k): v for k, v in ranks[0]["worker_of"].items()}
+    assert worker_of == {0: 0, 1: 1}
+    assert [r["iterations"] for r in ranks] == [8, 8]
+    assert [r["outer_steps"] for r in ranks] == [2, 2]
+    micro = ranks[0]["forward_calls"] // 8          # microbatches per iteration (global batch / DP / mbs)
+    assert micro >= 1 and ranks[0]["forward_calls"] == 8 * micro, ranks[0]["forward_calls"]
+    assert ranks[1]["forward_calls"] == 4 * micro, ranks[1]["forward_calls"]
+    # Megatron prints the log line on the last rank (worker 1): 2 of every 4 iterations skipped
+    skipped = [int(m.group(1)) for m in re.finditer(r"number of skipped iterations:\s+(\d+)", "\n".join(res["log_lines"]))]
+    assert skipped == [0, 0, 1, 1, 0, 0, 1, 1], (skipped, tail(res))
+    assert not crossing_inner_calls(ranks)
+
+
+@pytest.mark.multirank
+@pytest.mark.megatron
+@pytest.mark.timeout(300)
+def test_auto_inner_steps_slow_worker_computes_fewer_iterations(tmp_path):
+    """gasloc W = 2, --sparseloco-inner-steps-per-worker auto, H = 4, 12 iterations; worker 1's
+    forward step sleeps 0.3 s (a slower GPU). Round 0 runs H everywhere; from the first agreement on,
+    worker 1's measured iteration is the longer one, so H_1 = ⌊4 t_0 / t_1⌋ <= 3 and it computes at
+    most 4 + 3 + 3 of the 12 iterations, while worker 0 computes all 12."""
+    res, ranks = launch(tmp_path, "auto", algorithm="gasloc", H=4, iters=12,
+                        extra=["--sparseloco-inner-steps-per-worker", "auto"],
+                        env={"SLOW_RANK": "1", "SLOW_FORWARD_S": "0.3"})
+    assert res["returncode"] == 0, tail(res)
+    assert [r["outer_steps"] for r in ranks] == [3, 3]
+    micro = ranks[0]["forward_calls"] // 12
+    assert micro >= 1 and ranks[0]["forward_calls"] == 12 * micro, ranks[0]["forward_calls"]
+    slow = ranks[1]["forward_calls"] // micro
+    assert 4 + 1 + 1 <= slow <= 4 + 3 + 3, ranks[1]["forward_calls"]
+    # between outer steps the only cross-worker traffic is the step-time agreement after each one:
+    # one point-to-point exchange per outer step (the spy counts calls inside outer_step apart)
+    crossing = crossing_inner_calls(ranks)
+    assert {name for _, name, _, _ in crossing} <= {"batch_isend_irecv", "isend", "irecv"}, crossing
+    assert all(where.startswith("megatron_sparseloco/comm/p2p.py") for *_, where in crossing), crossing
+    for rank in (0, 1):
+        assert sum(1 for r, name, _, _ in crossing if r == rank and name == "batch_isend_irecv") == 3, crossing

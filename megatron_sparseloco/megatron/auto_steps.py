@@ -17,13 +17,26 @@ rank sends its t_w (one fp64) to the rank at the same position in every other wo
 ``batch_isend_irecv`` over the cross-worker group, kind ``"p2p_steptime"``), so every rank sees the
 same table (t_1 … t_W) and worker w's ranks compute the same H_w.
 
-Only the inner *optimizer step* is skipped on inactive iterations when Megatron's own training loop
-drives the plugin (forward/backward still run: the round's wall time is not reduced); a loop that
-checks ``is_inner_step_active()`` before the forward/backward (benchmarks/common.py does) saves the
-time of the skipped iterations, which is what lets a slow GPU keep pace.
+Inactive iterations cost no compute in megatron.training's loop: ``skip_inactive_iterations`` (installed by
+the plugin over ``train_step``) hands ``train_step`` a forward/backward function that runs nothing on
+the iterations ``is_inner_step_active()`` calls inactive, so a worker with H_w < H spends those
+iterations' time only on ``train_step``'s bookkeeping and a slow GPU keeps pace with the fast ones.
+Such an iteration (the same for fixed per-worker counts, ``--sparseloco-inner-steps-per-worker 30,15``):
+
+* reads no batch (the worker's data iterator does not advance; Megatron's ``consumed_samples``
+  still counts the global batch, so a resume skips the samples the slow worker never read: none is
+  read twice);
+* is reported to Megatron as a *skipped iteration* (``number of skipped iterations`` in the log
+  line; the logged loss averages the active iterations only) while the learning-rate schedule
+  advances as for every iteration (the schedule stays in lockstep across workers);
+* is still counted in Megatron's FLOP and throughput figures (they assume every iteration computes).
+
+Loops that drive the optimizer themselves check ``is_inner_step_active()`` before the forward/backward
+(benchmarks/common.py does).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Optional
 
@@ -78,3 +91,39 @@ class AutoInnerSteps:
         self.times = [v if v > 0 else None for v in vals]
         self.active = steps_for(self.H, self.times, me, self.active)
         return self.active
+
+
+def _no_forward_backward(*args, **kwargs):
+    """``forward_backward_func`` of an inactive iteration: no batch read, no loss (``[]``)."""
+    return []
+
+
+#: megatron.training's ``train_step(forward_step_func, data_iterator, model, optimizer,
+#: opt_param_scheduler, config, forward_backward_func, ...)``: positions used when a wrapper hides the names
+_OPTIMIZER_AT, _FORWARD_BACKWARD_AT = 3, 6
+
+
+def skip_inactive_iterations(train_step):
+    """``train_step`` that runs no forward/backward on an iteration the outer loop calls inactive
+    (``OuterLoopOptimizer.is_inner_step_active()`` false, see the module docstring) and reports it
+    as skipped; every other call is ``train_step`` unchanged."""
+
+    @functools.wraps(train_step)
+    def train_step_skipping_inactive(*a, **kw):
+        optimizer = kw["optimizer"] if "optimizer" in kw else (a[_OPTIMIZER_AT] if len(a) > _OPTIMIZER_AT else None)
+        active = getattr(optimizer, "is_inner_step_active", None)
+        if active is None or active():
+            return train_step(*a, **kw)
+        if "forward_backward_func" in kw:
+            kw = dict(kw, forward_backward_func=_no_forward_backward)
+        elif len(a) > _FORWARD_BACKWARD_AT:
+            a = a[:_FORWARD_BACKWARD_AT] + (_no_forward_backward,) + a[_FORWARD_BACKWARD_AT + 1:]
+        else:
+            raise RuntimeError("sparseloco: train_step was called without forward_backward_func, so an inactive "
+                               "inner iteration (--sparseloco-inner-steps-per-worker) cannot skip its compute")
+        out = train_step(*a, **kw)
+        # (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, ...): our optimizer
+        # step "succeeded" (the LR schedule advanced); Megatron's log counts the iteration as skipped
+        return (out[0], 1, *out[2:]) if isinstance(out, tuple) and len(out) > 2 else out
+
+    return train_step_skipping_inactive

@@ -232,9 +232,9 @@ class OuterLoopOptimizer:
         Heterogeneous workers (``active_inner_steps`` = H_w < H): Megatron's loop runs every
         worker in lockstep iterations, so a round is H iterations for everyone; worker w applies
         its inner optimizer on the first H_w of them and skips the rest, as a slower worker
-        would have done only H_w steps in the time the others did H. The skipped iterations
-        still compute (and discard) gradients: this emulates slower hardware, it does not save
-        compute.
+        would have done only H_w steps in the time the others did H. In megatron.training's loop
+        the skipped iterations run no forward/backward (``auto_steps.skip_inactive_iterations``);
+        a loop that computes them anyway has its gradients discarded here.
         """
         if self._anchor_at_first_step:
             for s in self.strategies:

@@ -16,7 +16,9 @@
   a mixture of the workers' mid-round params (``OuterLoopOptimizer.model_holds_outer_params``);
 - ``megatron.training.training.train_step``: with W > 1 its loss all-reduce runs over the worker's
   data-parallel group; the optimizer wrap also scopes Megatron's timer barriers and rerun-machine
-  flags to the worker (``worker_local``), so inner steps issue no cross-worker collective.
+  flags to the worker (``worker_local``), so inner steps issue no cross-worker collective; and an
+  iteration a worker leaves inactive (``--sparseloco-inner-steps-per-worker``) runs no
+  forward/backward (``auto_steps.skip_inactive_iterations``).
 
 With ``--sparseloco-algorithm`` unset the plugin changes nothing.
 """
@@ -257,10 +259,11 @@ def install() -> None:
 
     mckpt.save_checkpoint = save_checkpoint
     mtrain.save_checkpoint = save_checkpoint
+    from megatron_sparseloco.megatron.auto_steps import skip_inactive_iterations
     from megatron_sparseloco.megatron.worker_local import wrap_train_step
 
     margs.add_megatron_arguments = add_megatron_arguments
-    mtrain.train_step = wrap_train_step(mtrain.train_step, _active_workers)
+    mtrain.train_step = skip_inactive_iterations(wrap_train_step(mtrain.train_step, _active_workers))
     mtrain.training_log = training_log
     margs.validate_args = validate_args
     mtrain.get_megatron_optimizer = get_megatron_optimizer
