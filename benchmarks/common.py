@@ -144,6 +144,7 @@ class RunCfg:
             tag += "" if self.gasloc_topology == "ring" else f" {self.gasloc_topology}"
             tag += " lap" if self.gasloc_rule == "laplacian-momentum" else ""
             tag += " c64" if self.gasloc_compress else ""
+            tag += f" r{self.gasloc_refresh}" if self.gasloc_topology == "bandwidth" and self.gasloc_refresh != 8 else ""
         if self.auto_h:
             tag += " autoH"
         if self.slow_compute != 1.0:
@@ -183,9 +184,9 @@ GASLOC_TOPOLOGIES = ("ring", "exponential", "random1", "random2", "complete", "b
 
 
 def gasloc_fields(spec: str) -> Dict:
-    """'gasloc[:topology][:lap][:c][:auto]' → RunCfg fields: e.g. 'gasloc:bandwidth:lap:c:auto' is
-    bandwidth-aware one-peer matchings, the laplacian-momentum rule, compressed proposals and per-worker
-    H_w from measured step times."""
+    """'gasloc[:topology][:lap][:c][:auto][:rN]' → RunCfg fields: e.g. 'gasloc:bandwidth:lap:c:auto:r2' is
+    bandwidth-aware one-peer matchings (link costs agreed every 2 rounds; default 8), the laplacian-momentum
+    rule, compressed proposals and per-worker H_w from measured step times."""
     parts = spec.split(":")
     if parts[0] != "gasloc":
         raise ValueError(f"not a gasloc spec: {spec!r}")
@@ -199,8 +200,11 @@ def gasloc_fields(spec: str) -> Dict:
             out["gasloc_rule"] = "laplacian-momentum"
         elif tag == "c":
             out["gasloc_compress"] = True
+        elif tag[:1] == "r" and tag[1:].isdigit() and int(tag[1:]) >= 1:
+            out["gasloc_refresh"] = int(tag[1:])
         else:
-            raise SystemExit(f"gasloc method {spec!r}: unknown tag {tag!r} (topologies {GASLOC_TOPOLOGIES}, 'lap', 'c', 'auto')")
+            raise SystemExit(f"gasloc method {spec!r}: unknown tag {tag!r} (topologies {GASLOC_TOPOLOGIES}, 'lap', 'c', "
+                             "'auto', 'rN' = bandwidth table agreed every N rounds)")
     return out
 
 

@@ -114,3 +114,33 @@ def test_overlap_and_fragments_dp2_inside_each_worker(tmp_path):
     for mine in by_worker:
         assert mine[0]["params"] and mine[0]["params"] == mine[1]["params"], [r["rank"] for r in mine]
     assert by_worker[0][0]["params"] != by_worker[1][0]["params"]  # the workers' local progress differs
+
+
+@pytest.mark.multirank
+@pytest.mark.megatron
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cell", [
+    dict(name="ep2_moe", num_layers=2, extra=["--expert-model-parallel-size", "2"]),
+    dict(name="pp2_vpp2", num_layers=4, extra=["--pipeline-model-parallel-size", "2",
+                                               "--num-virtual-stages-per-pipeline-rank", "2"]),
+], ids=["W2-DP2-EP2-moe", "W2-PP2-VPP2"])
+def test_fragments_with_experts_and_virtual_pipeline(tmp_path, cell):
+    """SparseLoCo with P = 2 fragments and τ = 1, H = 4, 9 iterations (4 fragment syncs), on 4 ranks:
+    MoE with EP 2 inside each worker (expert and dense params of one layer in the same fragment), and
+    PP 2 × 2 virtual stages (each rank's two model chunks hold layers of both fragments: layers 0, 2 on
+    stage 0, 1, 3 on stage 1). θ_outer is identical across the workers at every place; with VPP each
+    worker's tied embedding / output-layer copies are bitwise equal."""
+    from test_megatron_semantics import MOE, assert_tied_copies_identical, launch, tail
+    extra = cell["extra"] + FRAGMENTS + SMALL_CODEC + (MOE if cell["name"] == "ep2_moe" else [])
+    res, ranks = launch(tmp_path, cell["name"], nproc=4, workers=2, H=4, iters=9, num_layers=cell["num_layers"],
+                        extra=extra)
+    assert res["returncode"] == 0, tail(res)
+    assert len(ranks) == 4 and all(r["outer_steps"] == 4 for r in ranks), [r["outer_steps"] for r in ranks]
+    assert "--sparseloco-fragments 2" in "\n".join(res["log_lines"]), tail(res)
+    _theta_outer_identical_by_place(ranks)
+    if cell["name"] == "pp2_vpp2":
+        assert all(any(k.startswith("1.") for k in r["params"]) for r in ranks)  # two model chunks per rank
+        for w in (0, 1):
+            assert_tied_copies_identical([r for r in ranks if r["worker_of"][str(r["rank"])] == w])
+    else:
+        assert {r["ep_rank"] for r in ranks} == {0, 1}

@@ -345,8 +345,12 @@ class OuterLoopOptimizer:
         step_no = self.outer_steps + 1
         self.watch.arrive(step_no)
         with self._lost_worker_named(step_no):
+            # every agreement (a main-thread collective on the shared outer group) before the first
+            # collective goes to the comm thread: see DelayedOuter.launch
             for d in delayed:
-                d.launch()
+                d.agree()
+            for d in delayed:
+                d.start()
         if any(d.merge_due and not d.in_flight for d in delayed):  # a skipped round reset θ_local
             if fragment in (None, 0):
                 self.tied.sync(self.shards, self.strategy_of)

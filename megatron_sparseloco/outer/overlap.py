@@ -132,6 +132,8 @@ class DelayedOuter:
         self._future: Optional[Future] = None
         self._finish: Optional[Callable[[], None]] = None
         self._stats: Optional[OuterStepStats] = None
+        #: between ``agree()`` and ``start()``: the agreed verdict (run the round?)
+        self._proceed: Optional[bool] = None
         self._before = (0, 0, 0)
         #: a launched round whose θ_outer,k+1 was computed (``wait``) but not yet merged
         self.merge_due = False
@@ -144,8 +146,21 @@ class DelayedOuter:
 
     # ------------------------------------------------------------------ launch
     def launch(self) -> None:
-        """End of round k: non-finite agreement, Δ_k and payloads, snapshot, start the collective."""
-        if self._future is not None or self.merge_due:
+        """End of round k: non-finite agreement, Δ_k and payloads, snapshot, start the collective.
+
+        ``agree()`` then ``start()``. Several drivers whose strategies share one process group (a
+        MoE model's dense and expert shards) must run every ``agree()`` before the first
+        ``start()``: the agreement is a main-thread collective on that group, and one issued while
+        the comm thread already runs another driver's collective on it could be matched with that
+        collective on a peer (gloo and NCCL match a group's collectives in issue order), which
+        deadlocks or mixes data (``OuterLoopOptimizer.launch_outer_step`` does so)."""
+        self.agree()
+        self.start()
+
+    def agree(self) -> None:
+        """The launch's main-thread collective: the workers agree whether round k's Δ_k is finite
+        (a skipped round resets θ_local ← θ_outer,k here). Nothing is in flight after it."""
+        if self._future is not None or self.merge_due or self._proceed is not None:
             raise RuntimeError(f"{self.strategy.name}: a round is still in flight; complete() it before the next "
                                "launch (overlap steps τ must be < inner steps H)")
         s = self.strategy
@@ -153,7 +168,16 @@ class DelayedOuter:
         stats = OuterStepStats(step=s.outer_steps + 1, numel=s.params.numel)
         self._before = (s.counter.bytes_sent, s.counter.bytes_received, s.counter.collectives)
         self._stats = stats
-        proceed, _ = s.nonfinite_verdict(stats)  # strategies with overlap agree: the step sees None
+        self._proceed, _ = s.nonfinite_verdict(stats)  # strategies with overlap agree: the step sees None
+        stats.time_exposed_s += time.perf_counter() - t0
+
+    def start(self) -> None:
+        """After ``agree()``: Δ_k and the payloads, the launch snapshot, the collective on the comm thread."""
+        if self._proceed is None:
+            raise RuntimeError(f"{self.strategy.name}: start() before agree()")
+        s, stats, proceed = self.strategy, self._stats, self._proceed
+        self._proceed = None
+        t0 = time.perf_counter()
         if proceed:
             communicate, self._finish = s._launch_round(stats)
             if self.launch_params is not None:
