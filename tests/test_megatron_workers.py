@@ -276,3 +276,59 @@ def test_overlapped_grad_reduce_and_param_gather_keep_workers_identical():
             assert torch.equal(anchor_a, anchor_b)
             for name in pa:
                 assert torch.equal(pa[name], pb[name]), name
+
+
+def _two_strategies_overlap_rank(rank, world, H, rounds):
+    """MoE with EP 2 (dense + expert optimizers: two strategies on one outer group), W = 2, τ = 1. The
+    race of the launch is forced: worker 0's main thread pauses before its second non-finite
+    agreement, so its comm thread has issued the first strategy's collective by then; worker 1's comm
+    thread pauses before that collective, so its main thread reaches the second agreement first. Before the fix
+    (agreement and start per strategy in turn) the two ranks issued [collective, agreement] and
+    [agreement, collective] on the same group: mismatched, the job hung or mixed data."""
+    import time
+
+    from megatron_sparseloco.megatron.optimizer import OuterLoopConfig, OuterLoopOptimizer
+    from megatron_sparseloco.outer import overlap
+    from megatron_sparseloco.outer.registry import build_outer_strategy
+    from megatron_sparseloco.testing.megatron_harness import train_step
+
+    ddp, opt, batches = _setup(1, 1, 2, True, 2)
+
+    def factory(params, group, names, slices=None):
+        return build_outer_strategy("sparseloco", params, group, names=names, slices=slices, k=8, chunk=256)
+
+    outer = OuterLoopOptimizer(opt, ddp, factory, OuterLoopConfig(inner_steps=H, overlap_steps=1))
+    agrees = {"n": 0}
+    worker = dist.get_rank(outer.group)
+    orig_agree, orig_timed = overlap.DelayedOuter.agree, overlap.DelayedOuter._timed
+
+    def agree(self):
+        agrees["n"] += 1
+        if worker == 0 and agrees["n"] % len(outer.delayed) == 0:
+            time.sleep(0.5)   # rank 0: the comm thread runs the first collective meanwhile
+        return orig_agree(self)
+
+    def timed(self, communicate, stats):
+        run = orig_timed(self, communicate, stats)
+
+        def slow_run():
+            if worker == 1:
+                time.sleep(0.5)   # rank 1: the main thread goes on to the next agreement first
+            run()
+        return slow_run
+
+    overlap.DelayedOuter.agree, overlap.DelayedOuter._timed = agree, timed
+    for _ in range(rounds * H + 1):
+        train_step(ddp, outer, batches, seq_len=SEQ, micro_batch_size=MBS)
+    return {"strategies": len(outer.strategies), "outer_steps": outer.outer_steps,
+            "group": tuple(dist.get_process_group_ranks(outer.group)),
+            "anchor": torch.cat([s.anchor for s in outer.strategies])}
+
+
+@pytest.mark.timeout(300)
+def test_overlap_with_dense_and_expert_strategies_on_one_group():
+    res = run_ranks(_two_strategies_overlap_rank, 4, args=(2, 2), timeout=120)
+    assert [r["strategies"] for r in res] == [2] * 4    # the dense and the expert optimizer
+    assert [r["outer_steps"] for r in res] == [2] * 4
+    for a, b in {r["group"] for r in res}:              # the two workers' ranks at one place
+        assert torch.equal(res[a]["anchor"], res[b]["anchor"]), (a, b)
