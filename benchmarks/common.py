@@ -171,7 +171,8 @@ def strategy_fields(run: RunCfg) -> Dict:
                     **({"owner_value_bits": run.owner_value_bits} if run.owner_value_bits else {}))
     if run.method == "gasloc":
         # the plugin's defaults for gasloc (GASLoCConfig, outer/gasloc.py): η = 1.0, γ = 0.9
-        out = dict(topology=run.gasloc_topology, proposal_lr=1.0, momentum=0.9, rule=run.gasloc_rule)
+        out = dict(topology=run.gasloc_topology, proposal_lr=1.0 if run.outer_lr is None else run.outer_lr,
+                   momentum=0.9 if run.outer_momentum is None else run.outer_momentum, rule=run.gasloc_rule)
         if run.gasloc_compress:
             out.update(compress=True, chunk=4096, k=64, value_bits=2)
         if run.gasloc_topology == "bandwidth":
@@ -183,10 +184,19 @@ def strategy_fields(run: RunCfg) -> Dict:
 GASLOC_TOPOLOGIES = ("ring", "exponential", "random1", "random2", "complete", "bandwidth")
 
 
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
 def gasloc_fields(spec: str) -> Dict:
     """'gasloc[:topology][:lap][:c][:auto][:rN]' → RunCfg fields: e.g. 'gasloc:bandwidth:lap:c:auto:r2' is
     bandwidth-aware one-peer matchings (link costs agreed every 2 rounds; default 8), the laplacian-momentum
-    rule, compressed proposals and per-worker H_w from measured step times."""
+    rule, compressed proposals and per-worker H_w from measured step times; 'lr0.7:mu0.6' set η and γ
+    (default the plugin's 1.0 and 0.9)."""
     parts = spec.split(":")
     if parts[0] != "gasloc":
         raise ValueError(f"not a gasloc spec: {spec!r}")
@@ -202,9 +212,13 @@ def gasloc_fields(spec: str) -> Dict:
             out["gasloc_compress"] = True
         elif tag[:1] == "r" and tag[1:].isdigit() and int(tag[1:]) >= 1:
             out["gasloc_refresh"] = int(tag[1:])
+        elif tag.startswith("lr") and _is_float(tag[2:]):
+            out["outer_lr"] = float(tag[2:])        # proposal lr η
+        elif tag.startswith("mu") and _is_float(tag[2:]):
+            out["outer_momentum"] = float(tag[2:])  # momentum γ
         else:
             raise SystemExit(f"gasloc method {spec!r}: unknown tag {tag!r} (topologies {GASLOC_TOPOLOGIES}, 'lap', 'c', "
-                             "'auto', 'rN' = bandwidth table agreed every N rounds)")
+                             "'auto', 'rN' = bandwidth table agreed every N rounds, 'lrX' = η, 'muX' = γ)")
     return out
 
 
@@ -280,7 +294,7 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
         if outer is not None and outer.outer_steps > len(sync_times):  # a round completed
             last = outer.log.last
             rec = {k: last.get(k, 0.0) for k in ("time_compress_s", "time_communicate_s", "time_apply_s",
-                                                 "bytes_sent", "time_exposed_s", "time_wait_s")}
+                                                 "bytes_sent", "time_exposed_s", "time_wait_s", "time_launch_s")}
             # the wall time the loop spent in the outer step (delayed: launch + wait + apply + merge)
             rec["outer_step_s"] = (last.get("time_exposed_s", float("nan")) if run.overlap_steps
                                    else (outer_times[-1] if outer_times else float("nan")))

@@ -243,12 +243,15 @@ def summarise(res, world, case):
                "sync_outer_step_s": per_step("outer_step_s") if n_sync else None,
                "sync_compress_s": per_step("time_compress_s") if n_sync else None,
                "sync_apply_s": per_step("time_apply_s") if n_sync else None,
+               # τ runs: of the exposed time, the launch (agreement, Δ, payloads) and the wait for the collective
+               "sync_launch_s": per_step("time_launch_s") if n_sync and run.get("overlap_steps") else None,
+               "sync_wait_s": per_step("time_wait_s") if n_sync and run.get("overlap_steps") else None,
                "step_s": wall / max(1, steps), "wall_s": wall, "curve": curve}
         rows.append(row)
     return rows
 
 
-def add_time_to_target(rows):
+def add_time_to_target(rows, diloco_step=None):
     """Target = the worst final held-out loss among the outer methods (ddp runs fewer steps and
     local never syncs: neither is part of the target); time = the first evaluation at or below it
     (training + sync clock)."""
@@ -257,15 +260,20 @@ def add_time_to_target(rows):
     # the second target: blocking DiLoCo's final loss (what GASLoC and the overlapped runs must reach)
     diloco = next((r for r in rows if r["method"] == "diloco" and not r.get("overlap_steps")
                    and r.get("fragments", 1) == 1), None)
+    ref = None
+    if diloco is not None:  # DiLoCo's loss at its last evaluation (or at ``diloco_step``) and the time it took
+        at = [p for p in diloco["curve"] if diloco_step is None or p["step"] <= diloco_step][-1]
+        ref = {"step": at["step"], "loss": at["held_out_loss"], "wall_s": at["wall_s"]}
     for r in rows:
         r["target_loss"] = target
         hit = _first_at_or_below(r["curve"], target)
         r["time_to_target_s"] = hit["wall_s"] if hit else None
         r["steps_to_target"] = hit["step"] if hit else None
-        if diloco is not None:
-            r["diloco_loss"] = diloco["held_out_loss"]
-            hit = _first_at_or_below(r["curve"], diloco["held_out_loss"])
+        if ref is not None:
+            r["diloco_ref"] = ref
+            hit = _first_at_or_below(r["curve"], ref["loss"])
             r["time_to_diloco_s"] = hit["wall_s"] if hit else None
+            r["steps_to_diloco"] = hit["step"] if hit else None
     return rows
 
 
@@ -323,6 +331,9 @@ def main(argv=None) -> int:
     ap.add_argument("--slow-rate", default="10mbit")
     ap.add_argument("--no-hetero", action="store_true")
     ap.add_argument("--no-uniform", action="store_true", help="run only the heterogeneous case")
+    ap.add_argument("--diloco-target-step", type=int, default=None,
+                    help="time_to_diloco_s: the time to reach blocking DiLoCo's held-out loss at this step (default: "
+                         "its final one); with more steps than that, the other methods may train longer to reach it")
     ap.add_argument("--hetero-methods", default=HETERO_METHODS,
                     help="comma-separated methods of the heterogeneous case: diloco, sparseloco:K, "
                          "gasloc[:TOPOLOGY][:lap][:c][:auto] (topology bandwidth: bandwidth-aware one-peer matchings; "
@@ -394,7 +405,7 @@ def main(argv=None) -> int:
         print(f"[network] uniform: W={args.workers}, lo tbf {args.rate}, methods "
               f"{[m.method for m in methods]}, {steps} steps, H={H}", flush=True)
         res = run_uniform(model, methods, paths, args.workers, args.rate, timeout)
-        rows = add_time_to_target(summarise(res, args.workers, "uniform"))
+        rows = add_time_to_target(summarise(res, args.workers, "uniform"), args.diloco_target_step)
         out["results"] += rows
         for r in rows:
             print(f"  {label(r):34s} loss {r['held_out_loss']:.4f}  sync comm {r['sync_communicate_s']}  "
@@ -420,7 +431,7 @@ def main(argv=None) -> int:
                          RunCfg("sparseloco", k=64, overlap_steps=t, fragments=P, **hbase)]
         print(f"[network] heterogeneous: W={Wh}, links {rates}", flush=True)
         hres = run_hetero(model, hmethods, paths, rates, args.timeout or (240 if args.smoke else 300 * len(hmethods)))
-        hrows = add_time_to_target(summarise(hres, Wh, "hetero"))
+        hrows = add_time_to_target(summarise(hres, Wh, "hetero"), args.diloco_target_step)
         out["results"] += hrows
         for r in hrows:
             print(f"  {label(r):34s} loss {r['held_out_loss']:.4f}  sync comm {r['sync_communicate_s']}  "

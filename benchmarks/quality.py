@@ -95,8 +95,11 @@ def make_run(method, k, extra, H, seed, base, tuned):
                       **owner_codec(extra), **fields)
     if method == "diloco":
         return RunCfg("diloco", outer_lr=lr, outer_momentum=mu, **fields)
-    if method == "gasloc" and extra:
-        return RunCfg("gasloc", **fields, **common.gasloc_fields(extra))
+    if method == "gasloc":  # η, γ: the spec's lrX / muX, else the tuned ones, else the plugin's defaults
+        spec = common.gasloc_fields(extra) if extra else {}
+        spec.setdefault("outer_lr", lr)
+        spec.setdefault("outer_momentum", mu)
+        return RunCfg("gasloc", **fields, **spec)
     return RunCfg(method, **fields)
 
 

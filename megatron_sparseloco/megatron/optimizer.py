@@ -402,6 +402,7 @@ class OuterLoopOptimizer:
             timer.stop()
         if waited:  # the round's exposed time: launch + wait + apply + merge + publish
             self.log.last["time_exposed_s"] = self._exposed_at_launch + time.perf_counter() - t0
+            self.log.last["time_launch_s"] = self._exposed_at_launch   # of which the launch (agree, Δ, payloads)
         interval = self.config.consistency_check_interval
         if interval and self.config.identical_across_workers and self.outer_steps % interval == 0:
             self.check_consistency()
