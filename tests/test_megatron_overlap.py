@@ -135,8 +135,8 @@ def test_fragments_with_experts_and_virtual_pipeline(tmp_path, cell):
     res, ranks = launch(tmp_path, cell["name"], nproc=4, workers=2, H=4, iters=9, num_layers=cell["num_layers"],
                         extra=extra)
     assert res["returncode"] == 0, tail(res)
+    # 4 syncs in 9 iterations: 2 fragments × 2 rounds (without fragments: 2 outer steps)
     assert len(ranks) == 4 and all(r["outer_steps"] == 4 for r in ranks), [r["outer_steps"] for r in ranks]
-    assert "--sparseloco-fragments 2" in "\n".join(res["log_lines"]), tail(res)
     _theta_outer_identical_by_place(ranks)
     if cell["name"] == "pp2_vpp2":
         assert all(any(k.startswith("1.") for k in r["params"]) for r in ranks)  # two model chunks per rank
