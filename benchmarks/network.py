@@ -287,6 +287,21 @@ HETERO_METHODS = ("diloco,sparseloco:64,gasloc,gasloc:random1,gasloc:bandwidth,g
                   "gasloc:bandwidth:lap,gasloc:bandwidth:lap:c,gasloc:bandwidth:auto")
 
 
+def outer_fields(item: str, tags) -> dict:
+    """'lrX' / 'muX' tags of a diloco or sparseloco spec → the run's outer lr / momentum (every compared
+    method can get the same tuning: e.g. diloco:lr0.7:mu0.6, sparseloco:64:lr1.5)."""
+    out = {}
+    for tag in tags:
+        if tag.startswith("lr") and common._is_float(tag[2:]):
+            out["outer_lr"] = float(tag[2:])
+        elif tag.startswith("mu") and common._is_float(tag[2:]) and not item.startswith("sparseloco"):
+            out["outer_momentum"] = float(tag[2:])
+        else:
+            raise SystemExit(f"--hetero-methods {item!r}: unknown tag {tag!r} (lrX = outer lr"
+                             + ("" if item.startswith("sparseloco") else ", muX = outer momentum") + ")")
+    return out
+
+
 def hetero_runs(text: str, base: dict):
     runs = []
     for item in [t.strip() for t in text.split(",") if t.strip()]:
@@ -294,9 +309,10 @@ def hetero_runs(text: str, base: dict):
         if parts[0] == "gasloc":
             runs.append(RunCfg("gasloc", **base, **common.gasloc_fields(item)))
         elif parts[0] == "sparseloco":
-            runs.append(RunCfg("sparseloco", k=int(parts[1]) if len(parts) > 1 else 64, **base))
+            k = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 64
+            runs.append(RunCfg("sparseloco", k=k, **base, **outer_fields(item, parts[2 if len(parts) > 1 and parts[1].isdigit() else 1:])))
         elif parts[0] == "diloco":
-            runs.append(RunCfg("diloco", **base))
+            runs.append(RunCfg("diloco", **base, **outer_fields(item, parts[1:])))
         else:
             raise SystemExit(f"--hetero-methods: unknown method {item!r}")
     return runs
@@ -338,6 +354,9 @@ def main(argv=None) -> int:
                     help="comma-separated methods of the heterogeneous case: diloco, sparseloco:K, "
                          "gasloc[:TOPOLOGY][:lap][:c][:auto] (topology bandwidth: bandwidth-aware one-peer matchings; "
                          "lap: laplacian-momentum rule; c: compressed proposals; auto: H_w from step times)")
+    ap.add_argument("--uniform-methods", default="diloco,sparseloco:64,gasloc",
+                    help="comma-separated methods of the uniform case, as --hetero-methods (the --overlap-steps / "
+                         "--fragments rows and the no-communication row are added to them)")
     ap.add_argument("--hetero-slow-compute", type=float, default=1.0,
                     help="the last worker's inner steps take this many times longer (e.g. 2: a 2x slower GPU)")
     ap.add_argument("--overlap-steps", default="",
@@ -378,7 +397,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     paths = common.ensure_data()
     base = dict(H=H, steps=steps, mbs=mbs, eval_windows=8 if args.smoke else 32, eval_every=H)
-    methods = [RunCfg("diloco", **base), RunCfg("sparseloco", k=64, **base), RunCfg("gasloc", **base)]
+    methods = hetero_runs(args.uniform_methods, base)
     taus = [int(t) for t in args.overlap_steps.split(",") if t.strip()]
     if any(not 1 <= t < H for t in taus):
         raise SystemExit(f"--overlap-steps: every τ must be in [1, H={H}), got {taus}")

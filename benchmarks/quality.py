@@ -134,10 +134,28 @@ def fragment_settings(args):
     return [(p, t) for p in ps for t in [0, *overlap_steps(args)] if t * p < args.H]
 
 
+def sweep_grid(text):
+    """``--sweep-grid``: a JSON object (inline or a file path) {method: [[lr, mu], ...]} replacing SWEEP's
+    points for the methods it names; empty → SWEEP."""
+    if not text:
+        return SWEEP
+    if os.path.exists(text):
+        with open(text) as f:
+            text = f.read()
+    try:
+        grid = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--sweep-grid: not JSON ({e}); e.g. '{{\"sparseloco\": [[2.0, null]]}}'")
+    if not isinstance(grid, dict) or not set(grid) <= set(SWEEP) or not grid:
+        raise SystemExit(f"--sweep-grid: an object whose keys are among {sorted(SWEEP)}, got {text!r}")
+    return {m: [tuple(pt) for pt in pts] for m, pts in grid.items()}
+
+
 def sweep_runs(args, steps):
     base = dict(steps=steps, mbs=args.mbs, lr=args.lr, eval_windows=args.eval_windows, H=args.H, seed=1234, data_seed=0)
-    runs = [RunCfg("diloco", outer_lr=lr, outer_momentum=mu, **base) for lr, mu in SWEEP["diloco"]]
-    runs += [RunCfg("sparseloco", k=64, outer_lr=lr, **base) for lr, _ in SWEEP["sparseloco"]]
+    grid = sweep_grid(args.sweep_grid)
+    runs = [RunCfg("diloco", outer_lr=lr, outer_momentum=mu, **base) for lr, mu in grid.get("diloco", [])]
+    runs += [RunCfg("sparseloco", k=64, outer_lr=lr, **base) for lr, _ in grid.get("sparseloco", [])]
     return runs
 
 
@@ -273,6 +291,7 @@ def main(argv=None) -> int:
     ap.add_argument("--H", type=int, default=15, help="inner steps per outer step")
     ap.add_argument("--workers", default="2", help="comma-separated worker counts, e.g. 2,4,8")
     ap.add_argument("--seeds", type=int, default=1, help="seeds per setting (model init and data order)")
+    ap.add_argument("--first-seed", type=int, default=0, help="run seeds FIRST .. FIRST + SEEDS - 1 (to add seeds)")
     ap.add_argument("--methods", default=METHODS_DEFAULT,
                     help="comma-separated: ddp, average, diloco, gasloc[:TOPOLOGY][:lap][:c][:auto], torchft_diloco, "
                          "sparseloco:K[:flat|:entropy|:rs|:rsN|:rsNbB]")
@@ -280,6 +299,9 @@ def main(argv=None) -> int:
                     help="first sweep the outer lr of diloco and sparseloco (W = first of --workers, seed 0, "
                          "--sweep-steps), then run every method at the best setting")
     ap.add_argument("--sweep-steps", type=int, default=None, help="steps of each sweep run (default --steps)")
+    ap.add_argument("--sweep-grid", default="",
+                    help="JSON (inline or a file) {method: [[lr, mu], ...]} replacing the sweep's points for the "
+                         "methods it names (only those are swept)")
     ap.add_argument("--tuned", default=None, help="JSON with {'diloco': [lr, mu], 'sparseloco': [lr, null]}: skip the sweep")
     ap.add_argument("--long", type=int, default=0, metavar="FACTOR",
                     help="also one run FACTOR x longer at the first W for diloco and sparseloco k=64 (seed 0)")
@@ -338,7 +360,7 @@ def main(argv=None) -> int:
         sweep_rows = run_rows(workers[0], model, sw, [], paths, timeout, env, notes)
         tuned = pick_tuned(sweep_rows)
         print(f"[quality] chosen outer settings: {tuned}", flush=True)
-    seeds = list(range(args.seeds))
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     for W in workers:
         runs, ft_runs = build_runs(args, tuned, seeds, steps)
         if args.long and W == workers[0]:

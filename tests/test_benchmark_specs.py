@@ -1,0 +1,61 @@
+"""The benchmarks' method specs: outer settings reach the run, bad tags and grids are refused."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import network  # noqa: E402
+import quality  # noqa: E402
+
+
+def test_hetero_specs_carry_outer_settings():
+    base = dict(H=15, steps=30)
+    diloco, sl_tuned, sl_default, gas = network.hetero_runs(
+        "diloco:lr0.7:mu0.6,sparseloco:128:lr1.5,sparseloco,gasloc:bandwidth:lr0.7:mu0.6", base)
+    assert (diloco.method, diloco.outer_lr, diloco.outer_momentum) == ("diloco", 0.7, 0.6)
+    assert (sl_tuned.k, sl_tuned.outer_lr, sl_tuned.outer_momentum) == (128, 1.5, None)
+    assert (sl_default.k, sl_default.outer_lr) == (64, None)
+    assert (gas.gasloc_topology, gas.outer_lr, gas.outer_momentum) == ("bandwidth", 0.7, 0.6)
+    assert "lr=0.7 mu=0.6" in diloco.label()
+
+
+@pytest.mark.parametrize("spec", ["diloco:fast", "sparseloco:64:mu0.5", "diloco:lrx"])
+def test_hetero_specs_refuse_unknown_tags(spec):
+    with pytest.raises(SystemExit, match="unknown tag"):
+        network.hetero_runs(spec, dict(H=15, steps=30))
+
+
+def test_sweep_grid_replaces_only_named_methods(tmp_path):
+    assert quality.sweep_grid("") is quality.SWEEP
+    grid = quality.sweep_grid('{"sparseloco": [[2.0, null], [2.5, null]]}')
+    assert grid == {"sparseloco": [(2.0, None), (2.5, None)]}
+    path = tmp_path / "grid.json"
+    path.write_text('{"diloco": [[0.7, 0.3]]}')
+    assert quality.sweep_grid(str(path)) == {"diloco": [(0.7, 0.3)]}
+    args = argparse.Namespace(sweep_grid=str(path), mbs=4, lr=1e-3, eval_windows=8, H=15)
+    (run,) = quality.sweep_runs(args, 30)
+    assert (run.method, run.outer_lr, run.outer_momentum, run.seed, run.data_seed) == ("diloco", 0.7, 0.3, 1234, 0)
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"adam": [[1, 2]]}', "{}", "[1]"])
+def test_sweep_grid_refuses_bad_input(text):
+    with pytest.raises(SystemExit, match="--sweep-grid"):
+        quality.sweep_grid(text)
+
+
+def test_first_seed_sets_model_init_and_data_order():
+    args = argparse.Namespace(methods="diloco", H=15, mbs=4, lr=1e-3, eval_windows=8, overlap_steps="", fragments="")
+    runs, _ = quality.build_runs(args, {"diloco": (0.7, 0.6)}, [1, 2], 30)
+    assert [(r.seed, r.data_seed, r.outer_lr) for r in runs] == [(1235, 1, 0.7), (1236, 2, 0.7)]
+
+
+def test_uniform_default_methods_are_the_three_reference_runs():
+    from common import RunCfg
+    base = dict(H=15, steps=30)
+    assert network.hetero_runs("diloco,sparseloco:64,gasloc", base) == [
+        RunCfg("diloco", **base), RunCfg("sparseloco", k=64, **base), RunCfg("gasloc", **base)]
