@@ -162,17 +162,22 @@ def strategy_fields(run: RunCfg) -> Dict:
     if run.method in ("average", "local"):  # local: a strategy that never runs
         return dict()
     if run.method == "diloco":
-        return dict(lr=0.7 if run.outer_lr is None else run.outer_lr,
-                    momentum=0.9 if run.outer_momentum is None else run.outer_momentum, nesterov=True)
+        momentum = 0.9 if run.outer_momentum is None else run.outer_momentum
+        return dict(lr=0.7 if run.outer_lr is None else run.outer_lr, momentum=momentum,
+                    nesterov=momentum > 0)   # μ = 0: plain outer SGD (Nesterov needs a momentum)
     if run.method == "sparseloco":
         return dict(k=run.k, chunk=4096, value_bits=2, ef_beta=0.95, lr=1.0 if run.outer_lr is None else run.outer_lr,
                     index_coding=run.index_coding, chunking=run.chunking,
                     aggregation=run.aggregation, **({"owner_k": run.owner_k} if run.owner_k else {}),
                     **({"owner_value_bits": run.owner_value_bits} if run.owner_value_bits else {}))
     if run.method == "gasloc":
-        # the plugin's defaults for gasloc (GASLoCConfig, outer/gasloc.py): η = 1.0, γ = 0.9
-        out = dict(topology=run.gasloc_topology, proposal_lr=1.0 if run.outer_lr is None else run.outer_lr,
-                   momentum=0.9 if run.outer_momentum is None else run.outer_momentum, rule=run.gasloc_rule)
+        # the plugin's defaults for gasloc (GASLoCConfig, outer/gasloc.py): η = 0.7, γ = 0.6 since 2026-12-01
+        # (results before that used η = 1.0, γ = 0.9: the spec's lr1.0:mu0.9 reproduces them)
+        from megatron_sparseloco.outer.gasloc import GASLoCConfig
+        default = GASLoCConfig()
+        out = dict(topology=run.gasloc_topology,
+                   proposal_lr=default.proposal_lr if run.outer_lr is None else run.outer_lr,
+                   momentum=default.momentum if run.outer_momentum is None else run.outer_momentum, rule=run.gasloc_rule)
         if run.gasloc_compress:
             out.update(compress=True, chunk=4096, k=64, value_bits=2)
         if run.gasloc_topology == "bandwidth":
@@ -196,7 +201,7 @@ def gasloc_fields(spec: str) -> Dict:
     """'gasloc[:topology][:lap][:c][:auto][:rN]' → RunCfg fields: e.g. 'gasloc:bandwidth:lap:c:auto:r2' is
     bandwidth-aware one-peer matchings (link costs agreed every 2 rounds; default 8), the laplacian-momentum
     rule, compressed proposals and per-worker H_w from measured step times; 'lr0.7:mu0.6' set η and γ
-    (default the plugin's 1.0 and 0.9)."""
+    (default the plugin's, GASLoCConfig: 0.7 and 0.6)."""
     parts = spec.split(":")
     if parts[0] != "gasloc":
         raise ValueError(f"not a gasloc spec: {spec!r}")

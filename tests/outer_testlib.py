@@ -172,7 +172,7 @@ def gossip_reference(sc: dict, W: int, init_theta: Callable[[str, int], torch.Te
     from megatron_sparseloco.comm.topology import mixing_matrix
 
     c = sc["cfg"]
-    eta, gamma = c.get("proposal_lr", 1.0), c.get("momentum", 0.9)
+    eta, gamma = c.get("proposal_lr", 0.7), c.get("momentum", 0.6)
     theta0 = torch.stack([init_theta(sc["init"], i) for i in range(W)]).double()
     d = torch.zeros_like(theta0)
     out = []

@@ -32,7 +32,7 @@ SCENARIOS: Dict[str, dict] = {
                  init="diff", drift=True),
     "random1": dict(cfg=dict(topology="random1", seed=11, proposal_lr=1.0, momentum=0.9, gossip_step=0.5, **CODEC),
                     rounds=5, init="same", drift=True),
-    "random2_entropy": dict(cfg=dict(topology="random2", seed=3, mixing_weight=0.25, momentum=0.0, gossip_step=0.2,
+    "random2_entropy": dict(cfg=dict(topology="random2", seed=3, mixing_weight=0.25, proposal_lr=1.0, momentum=0.0, gossip_step=0.2,
                                      index_coding="entropy", **CODEC), rounds=3, init="diff", drift=True),
     "lossless_random1": dict(cfg=dict(topology="random1", seed=4, proposal_lr=0.8, momentum=0.9, gossip_step=1.0,
                                       chunk=4096, k=4096, value_bits=32), rounds=4, init="diff", drift=True),
@@ -111,7 +111,7 @@ def compressed_reference(sc: dict, W: int) -> List[torch.Tensor]:
     c = sc["cfg"]
     cfg = CodecConfig(chunk=c["chunk"], k=c["k"], value_bits=c["value_bits"],
                       index_coding=c.get("index_coding", "packed"))
-    eta, gamma, xi = c.get("proposal_lr", 1.0), c.get("momentum", 0.9), c["gossip_step"] if "gossip_step" in c else 0.05
+    eta, gamma, xi = c.get("proposal_lr", 0.7), c.get("momentum", 0.6), c["gossip_step"] if "gossip_step" in c else 0.05
     theta0 = [init_theta(sc["init"], i) for i in range(W)]
     d = [torch.zeros(N) for _ in range(W)]
     copy: Dict[tuple, torch.Tensor] = {}  # (i, j) → x̂_{i→j}

@@ -121,7 +121,7 @@ def _anchors(rec, r) -> torch.Tensor:
 def reference(sc: dict, costs_per_round=None) -> List[torch.Tensor]:
     """float64 matrix form of the uncompressed update, both rules; ``costs_per_round[r]``: the bandwidth table."""
     c = sc["cfg"]
-    eta, gamma = c.get("proposal_lr", 1.0), c.get("momentum", 0.9)
+    eta, gamma = c.get("proposal_lr", 0.7), c.get("momentum", 0.6)
     lap = c.get("rule", "ours") == "laplacian-momentum"
     theta = torch.stack([init_theta(sc["init"], i) for i in range(WORLD)]).double()
     d = torch.zeros_like(theta)   # ours: momentum
