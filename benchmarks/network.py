@@ -309,8 +309,9 @@ def hetero_runs(text: str, base: dict):
         if parts[0] == "gasloc":
             runs.append(RunCfg("gasloc", **base, **common.gasloc_fields(item)))
         elif parts[0] == "sparseloco":
-            k = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 64
-            runs.append(RunCfg("sparseloco", k=k, **base, **outer_fields(item, parts[2 if len(parts) > 1 and parts[1].isdigit() else 1:])))
+            has_k = len(parts) > 1 and parts[1].isdigit()
+            k, tags = (int(parts[1]), parts[2:]) if has_k else (64, parts[1:])
+            runs.append(RunCfg("sparseloco", k=k, **base, **outer_fields(item, tags)))
         elif parts[0] == "diloco":
             runs.append(RunCfg("diloco", **base, **outer_fields(item, parts[1:])))
         else:

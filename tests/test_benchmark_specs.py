@@ -22,6 +22,8 @@ def test_hetero_specs_carry_outer_settings():
     assert (sl_default.k, sl_default.outer_lr) == (64, None)
     assert (gas.gasloc_topology, gas.outer_lr, gas.outer_momentum) == ("bandwidth", 0.7, 0.6)
     assert "lr=0.7 mu=0.6" in diloco.label()
+    (no_k,) = network.hetero_runs("sparseloco:lr2", base)
+    assert (no_k.k, no_k.outer_lr) == (64, 2.0)
 
 
 @pytest.mark.parametrize("spec", ["diloco:fast", "sparseloco:64:mu0.5", "diloco:lrx"])
