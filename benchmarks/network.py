@@ -246,6 +246,8 @@ def summarise(res, world, case):
                # τ runs: of the exposed time, the launch (agreement, Δ, payloads) and the wait for the collective
                "sync_launch_s": per_step("time_launch_s") if n_sync and run.get("overlap_steps") else None,
                "sync_wait_s": per_step("time_wait_s") if n_sync and run.get("overlap_steps") else None,
+               # ... and of the launch, the non-finite agreement (a sync point: it waits for the slowest worker)
+               "sync_agree_s": per_step("time_agree_s") if n_sync and run.get("overlap_steps") else None,
                "step_s": wall / max(1, steps), "wall_s": wall, "curve": curve}
         rows.append(row)
     return rows

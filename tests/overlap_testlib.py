@@ -87,8 +87,9 @@ def drive_delayed(rank: int, world: int, name: str, config: Dict, H: int, tau: i
 
 
 def drive_slow_peer(rank: int, world: int, name: str, config: Dict, H: int, tau: int, rounds: int,
-                    step_s: float, slow_rank: int, delay_s: float) -> Dict:
-    """Inner steps of ``step_s`` seconds; ``slow_rank``'s comm thread sleeps ``delay_s`` before each round."""
+                    step_s: float, slow_rank: int, delay_s: float, late_s: float = 0.0) -> Dict:
+    """Inner steps of ``step_s`` seconds; ``slow_rank``'s comm thread sleeps ``delay_s`` before each round
+    and its main thread ``late_s`` before each launch (a worker that reaches the round's end later)."""
     from megatron_sparseloco.outer import build_outer_strategy
     from megatron_sparseloco.outer.overlap import DelayedOuter, OverlapConfig
 
@@ -97,7 +98,7 @@ def drive_slow_peer(rank: int, world: int, name: str, config: Dict, H: int, tau:
     strat = build_outer_strategy(name, params, group, **config)
     hook = (lambda: time.sleep(delay_s)) if rank == slow_rank else None
     drv = DelayedOuter(strat, OverlapConfig(steps=tau), before_communicate=hook)
-    out = {"step_times": {}, "launch": {}, "comm_end": {}, "wait": {}, "anchor": None}
+    out = {"step_times": {}, "launch": {}, "comm_end": {}, "wait": {}, "agree": {}, "anchor": None}
     for i in range(1, rounds * H + tau + 1):
         time.sleep(step_s)  # "compute"
         with torch.no_grad():
@@ -105,12 +106,15 @@ def drive_slow_peer(rank: int, world: int, name: str, config: Dict, H: int, tau:
                 p.add_(d)
         out["step_times"][i] = time.perf_counter()
         if i % H == 0 and i // H <= rounds:
+            if rank == slow_rank and late_s:
+                time.sleep(late_s)
             out["launch"][i] = time.perf_counter()
             drv.launch()
         if i % H == tau and i > H:
             stats = drv.complete()
             out["comm_end"][i] = drv.comm_ended_at
             out["wait"][i] = stats.extra["time_wait_s"]
+            out["agree"][i] = stats.extra["time_agree_s"]
     drv.close()
     out["anchor"] = strat.anchor.clone()
     return out

@@ -215,6 +215,22 @@ def test_slow_peer_does_not_stall_inner_steps():
     assert torch.equal(res[0]["anchor"], res[1]["anchor"])
 
 
+def test_agreement_time_is_the_wait_for_a_late_worker():
+    """The launch's non-finite agreement is a sync point: a worker that reaches the end of its round
+    ``late`` seconds after its peer makes the peer wait there, and ``time_agree_s`` says so."""
+    from megatron_sparseloco.testing.multirank import run_ranks
+    from overlap_testlib import drive_slow_peer
+
+    Hs, taus, step_s, late = 4, 2, 0.02, 0.5
+    res = run_ranks(drive_slow_peer, 2, args=("diloco", dict(), Hs, taus, 2, step_s, 1, 0.0, late), timeout=120)
+    on_time, late_worker = res[0]["agree"], res[1]["agree"]
+    assert on_time and set(on_time) == set(late_worker)
+    for i in on_time:
+        assert on_time[i] >= late * 0.8, on_time      # waited for the late worker
+        assert late_worker[i] < late * 0.5, late_worker  # found its peer there already
+    assert torch.equal(res[0]["anchor"], res[1]["anchor"])
+
+
 def test_stalled_collective_times_out():
     from megatron_sparseloco.testing.multirank import run_ranks
     from overlap_testlib import drive_timeout

@@ -169,7 +169,8 @@ class DelayedOuter:
         self._before = (s.counter.bytes_sent, s.counter.bytes_received, s.counter.collectives)
         self._stats = stats
         self._proceed, _ = s.nonfinite_verdict(stats)  # strategies with overlap agree: the step sees None
-        stats.time_exposed_s += time.perf_counter() - t0
+        stats.extra["time_agree_s"] = time.perf_counter() - t0   # includes waiting for the slowest worker
+        stats.time_exposed_s += stats.extra["time_agree_s"]
 
     def start(self) -> None:
         """After ``agree()``: Δ_k and the payloads, the launch snapshot, the collective on the comm thread."""
