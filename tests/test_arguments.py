@@ -20,12 +20,14 @@ def parse(argv, monkeypatch):
 
 
 @pytest.mark.parametrize("algo,lr,mom,nesterov", [
-    ("sparseloco", 1.5, 0.0, False), ("diloco", 0.7, 0.9, True), ("gasloc", 1.0, 0.9, False), ("average", 1.0, 0.0, False),
+    ("sparseloco", 1.5, 0.0, False), ("diloco", 0.7, 0.9, True), ("gasloc", 1.0, 0.6, False), ("average", 1.0, 0.0, False),
 ])
 def test_algorithm_defaults_resolved(algo, lr, mom, nesterov, monkeypatch):
     args = parse(BASE + ["--sparseloco-algorithm", algo, "--sparseloco-workers", "2"], monkeypatch)
     validate_sparseloco_args(args, world_size=4)
     assert (args.sparseloco_outer_lr, args.sparseloco_outer_momentum, args.sparseloco_outer_nesterov) == (lr, mom, nesterov)
+    if algo == "gasloc":  # its step on Δ is the proposal lr η (defaults η 0.7, γ 0.6: docs/gasloc.md §8.6)
+        assert args.sparseloco_gossip_proposal_lr == 0.7
     assert args.num_distributed_optimizer_instances == 2
 
 
