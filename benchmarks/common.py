@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -197,6 +197,14 @@ def _is_float(text: str) -> bool:
         return False
 
 
+def outer_setting(tag: str) -> Optional[Tuple[str, float]]:
+    """A method spec's outer-setting tag: 'lrX' → ('outer_lr', X), 'muX' → ('outer_momentum', X); else None."""
+    for prefix, field in (("lr", "outer_lr"), ("mu", "outer_momentum")):
+        if tag.startswith(prefix) and _is_float(tag[len(prefix):]):
+            return field, float(tag[len(prefix):])
+    return None
+
+
 def gasloc_fields(spec: str) -> Dict:
     """'gasloc[:topology][:lap][:c][:auto][:rN]' → RunCfg fields: e.g. 'gasloc:bandwidth:lap:c:auto:r2' is
     bandwidth-aware one-peer matchings (link costs agreed every 2 rounds; default 8), the laplacian-momentum
@@ -217,10 +225,9 @@ def gasloc_fields(spec: str) -> Dict:
             out["gasloc_compress"] = True
         elif tag[:1] == "r" and tag[1:].isdigit() and int(tag[1:]) >= 1:
             out["gasloc_refresh"] = int(tag[1:])
-        elif tag.startswith("lr") and _is_float(tag[2:]):
-            out["outer_lr"] = float(tag[2:])        # proposal lr η
-        elif tag.startswith("mu") and _is_float(tag[2:]):
-            out["outer_momentum"] = float(tag[2:])  # momentum γ
+        elif outer_setting(tag) is not None:       # lrX: proposal lr η, muX: momentum γ
+            field, value = outer_setting(tag)
+            out[field] = value
         else:
             raise SystemExit(f"gasloc method {spec!r}: unknown tag {tag!r} (topologies {GASLOC_TOPOLOGIES}, 'lap', 'c', "
                              "'auto', 'rN' = bandwidth table agreed every N rounds, 'lrX' = η, 'muX' = γ)")

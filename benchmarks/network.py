@@ -294,10 +294,9 @@ def outer_fields(item: str, tags) -> dict:
     method can get the same tuning: e.g. diloco:lr0.7:mu0.6, sparseloco:64:lr1.5)."""
     out = {}
     for tag in tags:
-        if tag.startswith("lr") and common._is_float(tag[2:]):
-            out["outer_lr"] = float(tag[2:])
-        elif tag.startswith("mu") and common._is_float(tag[2:]) and not item.startswith("sparseloco"):
-            out["outer_momentum"] = float(tag[2:])
+        setting = common.outer_setting(tag)
+        if setting is not None and not (setting[0] == "outer_momentum" and item.startswith("sparseloco")):
+            out[setting[0]] = setting[1]
         else:
             raise SystemExit(f"--hetero-methods {item!r}: unknown tag {tag!r} (lrX = outer lr"
                              + ("" if item.startswith("sparseloco") else ", muX = outer momentum") + ")")

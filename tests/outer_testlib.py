@@ -160,6 +160,11 @@ def assert_ranks_identical(res: Sequence[Dict]) -> None:
         assert torch.equal(res[0]["params"][t], res[0]["anchor"][t]), "θ_local must equal θ_outer after a step"
 
 
+#: GASLoC's documented defaults (docs/gasloc.md §8.6): what the references use where a scenario leaves
+#: η or γ unset, so a changed default in the plugin fails these tests
+GASLOC_DEFAULTS = {"proposal_lr": 0.7, "momentum": 0.6}
+
+
 def gossip_reference(sc: dict, W: int, init_theta: Callable[[str, int], torch.Tensor],
                      drift: Callable[[int, int], torch.Tensor]) -> List[torch.Tensor]:
     """GASLoC anchors [W, N] after each round, float64, from the matrix form of the uncompressed update:
@@ -172,7 +177,7 @@ def gossip_reference(sc: dict, W: int, init_theta: Callable[[str, int], torch.Te
     from megatron_sparseloco.comm.topology import mixing_matrix
 
     c = sc["cfg"]
-    eta, gamma = c.get("proposal_lr", 0.7), c.get("momentum", 0.6)
+    eta, gamma = (c.get(key, GASLOC_DEFAULTS[key]) for key in ("proposal_lr", "momentum"))
     theta0 = torch.stack([init_theta(sc["init"], i) for i in range(W)]).double()
     d = torch.zeros_like(theta0)
     out = []

@@ -19,7 +19,7 @@ from megatron_sparseloco.compress import CodecConfig, decode_dense, encode, payl
 from megatron_sparseloco.outer.base import ConfigError, NonFiniteError
 from megatron_sparseloco.outer.gasloc import GASLoC, GASLoCConfig
 from megatron_sparseloco.testing.multirank import run_ranks
-from outer_testlib import gossip_reference
+from outer_testlib import GASLOC_DEFAULTS, gossip_reference
 
 SIZES = (5000, 11384)  # two tensors, 16384 elements = 4 chunks of 4096
 N = sum(SIZES)
@@ -111,7 +111,8 @@ def compressed_reference(sc: dict, W: int) -> List[torch.Tensor]:
     c = sc["cfg"]
     cfg = CodecConfig(chunk=c["chunk"], k=c["k"], value_bits=c["value_bits"],
                       index_coding=c.get("index_coding", "packed"))
-    eta, gamma, xi = c.get("proposal_lr", 0.7), c.get("momentum", 0.6), c["gossip_step"] if "gossip_step" in c else 0.05
+    eta, gamma = (c.get(key, GASLOC_DEFAULTS[key]) for key in ("proposal_lr", "momentum"))
+    xi = c["gossip_step"] if "gossip_step" in c else 0.05
     theta0 = [init_theta(sc["init"], i) for i in range(W)]
     d = [torch.zeros(N) for _ in range(W)]
     copy: Dict[tuple, torch.Tensor] = {}  # (i, j) → x̂_{i→j}

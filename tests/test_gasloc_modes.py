@@ -25,6 +25,7 @@ from megatron_sparseloco.comm.topology import bandwidth_matching, edges, mixing_
 from megatron_sparseloco.outer.base import ConfigError
 from megatron_sparseloco.outer.gasloc import GASLoC, GASLoCConfig
 from megatron_sparseloco.testing.multirank import run_ranks
+from outer_testlib import GASLOC_DEFAULTS
 
 WORLD = 4
 SIZES = (50, 78)  # two tensors, 128 elements
@@ -121,7 +122,7 @@ def _anchors(rec, r) -> torch.Tensor:
 def reference(sc: dict, costs_per_round=None) -> List[torch.Tensor]:
     """float64 matrix form of the uncompressed update, both rules; ``costs_per_round[r]``: the bandwidth table."""
     c = sc["cfg"]
-    eta, gamma = c.get("proposal_lr", 0.7), c.get("momentum", 0.6)
+    eta, gamma = (c.get(key, GASLOC_DEFAULTS[key]) for key in ("proposal_lr", "momentum"))
     lap = c.get("rule", "ours") == "laplacian-momentum"
     theta = torch.stack([init_theta(sc["init"], i) for i in range(WORLD)]).double()
     d = torch.zeros_like(theta)   # ours: momentum
