@@ -243,10 +243,12 @@ def summarise(res, world, case):
                "sync_outer_step_s": per_step("outer_step_s") if n_sync else None,
                "sync_compress_s": per_step("time_compress_s") if n_sync else None,
                "sync_apply_s": per_step("time_apply_s") if n_sync else None,
-               # τ runs: of the exposed time, the launch (agreement, Δ, payloads) and the wait for the collective
+               # τ runs: of the exposed time, the launch (local non-finite check, Δ, payloads) and the wait
+               # for the collective
                "sync_launch_s": per_step("time_launch_s") if n_sync and run.get("overlap_steps") else None,
                "sync_wait_s": per_step("time_wait_s") if n_sync and run.get("overlap_steps") else None,
-               # ... and of the launch, the non-finite agreement (a sync point: it waits for the slowest worker)
+               # ... and the non-finite agreement on the comm thread (it waits for the slowest worker; hidden
+               # unless the wait shows it)
                "sync_agree_s": per_step("time_agree_s") if n_sync and run.get("overlap_steps") else None,
                "step_s": wall / max(1, steps), "wall_s": wall, "curve": curve}
         rows.append(row)

@@ -98,7 +98,7 @@ def drive_slow_peer(rank: int, world: int, name: str, config: Dict, H: int, tau:
     strat = build_outer_strategy(name, params, group, **config)
     hook = (lambda: time.sleep(delay_s)) if rank == slow_rank else None
     drv = DelayedOuter(strat, OverlapConfig(steps=tau), before_communicate=hook)
-    out = {"step_times": {}, "launch": {}, "comm_end": {}, "wait": {}, "agree": {}, "anchor": None}
+    out = {"step_times": {}, "launch": {}, "launch_s": {}, "comm_end": {}, "wait": {}, "agree": {}, "anchor": None}
     for i in range(1, rounds * H + tau + 1):
         time.sleep(step_s)  # "compute"
         with torch.no_grad():
@@ -110,6 +110,7 @@ def drive_slow_peer(rank: int, world: int, name: str, config: Dict, H: int, tau:
                 time.sleep(late_s)
             out["launch"][i] = time.perf_counter()
             drv.launch()
+            out["launch_s"][i + tau] = time.perf_counter() - out["launch"][i]   # keyed by its completion
         if i % H == tau and i > H:
             stats = drv.complete()
             out["comm_end"][i] = drv.comm_ended_at
@@ -145,8 +146,44 @@ def drive_timeout(rank: int, world: int, timeout_s: float) -> Dict:
     return out
 
 
+def drive_abort(rank: int, world: int, name: str, config: Dict, H: int, tau: int, nan_rank: int) -> Dict:
+    """Policy abort with τ: ``nan_rank`` puts a NaN into its params before round 2's launch. Every
+    worker must launch without blocking and raise ``NonFiniteError`` at that round's completion, with
+    θ_outer and the strategy state (error feedback) as they were before the launch."""
+    from megatron_sparseloco.outer import build_outer_strategy
+    from megatron_sparseloco.outer.base import NonFiniteError
+    from megatron_sparseloco.outer.overlap import DelayedOuter, OverlapConfig
+
+    group = dist.new_group(list(range(world)))
+    params = make_params(0)
+    strat = build_outer_strategy(name, params, group, names=[f"p{i}" for i in range(len(params))],
+                                 **dict(config, nonfinite_policy="abort"))
+    drv = DelayedOuter(strat, OverlapConfig(steps=tau))
+    out = {"error": None, "raised_at": None}
+    for i in range(1, 2 * H + tau + 1):
+        with torch.no_grad():
+            for p, d in zip(params, drift(rank, i)):
+                p.add_(d)
+            if rank == nan_rank and i == 2 * H:
+                params[1].view(-1)[0] = float("inf")
+        if i % H == 0:
+            if i == 2 * H:
+                out["state_before"] = {k: v.clone() for k, v in strat.elementwise_state().items()}
+            drv.launch()
+        if i % H == tau and i > H:
+            try:
+                drv.complete()
+            except NonFiniteError as exc:
+                out["error"], out["raised_at"] = str(exc), i
+                break
+    out["state_after"] = {k: v.clone() for k, v in strat.elementwise_state().items()}
+    out["in_flight"] = drv.in_flight
+    drv.close()
+    return out
+
+
 def drive_many(rank: int, world: int, jobs: Sequence[Dict]) -> List:
-    fns = {"delayed": drive_delayed, "slow": drive_slow_peer, "timeout": drive_timeout}
+    fns = {"delayed": drive_delayed, "slow": drive_slow_peer, "timeout": drive_timeout, "abort": drive_abort}
     results = []
     for job in jobs:
         job = dict(job)

@@ -280,11 +280,13 @@ def test_overlapped_grad_reduce_and_param_gather_keep_workers_identical():
 
 def _two_strategies_overlap_rank(rank, world, H, rounds):
     """MoE with EP 2 (dense + expert optimizers: two strategies on one outer group), W = 2, τ = 1. The
-    race of the launch is forced: worker 0's main thread pauses before its second non-finite
-    agreement, so its comm thread has issued the first strategy's collective by then; worker 1's comm
-    thread pauses before that collective, so its main thread reaches the second agreement first. Before the fix
-    (agreement and start per strategy in turn) the two ranks issued [collective, agreement] and
-    [agreement, collective] on the same group: mismatched, the job hung or mixed data."""
+    timing that once broke the launch is forced: worker 0's main thread pauses before its second
+    strategy's non-finite check, so its comm thread has issued the first strategy's collectives by
+    then; worker 1's comm thread pauses before them, so its main thread reaches the second check
+    first. When the agreement was a main-thread collective (and agreement and start ran per strategy
+    in turn) the two ranks issued [collective, agreement] and [agreement, collective] on the same
+    group: mismatched, the job hung or mixed data. Now every collective of a round, the agreement
+    first, runs on the comm thread in ``start()`` order."""
     import time
 
     from megatron_sparseloco.megatron.optimizer import OuterLoopConfig, OuterLoopOptimizer

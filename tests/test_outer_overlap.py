@@ -108,7 +108,9 @@ def reference(job: str, world: int, tau: int = TAU, nan_at=None):
         if i % H == 0 and i // H <= ROUNDS:
             anchor = p.detach().clone()
             if any(not torch.isfinite(t).all() for t in theta):
-                theta = [anchor.clone() for _ in range(world)]
+                # skipped: the non-finite worker resets at once, the others keep training from where
+                # they are; at the merge every worker replays its window on θ_outer,k (unchanged)
+                theta = [t if torch.isfinite(t).all() else anchor.clone() for t in theta]
                 pending = None
             else:
                 pending = [anchor - t for t in theta]
@@ -215,9 +217,10 @@ def test_slow_peer_does_not_stall_inner_steps():
     assert torch.equal(res[0]["anchor"], res[1]["anchor"])
 
 
-def test_agreement_time_is_the_wait_for_a_late_worker():
-    """The launch's non-finite agreement is a sync point: a worker that reaches the end of its round
-    ``late`` seconds after its peer makes the peer wait there, and ``time_agree_s`` says so."""
+def test_agreement_waits_on_the_comm_thread_not_in_the_launch():
+    """The non-finite agreement waits for the slowest worker, so it runs on the comm thread: a
+    worker that reaches the end of its round ``late`` seconds after its peer makes the peer's
+    agreement (``time_agree_s``) wait that long, but not the peer's launch (the main thread)."""
     from megatron_sparseloco.testing.multirank import run_ranks
     from overlap_testlib import drive_slow_peer
 
@@ -226,9 +229,32 @@ def test_agreement_time_is_the_wait_for_a_late_worker():
     on_time, late_worker = res[0]["agree"], res[1]["agree"]
     assert on_time and set(on_time) == set(late_worker)
     for i in on_time:
-        assert on_time[i] >= late * 0.8, on_time      # waited for the late worker
+        assert on_time[i] >= late * 0.8, on_time      # the agreement waited for the late worker ...
+        assert res[0]["launch_s"][i] < late * 0.3, res[0]["launch_s"]   # ... the launch did not
         assert late_worker[i] < late * 0.5, late_worker  # found its peer there already
     assert torch.equal(res[0]["anchor"], res[1]["anchor"])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name,config", [("sparseloco", SPARSE), ("diloco", dict(bucket_numel=64))])
+def test_nonfinite_abort_raises_at_completion_everywhere(name, config):
+    """Policy abort with τ: every worker raises at the round's completion, naming the tensor on the
+    worker that saw it and the worker on the other; θ_outer and the error feedback are as before the
+    launch (the launch's EF update is undone)."""
+    from megatron_sparseloco.testing.multirank import run_ranks
+    from overlap_testlib import drive_abort
+
+    res = run_ranks(drive_abort, 2, args=(name, config, H, TAU, 1), timeout=120)
+    assert res[0]["raised_at"] == res[1]["raised_at"] == 2 * H + TAU
+    assert "in worker 1" in res[0]["error"] and "tensor 'p1' on this worker" in res[1]["error"]
+    for r in range(2):
+        assert not res[r]["in_flight"]
+        before, after = res[r]["state_before"], res[r]["state_after"]
+        assert set(before) == set(after)
+        kept = [k for k in before if k != "overlap_launch"]   # (the launch snapshot is the new launch's)
+        assert ("error_feedback" in kept) == (name == "sparseloco") and "anchor" in kept
+        for k in kept:
+            assert torch.equal(before[k], after[k]), (r, k)
 
 
 def test_stalled_collective_times_out():

@@ -345,19 +345,32 @@ class OuterLoopOptimizer:
         step_no = self.outer_steps + 1
         self.watch.arrive(step_no)
         with self._lost_worker_named(step_no):
-            # every agreement (a main-thread collective on the shared outer group) before the first
-            # collective goes to the comm thread: see DelayedOuter.launch
+            # the local non-finite checks first (a non-finite shard resets to θ_outer,k), then the
+            # rounds on the comm thread, in the same order on every rank: see DelayedOuter.launch
             for d in delayed:
                 d.agree()
             for d in delayed:
                 d.start()
-        if any(d.merge_due and not d.in_flight for d in delayed):  # a skipped round reset θ_local
+        if self._any_reset_in_worker(delayed):  # some shard of this worker reset θ_local ← θ_outer,k
             if fragment in (None, 0):
                 self.tied.sync(self.shards, self.strategy_of)
             self._publish_main_params()
         self._exposed_at_launch = time.perf_counter() - t0
         if timer is not None:
             timer.stop()
+
+    def _any_reset_in_worker(self, delayed: Sequence[DelayedOuter]) -> bool:
+        """Did a launch reset a shard of this worker (its params were not finite)? Every rank of the
+        worker must agree, since publishing the params is a collective inside the worker (one
+        all-reduce MAX on the intra-worker group, whose ranks run in lockstep anyway)."""
+        reset = any(d.reset_at_launch for d in delayed)
+        if self.num_workers > 1 and self.worker_size > 1:
+            device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                      else torch.device("cpu"))
+            flag = torch.tensor([1.0 if reset else 0.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=intra_worker_group())
+            reset = bool(flag.item())
+        return reset
 
     def wait_outer_step(self, fragment: Optional[int] = None) -> None:
         """Wait for the round in flight and compute θ_outer,k+1 (no merge); records its stats. Idempotent.
@@ -402,7 +415,7 @@ class OuterLoopOptimizer:
             timer.stop()
         if waited:  # the round's exposed time: launch + wait + apply + merge + publish
             self.log.last["time_exposed_s"] = self._exposed_at_launch + time.perf_counter() - t0
-            self.log.last["time_launch_s"] = self._exposed_at_launch   # of which the launch (agree, Δ, payloads)
+            self.log.last["time_launch_s"] = self._exposed_at_launch   # of which the launch (local check, Δ, payloads)
         interval = self.config.consistency_check_interval
         if interval and self.config.identical_across_workers and self.outer_steps % interval == 0:
             self.check_consistency()

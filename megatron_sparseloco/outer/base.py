@@ -291,20 +291,30 @@ class OuterStrategy(abc.ABC):
     def _all_workers_finite(self, stats: OuterStepStats, bad_name: Optional[str]) -> bool:
         """True when every worker's params are finite (one all-reduce MAX of rank + 1 where not);
         otherwise apply the policy: abort raises ``NonFiniteError``, skip resets θ_local ← θ_outer."""
-        flag = torch.tensor([0.0 if bad_name is None else float(self.rank + 1)], device=self.device)
-        all_reduce_(flag, self.group, self.counter, op=dist.ReduceOp.MAX)
-        if flag.item() == 0:
+        culprit = self._nonfinite_culprit(bad_name)
+        if culprit is None:
             return True
-        culprit = int(flag.item()) - 1
         if self.config.nonfinite_policy == "abort":
-            where = f"tensor {bad_name!r} on this worker" if bad_name is not None else f"worker {culprit}"
-            raise NonFiniteError(
-                f"{self.name} outer step {self.outer_steps + 1}: non-finite pseudo-gradient in {where}; "
-                "θ_outer left untouched (policy 'abort'; use nonfinite_policy='skip' to skip such rounds)")
+            raise self._nonfinite_error(culprit, bad_name)
         for s, e in self.buckets():
             self.write_back(s, e)
         stats.skipped = True
         return False
+
+    def _nonfinite_culprit(self, bad_name: Optional[str]) -> Optional[int]:
+        """The agreement itself: one all-reduce MAX of (rank + 1 where this worker's params are not
+        finite, else 0). Returns the highest non-finite worker's rank, or None when all are finite."""
+        flag = torch.tensor([0.0 if bad_name is None else float(self.rank + 1)], device=self.device)
+        all_reduce_(flag, self.group, self.counter, op=dist.ReduceOp.MAX)
+        worst = int(flag.item())
+        return None if worst == 0 else worst - 1
+
+    def _nonfinite_error(self, culprit: int, bad_name: Optional[str]) -> NonFiniteError:
+        """The abort policy's error: the tensor on the worker that saw it, the worker on the others."""
+        where = f"tensor {bad_name!r} on this worker" if bad_name is not None else f"worker {culprit}"
+        return NonFiniteError(
+            f"{self.name} outer step {self.outer_steps + 1}: non-finite pseudo-gradient in {where}; "
+            "θ_outer left untouched (policy 'abort'; use nonfinite_policy='skip' to skip such rounds)")
 
     def expected_payload_bytes(self) -> Optional[int]:
         """Bytes this rank hands to the outer step's data collectives (without the 4-byte non-finite
@@ -322,15 +332,18 @@ class OuterStrategy(abc.ABC):
     #: set by strategies that implement ``_launch_round`` (delayed application, ``outer/overlap.py``)
     supports_overlap: bool = False
 
-    def _launch_round(self, stats: OuterStepStats) -> Tuple[Callable[[], None], Callable[[], None]]:
-        """The outer step split for delayed application: returns ``(communicate, finish)``.
+    def _launch_round(self, stats: OuterStepStats) -> Tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+        """The outer step split for delayed application: returns ``(communicate, finish, cancel)``.
 
-        Called on the main thread after the non-finite agreement (``nonfinite_verdict``): computes Δ for every bucket (and
-        any state update that depends only on it, e.g. error feedback) and fixes every payload's
-        size. ``communicate()`` then runs every collective of the round (on the overlap thread,
-        touching only the buffers made here); ``finish()`` (main thread, after it) updates
-        θ_outer and the strategy state exactly as ``_outer_step`` does, but does *not* write
-        θ_outer back into the params (the overlap driver merges instead).
+        Called on the main thread when this worker's params are finite, *before* the workers agree
+        on it (the agreement runs on the overlap thread, just before ``communicate``): computes Δ
+        for every bucket (and any state update that depends only on it, e.g. error feedback) and
+        fixes every payload's size. ``communicate()`` then runs every collective of the round (on
+        the overlap thread, touching only the buffers made here); ``finish()`` (main thread, after
+        it) updates θ_outer and the strategy state exactly as ``_outer_step`` does, but does *not*
+        write θ_outer back into the params (the overlap driver merges instead). ``cancel()`` (main
+        thread, instead of ``finish`` when another worker's Δ was not finite, so ``communicate``
+        never ran) undoes the launch's state updates bit for bit.
         """
         raise ConfigError(f"outer strategy {self.name!r} does not support delayed application "
                           "(--sparseloco-overlap-steps); use 0")

@@ -147,7 +147,7 @@ class DenseAllReduceStrategy(OuterStrategy):
         dense_outer_step_(self, stats, self.config.comm_dtype, *self.sgd_settings(), self.momentum)
         self.after_update(stats)
 
-    def _launch_round(self, stats: OuterStepStats) -> Tuple[Callable[[], None], Callable[[], None]]:
+    def _launch_round(self, stats: OuterStepStats) -> Tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
         communicate, finish_dense = dense_launch_(self, stats, self.config.comm_dtype, *self.sgd_settings(),
                                                   self.momentum)
 
@@ -155,4 +155,7 @@ class DenseAllReduceStrategy(OuterStrategy):
             finish_dense()
             self.after_update(stats)
 
-        return communicate, finish
+        def cancel() -> None:
+            """Nothing to undo: the launch wrote only its own buffers (momentum moves in ``finish``)."""
+
+        return communicate, finish, cancel

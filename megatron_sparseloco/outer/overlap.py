@@ -32,10 +32,26 @@ stream that waits for the launch's kernels first; the main stream waits for it a
 Payload sizes are fixed at launch (entropy coding exchanges its sizes on the thread, first).
 One round per strategy is in flight at a time (τ < H).
 
-Non-finite guard: the tiny all-reduce of the non-finite flag runs at launch, on the main thread
-(its latency is exposed; nothing else of the round is). A skipped round resets θ_r ← θ_outer,k at
-launch as the blocking step does; nothing is in flight, θ_outer,k+1 = θ_outer,k and the merge at
-H·k+τ still runs (``replay``: θ_outer,k + (θ_now − θ_outer,k); ``lerp``: the pull towards θ_outer,k).
+Non-finite guard, agreed off the main thread: at launch each worker checks only its own params
+(a local pass, no communication). A worker whose params are finite launches optimistically (Δ_k,
+SparseLoCo's error-feedback update and payload, the snapshot) and training goes on from θ_r,launch;
+a worker whose params are not finite launches nothing, and with policy ``skip`` resets
+θ_r ← θ_outer,k at once (its NaNs must not be trained on). The agreement itself, the all-reduce MAX
+of the 4-byte flag, is the first collective of the round on the comm thread: the data collectives
+run only when every flag is 0, and the verdict is acted on at completion, on the main thread:
+
+    all finite:      θ_outer,k+1 = U(θ_outer,k, agg_k), as above
+    some not finite: nothing was exchanged; the launch's state updates are undone bit for bit
+                     (``cancel``: SparseLoCo's error feedback from a copy made at launch);
+                     θ_outer,k+1 = θ_outer,k, and the merge replays the window on it:
+                     replay θ_r ← θ_outer,k + (θ_r,now − θ_r,launch), lerp the pull towards θ_outer,k.
+                     With policy ``abort`` every worker raises ``NonFiniteError`` here instead.
+
+So a skipped round discards, on every worker, the H inner steps before its launch and keeps the τ
+steps of the window (the blocking step keeps none of the round; it has no window). Before this the
+agreement was a main-thread all-reduce at launch, a sync point at which a worker waited for its
+slowest peer: 0.29 s of the 0.37 s of exposed outer time per round on the 100 Mbit/s benchmark
+(docs/benchmarks.md, "Where the exposed time goes").
 
 Checkpoints: ``wait()`` completes the collective and computes θ_outer,k+1 early (the payloads were
 fixed at launch, so this is bitwise what completion computes); the merge stays due at H·k+τ. A
@@ -131,6 +147,13 @@ class DelayedOuter:
             strategy.attached_state["overlap_launch"] = self.launch_params
         self._future: Optional[Future] = None
         self._finish: Optional[Callable[[], None]] = None
+        self._cancel: Optional[Callable[[], None]] = None
+        #: this worker's first non-finite tensor at launch (None: finite), and the agreed culprit
+        #: (set on the comm thread; None: every worker was finite)
+        self._bad_name: Optional[str] = None
+        self._culprit: Optional[int] = None
+        #: the last launch reset θ_local ← θ_outer,k (this worker's params were not finite, policy skip)
+        self.reset_at_launch = False
         self._stats: Optional[OuterStepStats] = None
         #: between ``agree()`` and ``start()``: the agreed verdict (run the round?)
         self._proceed: Optional[bool] = None
@@ -146,20 +169,20 @@ class DelayedOuter:
 
     # ------------------------------------------------------------------ launch
     def launch(self) -> None:
-        """End of round k: non-finite agreement, Δ_k and payloads, snapshot, start the collective.
+        """End of round k: the local non-finite check, Δ_k and payloads, snapshot, start the round.
 
-        ``agree()`` then ``start()``. Several drivers whose strategies share one process group (a
-        MoE model's dense and expert shards) must run every ``agree()`` before the first
-        ``start()``: the agreement is a main-thread collective on that group, and one issued while
-        the comm thread already runs another driver's collective on it could be matched with that
-        collective on a peer (gloo and NCCL match a group's collectives in issue order), which
-        deadlocks or mixes data (``OuterLoopOptimizer.launch_outer_step`` does so)."""
+        ``agree()`` then ``start()``; no collective runs on the main thread (the agreement is the
+        round's first collective on the comm thread, so several drivers sharing one process group
+        issue their collectives in the same order on every rank: the order of their ``start()``)."""
         self.agree()
         self.start()
 
     def agree(self) -> None:
-        """The launch's main-thread collective: the workers agree whether round k's Δ_k is finite
-        (a skipped round resets θ_local ← θ_outer,k here). Nothing is in flight after it."""
+        """The launch's local half of the non-finite guard: is *this* worker's Δ_k finite? No
+        communication (the workers' agreement runs on the comm thread, ahead of the round's data
+        collectives: module docstring); a worker whose params are not finite resets
+        θ_local ← θ_outer,k here under policy ``skip``. Kept apart from ``start()`` so that several
+        drivers (a MoE model's dense and expert shards) check before any of them launches."""
         if self._future is not None or self.merge_due or self._proceed is not None:
             raise RuntimeError(f"{self.strategy.name}: a round is still in flight; complete() it before the next "
                                "launch (overlap steps τ must be < inner steps H)")
@@ -168,28 +191,42 @@ class DelayedOuter:
         stats = OuterStepStats(step=s.outer_steps + 1, numel=s.params.numel)
         self._before = (s.counter.bytes_sent, s.counter.bytes_received, s.counter.collectives)
         self._stats = stats
-        self._proceed, _ = s.nonfinite_verdict(stats)  # strategies with overlap agree: the step sees None
-        stats.extra["time_agree_s"] = time.perf_counter() - t0   # includes waiting for the slowest worker
-        stats.time_exposed_s += stats.extra["time_agree_s"]
+        self._bad_name = s.first_nonfinite_tensor()
+        self._proceed = self._bad_name is None
+        self.reset_at_launch = not self._proceed and s.config.nonfinite_policy == "skip"
+        if self.reset_at_launch:
+            for lo, hi in s.buckets():
+                s.write_back(lo, hi)
+        stats.time_exposed_s += time.perf_counter() - t0
 
     def start(self) -> None:
-        """After ``agree()``: Δ_k and the payloads, the launch snapshot, the collective on the comm thread."""
+        """After ``agree()``: Δ_k and the payloads (finite workers), the launch snapshot, then the round on
+        the comm thread: the workers' agreement, and the data collectives if every worker was finite."""
         if self._proceed is None:
             raise RuntimeError(f"{self.strategy.name}: start() before agree()")
         s, stats, proceed = self.strategy, self._stats, self._proceed
         self._proceed = None
         t0 = time.perf_counter()
+        communicate: Optional[Callable[[], None]] = None
+        self._finish = self._cancel = None
         if proceed:
-            communicate, self._finish = s._launch_round(stats)
-            if self.launch_params is not None:
-                s.params.read(0, s.params.numel, self.launch_params)
-            self._future = self.comm.submit(self._timed(communicate, stats))
-        else:  # skipped: θ_local ← θ_outer,k already written back; nothing in flight
-            self._finish = None
-            if self.launch_params is not None:
-                s.params.read(0, s.params.numel, self.launch_params)
+            communicate, self._finish, self._cancel = s._launch_round(stats)
+        if self.launch_params is not None:
+            s.params.read(0, s.params.numel, self.launch_params)
+        self._culprit = None
+        self._future = self.comm.submit(self._timed(self._agreed(communicate, stats), stats))
         self.merge_due = True
         stats.time_exposed_s += time.perf_counter() - t0
+
+    def _agreed(self, communicate: Optional[Callable[[], None]], stats: OuterStepStats) -> Callable[[], None]:
+        """The round on the comm thread: the non-finite agreement, then ``communicate`` if all were finite."""
+        def run():
+            t0 = time.perf_counter()
+            self._culprit = self.strategy._nonfinite_culprit(self._bad_name)
+            stats.extra["time_agree_s"] = time.perf_counter() - t0   # includes waiting for the slowest worker
+            if self._culprit is None:
+                communicate()
+        return run
 
     def _timed(self, communicate: Callable[[], None], stats: OuterStepStats) -> Callable[[], None]:
         def run():
@@ -198,7 +235,9 @@ class DelayedOuter:
                 self.before_communicate()
             communicate()
             self.comm_ended_at = time.perf_counter()
-            stats.time_communicate_s += self.comm_ended_at - self.comm_started_at
+            # the data collectives only: the agreement before them (``_agreed``) is timed apart
+            stats.time_communicate_s += (self.comm_ended_at - self.comm_started_at
+                                         - stats.extra.get("time_agree_s", 0.0))
         return run
 
     # ------------------------------------------------------------------ wait, merge
@@ -220,8 +259,17 @@ class DelayedOuter:
             finally:
                 stats.extra["time_wait_s"] = time.perf_counter() - w0
             self.comm.join()
-            self._finish()
-            self._finish = None
+            finish, cancel, self._finish, self._cancel = self._finish, self._cancel, None, None
+            if self._culprit is None:
+                finish()
+            else:  # a worker's Δ_k was not finite: nothing was exchanged, θ_outer,k+1 = θ_outer,k
+                if cancel is not None:
+                    cancel()
+                if s.config.nonfinite_policy == "abort":
+                    self._stats = None
+                    self.merge_due = False
+                    raise s._nonfinite_error(self._culprit, self._bad_name)
+                stats.skipped = True
         s.outer_steps += 1
         stats.bytes_sent = s.counter.bytes_sent - self._before[0]
         stats.bytes_received = s.counter.bytes_received - self._before[1]

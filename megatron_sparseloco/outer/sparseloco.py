@@ -431,14 +431,17 @@ class SparseLoCo(OuterStrategy):
         every bucket's exchange (entropy coding: its size exchange first, in the same thread; the
         reduce-scatter's owner re-encoding touches only the owner error feedback and its own
         output buffers). ``finish`` (main thread): every bucket's apply phase, as the blocking
-        step does, without the write-back. Extra memory while in flight: the payloads and this
-        rank's decoded (index, value) lists (reduce-scatter: one shard of fp32 for the updates,
-        and a count buffer per bucket).
+        step does, without the write-back. ``cancel`` (a peer's Δ was not finite, so nothing was
+        exchanged; ``outer/overlap.py``) restores the error feedback from a copy made at launch.
+        Extra memory while in flight: that copy (one shard of fp32), the payloads and this rank's
+        decoded (index, value) lists (reduce-scatter: one more shard of fp32 for the updates, and
+        a count buffer per bucket).
         """
         largest = max(e - s for s, e in self.buckets())
         work = torch.empty(largest, dtype=torch.float32, device=self.device)
         tot = _RoundTotals.zeros(self.device)
         launched = []  # (b, s, e, plan, payload, local)
+        error_before = self.error_feedback.clone()   # for ``cancel`` (a peer's Δ was not finite)
         with self._timer(stats, "time_compress_s"):
             for b, (s, e, plan) in enumerate(self._bucket_plans()):
                 launched.append((b, s, e, plan) + self._compress_bucket(s, e, plan, work[:e - s], tot))
@@ -460,7 +463,10 @@ class SparseLoCo(OuterStrategy):
                                        work[:n], counts[:n], tot, write=False)
             tot.into(stats, self.config, self.params.numel, rs)
 
-        return communicate, finish
+        def cancel() -> None:
+            self.error_feedback.copy_(error_before)   # the round never happened: e as before the launch
+
+        return communicate, finish, cancel
 
     def _decode(self, payload: torch.Tensor, plan: Optional[BucketPlan], worker: int, s: int, e: int) -> Decoded:
         if plan is not None:
