@@ -89,6 +89,27 @@ def heldout_loss(gpt, windows: torch.Tensor, batch: int = 16) -> float:
     return total / count
 
 
+def mean_model_heldout_loss(gpt, windows: torch.Tensor, workers: int) -> float:
+    """Held-out loss of the workers' mean model (1/W) Σ_i θ_i, evaluated on every rank (one rank per
+    worker: an all-reduce over the world), then each rank's own params are put back. Decentralised
+    methods (gasloc) keep the workers apart but preserve their mean; this is the model a final
+    exact average would hand the user. Measurement only: training never sees it."""
+    import torch.distributed as dist
+
+    params = [p for p in gpt.parameters()]
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            dist.all_reduce(p.data)
+            p.data.div_(workers)
+    try:
+        return heldout_loss(gpt, windows)
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.data.copy_(s)
+
+
 # ---------------------------------------------------------------------------- config
 @dataclass
 class ModelCfg:
@@ -289,6 +310,7 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
     curve = [{"step": 0, "tokens": 0, "bytes_per_worker": 0, "held_out_loss": heldout_loss(gpt, windows),
               "wall_s": 0.0}]
     train_losses: List[float] = []
+    mean_model_loss: Optional[float] = None   # gasloc: the workers' mean model at the end
     sync_times: List[Dict[str, float]] = []
     wall = 0.0
     eval_every = run.eval_every if outer is None else run.H
@@ -325,6 +347,8 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
                 loss_now = heldout_loss(gpt, windows)
             curve.append({"step": step, "tokens": step * tokens_per_step, "bytes_per_worker": int(sent),
                           "held_out_loss": loss_now, "wall_s": wall})
+            if step == run.steps and run.method == "gasloc" and W > 1:
+                mean_model_loss = mean_model_heldout_loss(gpt, windows, W)
         # stop early (same step on every rank) when the budget is spent
         if time_budget_s < 1e9 and step % eval_every == 0:
             flag = torch.tensor([1.0 if wall > time_budget_s else 0.0])
@@ -333,7 +357,7 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
                 break
     return {"rank": rank, "numel": numel, "curve": curve, "train_losses": train_losses,
             "sync": sync_times, "bytes_sent": curve[-1]["bytes_per_worker"], "wall_s": wall,
-            "steps_done": curve[-1]["step"]}
+            "steps_done": curve[-1]["step"], "mean_model_loss": mean_model_loss}
 
 
 # ---------------------------------------------------------------------------- torchft

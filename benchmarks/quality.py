@@ -183,6 +183,8 @@ def row_of(results, W):
         "workers": W,
         "held_out_loss": final["held_out_loss"],
         "held_out_loss_per_worker": per_worker_final,
+        # gasloc: the loss of the workers' mean model (what a final exact average would give)
+        "held_out_loss_mean_model": results[0].get("mean_model_loss"),
         "bytes_sent_per_worker": int(max(r["bytes_sent"] for r in results)),
         "tokens": final["tokens"],
         "steps": final["step"],
@@ -268,7 +270,8 @@ def run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
                 l.shutdown()
     for row in rows:
         print(f"W={W} {label(row):40s} seed {row['seed']} held-out {row['held_out_loss']:.4f}  bytes/worker "
-              f"{common.fmt_bytes(row['bytes_sent_per_worker']):>10s}  steps {row['steps']}  wall {row['wall_s']:.1f}s",
+              f"{common.fmt_bytes(row['bytes_sent_per_worker']):>10s}  steps {row['steps']}  wall {row['wall_s']:.1f}s"
+              + (f"  mean model {row['held_out_loss_mean_model']:.4f}" if row.get("held_out_loss_mean_model") else ""),
               flush=True)
     return rows
 
