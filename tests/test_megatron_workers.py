@@ -334,3 +334,57 @@ def test_overlap_with_dense_and_expert_strategies_on_one_group():
     assert [r["outer_steps"] for r in res] == [2] * 4
     for a, b in {r["group"] for r in res}:              # the two workers' ranks at one place
         assert torch.equal(res[a]["anchor"], res[b]["anchor"]), (a, b)
+
+
+def _nonfinite_overlap_rank(rank, world, H, rounds, bad_round):
+    """W = 2 workers × DP2 inside each, SparseLoCo with τ = 1. Just before round ``bad_round``'s launch
+    one rank of worker 1 (worker rank 0) gets an Inf in its shard. That shard position skips the
+    round on both workers (the agreement runs on the comm thread), the bad rank resets to θ_outer,k
+    at launch, and its worker peer must publish the params with it (the in-worker param all-gather is
+    a collective: without the worker-wide verdict the two ranks would issue different collectives)."""
+    from megatron_sparseloco.outer import overlap
+    from megatron_sparseloco.testing.megatron_harness import params_fingerprint, train_step
+
+    ddp, opt, batches = _setup(1, 1, 1, False, 2)
+    from megatron_sparseloco.megatron.optimizer import OuterLoopConfig, OuterLoopOptimizer
+    from megatron_sparseloco.outer.registry import build_outer_strategy
+
+    def factory(params, group, names, slices=None):
+        return build_outer_strategy("sparseloco", params, group, names=names, slices=slices, k=64, chunk=1024)
+
+    outer = OuterLoopOptimizer(opt, ddp, factory, OuterLoopConfig(inner_steps=H, overlap_steps=1))
+    worker, wrank = dist.get_rank(outer.group), outer.worker_rank
+    launches = {"n": 0}
+    orig_agree = overlap.DelayedOuter.agree
+
+    def agree(self):
+        launches["n"] += 1
+        if launches["n"] == bad_round and worker == 1 and wrank == 0:
+            with torch.no_grad():
+                self.strategy.params.tensors[0].view(-1)[0] = float("inf")
+        return orig_agree(self)
+
+    overlap.DelayedOuter.agree = agree
+    skipped, losses = [], []
+    for _ in range(rounds * H + 1):
+        losses.append(train_step(ddp, outer, batches, seq_len=SEQ, micro_batch_size=MBS))
+        if outer.inner_calls % H == 1 and outer.inner_calls > 1:   # a round completed at this step
+            skipped.append(outer.log.last.get("skipped"))
+    for chunk in ddp:
+        chunk.start_param_sync(force_sync=True)
+    fp = params_fingerprint(ddp)
+    return {"worker": worker, "wrank": wrank, "skipped": skipped, "losses": losses,
+            "finite": all(bool(torch.isfinite(t).all()) for t in fp.values()),
+            "anchor": torch.cat([s.anchor for s in outer.strategies]),
+            "group": tuple(dist.get_process_group_ranks(outer.group))}
+
+
+@pytest.mark.timeout(300)
+def test_overlap_nonfinite_shard_skips_consistently_with_dp2_inside_workers():
+    res = run_ranks(_nonfinite_overlap_rank, 4, args=(3, 3, 2), timeout=200)
+    for r in res:
+        assert r["finite"] and all(math.isfinite(x) for x in r["losses"]), r["wrank"]
+        want = [0.0, 1.0, 0.0] if r["wrank"] == 0 else [0.0, 0.0, 0.0]   # only the bad shard's position skips
+        assert r["skipped"] == want, (r["worker"], r["wrank"], r["skipped"])
+    for a, b in {r["group"] for r in res}:              # the two workers' ranks at one shard position
+        assert torch.equal(res[a]["anchor"], res[b]["anchor"]), (a, b)
