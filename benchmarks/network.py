@@ -363,6 +363,9 @@ def main(argv=None) -> int:
                          "--fragments rows and the no-communication row are added to them)")
     ap.add_argument("--hetero-slow-compute", type=float, default=1.0,
                     help="the last worker's inner steps take this many times longer (e.g. 2: a 2x slower GPU)")
+    ap.add_argument("--overlap-merges", default="replay",
+                    help="comma-separated merge rules for the --overlap-steps runs (replay, lerp): one run "
+                         "per τ and rule (--sparseloco-overlap-merge)")
     ap.add_argument("--overlap-steps", default="",
                     help="comma-separated τ values (e.g. 1,7,14): extra diloco and sparseloco rows with the outer "
                          "step delayed by τ inner steps (--sparseloco-overlap-steps); each τ < H")
@@ -405,8 +408,11 @@ def main(argv=None) -> int:
     taus = [int(t) for t in args.overlap_steps.split(",") if t.strip()]
     if any(not 1 <= t < H for t in taus):
         raise SystemExit(f"--overlap-steps: every τ must be in [1, H={H}), got {taus}")
+    merges = [m.strip() for m in args.overlap_merges.split(",") if m.strip()]
     for t in taus:
-        methods += [RunCfg("diloco", overlap_steps=t, **base), RunCfg("sparseloco", k=64, overlap_steps=t, **base)]
+        for m in merges:
+            methods += [RunCfg("diloco", overlap_steps=t, overlap_merge=m, **base),
+                        RunCfg("sparseloco", k=64, overlap_steps=t, overlap_merge=m, **base)]
     frag_runs = fragment_settings(args.fragments, taus, H, model.layers)
     for P, t in frag_runs:
         methods += [RunCfg("diloco", overlap_steps=t, fragments=P, **base),
@@ -448,7 +454,9 @@ def main(argv=None) -> int:
         out["hetero"]["slow_compute"] = args.hetero_slow_compute
         hmethods = hetero_runs(args.hetero_methods, hbase)
         for t in taus:
-            hmethods += [RunCfg("diloco", overlap_steps=t, **hbase), RunCfg("sparseloco", k=64, overlap_steps=t, **hbase)]
+            for m in merges:
+                hmethods += [RunCfg("diloco", overlap_steps=t, overlap_merge=m, **hbase),
+                             RunCfg("sparseloco", k=64, overlap_steps=t, overlap_merge=m, **hbase)]
         for P, t in frag_runs:
             hmethods += [RunCfg("diloco", overlap_steps=t, fragments=P, **hbase),
                          RunCfg("sparseloco", k=64, overlap_steps=t, fragments=P, **hbase)]

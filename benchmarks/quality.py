@@ -112,7 +112,8 @@ def build_runs(args, tuned, seeds, steps):
             (ft_runs if method == "torchft_diloco" else runs).append(run)
             if method in ("diloco", "sparseloco"):   # the loss cost of delaying the outer step
                 for tau in overlap_steps(args):
-                    runs.append(dataclasses.replace(run, overlap_steps=tau))
+                    for merge in [m.strip() for m in args.overlap_merges.split(",") if m.strip()]:
+                        runs.append(dataclasses.replace(run, overlap_steps=tau, overlap_merge=merge))
                 for P, tau in fragment_settings(args):  # ... and of syncing it in fragments
                     runs.append(dataclasses.replace(run, fragments=P, overlap_steps=tau))
     return runs, ft_runs
@@ -316,6 +317,8 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap-steps", default="",
                     help="comma-separated τ values: for every diloco / sparseloco method also a run with its outer "
                          "step delayed by τ inner steps (--sparseloco-overlap-steps, replay merge)")
+    ap.add_argument("--overlap-merges", default="replay",
+                    help="comma-separated merge rules for the --overlap-steps runs (replay, lerp)")
     ap.add_argument("--fragments", default="",
                     help="comma-separated P values: for every diloco / sparseloco method also runs with the model "
                          "synced in P fragments (--sparseloco-fragments), blocking and with every --overlap-steps "
