@@ -48,6 +48,7 @@ from megatron_sparseloco.megatron.outer_group import (OuterStepWatch, WorkerLost
                                                        single_rank_group)
 from megatron_sparseloco.megatron.tied import TiedParamSync
 from megatron_sparseloco.megatron.worker_isolation import (
+    collective_device,
     cross_worker_group,
     intra_worker_group,
     isolate_workers,
@@ -150,8 +151,7 @@ class OuterLoopOptimizer:
         self._iteration_end: Optional[float] = None
         if self.config.auto_inner_steps and self.num_workers > 1:
             self.auto = AutoInnerSteps(self.config.inner_steps, self.group, intra_worker_group(), self.num_workers,
-                                       torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                                       else torch.device("cpu"))
+                                       collective_device())
         self.log = OuterLog()
         self.members = [m for m in member_optimizers(optimizer) if not getattr(m, "is_stub_optimizer", False)]
         self.shards = [main_param_shards(m) for m in self.members]
@@ -365,9 +365,7 @@ class OuterLoopOptimizer:
         all-reduce MAX on the intra-worker group, whose ranks run in lockstep anyway)."""
         reset = any(d.reset_at_launch for d in delayed)
         if self.num_workers > 1 and self.worker_size > 1:
-            device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                      else torch.device("cpu"))
-            flag = torch.tensor([1.0 if reset else 0.0], device=device)
+            flag = torch.tensor([1.0 if reset else 0.0], device=collective_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=intra_worker_group())
             reset = bool(flag.item())
         return reset

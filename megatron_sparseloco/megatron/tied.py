@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparseloco.megatron.fragments import per_tensor_state
+from megatron_sparseloco.megatron.worker_isolation import collective_device
 
 
 def is_tied_across_stages(param: torch.Tensor) -> bool:
@@ -100,8 +101,7 @@ class TiedParamSync:
             shards, strategy = shards_list[m], strategy_of[m]
             names = self.state_names[m]
             views = self._views(m, shards, strategy, j)
-            device = shards.tensors[0].device if shards.tensors else torch.device(
-                "cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            device = shards.tensors[0].device if shards.tensors else collective_device()
             whole = torch.zeros(len(names), numel, dtype=torch.int32, device=device)
             for s, name in enumerate(names):
                 if name in views:

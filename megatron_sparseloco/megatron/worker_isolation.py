@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import torch
+
 
 def _unwrap_ddp(chunk):
     """The megatron-core DistributedDataParallel inside a model chunk (Float16Module etc. unwrapped)."""
@@ -74,6 +76,12 @@ def cross_worker_group(model_chunks: Sequence):
     if ddp.ddp_config.num_distributed_optimizer_instances == 1:
         return None
     return ddp.inter_dist_opt_group
+
+
+def collective_device() -> torch.device:
+    """Where this rank's small control tensors (flags, tables) live for a collective: the current
+    CUDA device (NCCL) when there is one, else the CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def intra_worker_group():

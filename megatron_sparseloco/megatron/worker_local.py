@@ -40,6 +40,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_sparseloco.megatron.worker_isolation import collective_device, intra_worker_group
+
 
 def worker_dp_cp_group():
     """This rank's data-parallel (with context-parallel) group restricted to its worker."""
@@ -47,14 +49,6 @@ def worker_dp_cp_group():
     return parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
 
 
-def worker_group():
-    """All ranks of this rank's worker."""
-    from megatron.core import parallel_state
-    return parallel_state.get_intra_distributed_optimizer_instance_group()
-
-
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 # ------------------------------------------------------------------------------ 1. train_step
@@ -128,8 +122,8 @@ def _worker_local_timers_class(base):
             if barrier:
                 dist.barrier(group=group)
             rank = dist.get_rank()
-            table = torch.zeros((dist.get_world_size(), len(names)), dtype=torch.float, device=_device())
-            mine = torch.zeros(len(names), dtype=torch.float, device=_device())
+            table = torch.zeros((dist.get_world_size(), len(names)), dtype=torch.float, device=collective_device())
+            mine = torch.zeros(len(names), dtype=torch.float, device=collective_device())
             for i, name in enumerate(names):
                 if name in self._timers:
                     mine[i] = self._timers[name].elapsed(reset=reset)
@@ -154,7 +148,7 @@ def localize_rerun_state_machine(group) -> None:
 
     def _reduce_any(value):
         values = value if isinstance(value, list) else [value]
-        t = torch.tensor([int(bool(v)) for v in values], dtype=torch.int32, device=_device())
+        t = torch.tensor([int(bool(v)) for v in values], dtype=torch.int32, device=collective_device())
         dist.all_reduce(t, group=group)
         out = tuple(int(x) > 0 for x in t.tolist())
         return out if isinstance(value, list) else out[0]
@@ -202,7 +196,7 @@ def make_training_reductions_worker_local(num_workers: int, timers=None) -> Opti
     """
     if num_workers <= 1:
         return None
-    group = worker_group()
+    group = intra_worker_group()
     localize_timers(timers, group)
     localize_rerun_state_machine(group)
     localize_moe_metrics()
