@@ -246,6 +246,11 @@ class OuterStrategy(abc.ABC):
         """θ_local ← θ_outer on one bucket."""
         self.params.write(start, end, self.anchor[start:end])
 
+    def reset_to_anchor(self) -> None:
+        """θ_local ← θ_outer on every bucket (a skipped round discards the local progress)."""
+        for s, e in self.buckets():
+            self.write_back(s, e)
+
     # ------------------------------------------------------------------ the step
     def step(self) -> OuterStepStats:
         """One outer step, in place on the params. Every worker must call it together.
@@ -296,8 +301,7 @@ class OuterStrategy(abc.ABC):
             return True
         if self.config.nonfinite_policy == "abort":
             raise self._nonfinite_error(culprit, bad_name)
-        for s, e in self.buckets():
-            self.write_back(s, e)
+        self.reset_to_anchor()
         stats.skipped = True
         return False
 

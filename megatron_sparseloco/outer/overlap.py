@@ -195,8 +195,7 @@ class DelayedOuter:
         self._proceed = self._bad_name is None
         self.reset_at_launch = not self._proceed and s.config.nonfinite_policy == "skip"
         if self.reset_at_launch:
-            for lo, hi in s.buckets():
-                s.write_back(lo, hi)
+            s.reset_to_anchor()
         stats.time_exposed_s += time.perf_counter() - t0
 
     def start(self) -> None:
