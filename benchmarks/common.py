@@ -218,6 +218,17 @@ def _is_float(text: str) -> bool:
         return False
 
 
+def overlap_merges(text: str) -> List[str]:
+    """``--overlap-merges`` 'replay,lerp' → the merge rules (``outer.overlap.MERGES``), refused when unknown."""
+    from megatron_sparseloco.outer.overlap import MERGES
+
+    merges = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in merges if m not in MERGES]
+    if bad or not merges:
+        raise SystemExit(f"--overlap-merges: comma-separated rules among {MERGES}, got {text!r}")
+    return merges
+
+
 def outer_setting(tag: str) -> Optional[Tuple[str, float]]:
     """A method spec's outer-setting tag: 'lrX' → ('outer_lr', X), 'muX' → ('outer_momentum', X); else None."""
     for prefix, field in (("lr", "outer_lr"), ("mu", "outer_momentum")):

@@ -408,7 +408,7 @@ def main(argv=None) -> int:
     taus = [int(t) for t in args.overlap_steps.split(",") if t.strip()]
     if any(not 1 <= t < H for t in taus):
         raise SystemExit(f"--overlap-steps: every τ must be in [1, H={H}), got {taus}")
-    merges = [m.strip() for m in args.overlap_merges.split(",") if m.strip()]
+    merges = common.overlap_merges(args.overlap_merges)
     for t in taus:
         for m in merges:
             methods += [RunCfg("diloco", overlap_steps=t, overlap_merge=m, **base),

@@ -105,6 +105,7 @@ def make_run(method, k, extra, H, seed, base, tuned):
 
 def build_runs(args, tuned, seeds, steps):
     base = dict(steps=steps, mbs=args.mbs, lr=args.lr, eval_windows=args.eval_windows)
+    merges = common.overlap_merges(args.overlap_merges)
     runs, ft_runs = [], []
     for seed in seeds:
         for method, k, extra in parse_methods(args.methods):
@@ -112,7 +113,7 @@ def build_runs(args, tuned, seeds, steps):
             (ft_runs if method == "torchft_diloco" else runs).append(run)
             if method in ("diloco", "sparseloco"):   # the loss cost of delaying the outer step
                 for tau in overlap_steps(args):
-                    for merge in [m.strip() for m in args.overlap_merges.split(",") if m.strip()]:
+                    for merge in merges:
                         runs.append(dataclasses.replace(run, overlap_steps=tau, overlap_merge=merge))
                 for P, tau in fragment_settings(args):  # ... and of syncing it in fragments
                     runs.append(dataclasses.replace(run, fragments=P, overlap_steps=tau))

@@ -51,7 +51,7 @@ def test_sweep_grid_refuses_bad_input(text):
 
 
 def test_first_seed_sets_model_init_and_data_order():
-    args = argparse.Namespace(methods="diloco", H=15, mbs=4, lr=1e-3, eval_windows=8, overlap_steps="", fragments="")
+    args = argparse.Namespace(methods="diloco", H=15, mbs=4, lr=1e-3, eval_windows=8, overlap_steps="", overlap_merges="replay", fragments="")
     runs, _ = quality.build_runs(args, {"diloco": (0.7, 0.6)}, [1, 2], 30)
     assert [(r.seed, r.data_seed, r.outer_lr) for r in runs] == [(1235, 1, 0.7), (1236, 2, 0.7)]
 
@@ -61,3 +61,12 @@ def test_uniform_default_methods_are_the_three_reference_runs():
     base = dict(H=15, steps=30)
     assert network.hetero_runs("diloco,sparseloco:64,gasloc", base) == [
         RunCfg("diloco", **base), RunCfg("sparseloco", k=64, **base), RunCfg("gasloc", **base)]
+
+
+def test_overlap_merges_parsed_and_unknown_refused():
+    import common
+
+    assert common.overlap_merges("replay, lerp") == ["replay", "lerp"]
+    for bad in ("replay,restart", "", " , "):
+        with pytest.raises(SystemExit, match="--overlap-merges"):
+            common.overlap_merges(bad)
