@@ -345,12 +345,9 @@ class OuterLoopOptimizer:
         step_no = self.outer_steps + 1
         self.watch.arrive(step_no)
         with self._lost_worker_named(step_no):
-            # the local non-finite checks first (a non-finite shard resets to θ_outer,k), then the
-            # rounds on the comm thread, in the same order on every rank: see DelayedOuter.launch
+            # every round goes to the comm thread in the same order on every rank: see DelayedOuter.launch
             for d in delayed:
-                d.agree()
-            for d in delayed:
-                d.start()
+                d.launch()
         if self._any_reset_in_worker(delayed):  # some shard of this worker reset θ_local ← θ_outer,k
             if fragment in (None, 0):
                 self.tied.sync(self.shards, self.strategy_of)

@@ -181,8 +181,7 @@ class DelayedOuter:
         """The launch's local half of the non-finite guard: is *this* worker's Δ_k finite? No
         communication (the workers' agreement runs on the comm thread, ahead of the round's data
         collectives: module docstring); a worker whose params are not finite resets
-        θ_local ← θ_outer,k here under policy ``skip``. Kept apart from ``start()`` so that several
-        drivers (a MoE model's dense and expert shards) check before any of them launches."""
+        θ_local ← θ_outer,k here under policy ``skip``."""
         if self._future is not None or self.merge_due or self._proceed is not None:
             raise RuntimeError(f"{self.strategy.name}: a round is still in flight; complete() it before the next "
                                "launch (overlap steps τ must be < inner steps H)")
