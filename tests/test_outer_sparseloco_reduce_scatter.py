@@ -96,6 +96,10 @@ def test_config_rejects_what_reduce_scatter_cannot_do():
             SparseLoCoConfig(**LOSSY, **bad).validate()
     with pytest.raises(ConfigError, match="owner_k"):
         SparseLoCoConfig(owner_k=8).validate()
+    with pytest.raises(ConfigError, match="owner_residual"):
+        SparseLoCoConfig(owner_residual="workers").validate()
+    with pytest.raises(ConfigError, match="owner_residual"):
+        SparseLoCoConfig(**LOSSY, owner_residual="nobody").validate()
     with pytest.raises(ConfigError, match="aggregation"):
         SparseLoCoConfig(aggregation="tree").validate()
 
@@ -109,13 +113,14 @@ def drive(rank: int, world: int, fields: dict, corrupt_rank=None):
     strat = build_outer_strategy("sparseloco", params, None, names=[n for n, _ in sls],
                                  slices=[s for _, s in sls], **fields)
     rs = strat.reduce_scatter
-    updates = {}
+    updates, positions = {}, {}
     if rs is not None:
         orig = rs.aggregate
 
-        def capture(b, plan, payload, group, counter, out, counts, reduce, name):
-            res = orig(b, plan, payload, group, counter, out, counts, reduce, name)
+        def capture(b, plan, payload, group, counter, out, counts, *rest):
+            res = orig(b, plan, payload, group, counter, out, counts, *rest)
             updates[b] = out.clone()
+            positions[b] = res[2] + plan.start
             return res
         rs.aggregate = capture
         if corrupt_rank == rank:
@@ -128,7 +133,7 @@ def drive(rank: int, world: int, fields: dict, corrupt_rank=None):
                     p[0] ^= 1      # and the magic
                 return p
             rs.make_piece = corrupt
-    out = {"anchor": [], "stats": [], "owner_error": [], "update": []}
+    out = {"anchor": [], "stats": [], "owner_error": [], "update": [], "error": [], "applied": []}
     for step in range(1, STEPS + 1):
         with torch.no_grad():
             for p, d in zip(params, take(full_drift(rank, step), sls)):
@@ -139,7 +144,9 @@ def drive(rank: int, world: int, fields: dict, corrupt_rank=None):
             return {"error": str(exc)}
         out["stats"].append(st.as_dict())
         out["anchor"].append(strat.anchor.clone())
+        out["error"].append(strat.error_feedback.clone())
         if rs is not None:
+            out["applied"].append(torch.cat([positions[b] for b in range(len(strat.plans))]))
             out["owner_error"].append(rs.error.clone())
             out["update"].append(torch.cat([updates[b] for b in range(len(strat.plans))]))
     return out
@@ -149,8 +156,10 @@ def drive_jobs(rank, world, jobs):
     return [drive(rank, world, **j) for j in jobs]
 
 
+PUT_BACK = dict(LOSSY, owner_residual="workers")
 JOBS = {"allgather": dict(fields=BASE), "lossless": dict(fields=LOSSLESS), "lossy": dict(fields=LOSSY),
-        "corrupt": dict(fields=LOSSY, corrupt_rank=1)}
+        "corrupt": dict(fields=LOSSY, corrupt_rank=1), "put_back": dict(fields=PUT_BACK),
+        "lossless_put_back": dict(fields=dict(LOSSLESS, owner_residual="workers"))}
 
 
 @pytest.fixture(scope="module")
@@ -175,24 +184,31 @@ def test_lossless_owner_codec_equals_allgather_bit_for_bit(runs, world):
         assert not runs[world]["lossless"][0]["owner_error"][t].any()
 
 
-def allgather_aggregate_step1(world: int) -> torch.Tensor:
-    """A at step 1 (every worker's e = Δ), replayed here: contributors mean, summed in worker order."""
+def step1_replay(world: int):
+    """Step 1 replayed here (every worker's e = Δ): the all-gather aggregate A (contributors mean,
+    summed in worker order), and every worker's Δ_w and decoded payload v_w (dense)."""
     sls = layout_slices(LAYOUT)
     plans = plans_of(BASE)
-    parts = []
+    parts, deltas, sent = [], [[] for _ in range(world)], [[] for _ in range(world)]
     for plan in plans:
         s = torch.zeros(plan.numel)
         c = torch.zeros(plan.numel)
         for w in range(world):
             a0 = torch.cat(take(full_params(), sls))[plan.start:plan.end]
             delta = a0 - (a0 + torch.cat(take(full_drift(w, 1), sls))[plan.start:plan.end])  # θ_outer − θ_local
-            dec = decode_bucket(encode_bucket(delta, plan), plan)
+            dec = decode_bucket(encode_bucket(delta.clone(), plan), plan)
             dense = torch.zeros(plan.numel)
             dense[dec.indices] = dec.values
             s = s + dense
             c[dec.indices] += 1
+            deltas[w].append(delta)
+            sent[w].append(dense)
         parts.append(s / c.clamp(min=1))
-    return torch.cat(parts)
+    return torch.cat(parts), [torch.cat(d) for d in deltas], [torch.cat(v) for v in sent]
+
+
+def allgather_aggregate_step1(world: int) -> torch.Tensor:
+    return step1_replay(world)[0]
 
 
 @pytest.mark.multirank
@@ -234,3 +250,38 @@ def test_bytes_are_those_of_the_pieces_and_aggregates(runs, world):
 def test_malformed_piece_is_rejected_naming_the_worker(runs, world):
     for r, res in enumerate(runs[world]["corrupt"]):
         assert "error" in res and "piece of worker 1" in res["error"], (r, res.get("error"))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", WORLDS)
+def test_put_back_returns_what_the_owners_did_not_send_to_the_workers(runs, world):
+    """``owner_residual="workers"``, step 1: the owner keeps only g − u where it sent (g = A: f was 0),
+    and worker w's e is Δ_w − v_w where the owners sent and Δ_w elsewhere: nothing is lost,
+    u + Δf + (put back) = A position by position; θ_outer identical on every worker."""
+    A, deltas, sent = step1_replay(world)
+    plans = plans_of(LOSSY)
+    cfg = SparseLoCoConfig(**PUT_BACK)
+    res = runs[world]["put_back"]
+    applied = torch.zeros_like(A, dtype=torch.bool)
+    applied[res[0]["applied"][0]] = True
+    for r in range(world):
+        f, u = res[r]["owner_error"][0], res[r]["update"][0]
+        assert torch.equal(res[r]["applied"][0], res[0]["applied"][0])
+        owned = torch.zeros_like(f, dtype=torch.bool)
+        for plan in plans:
+            rng = owner_ranges(plan, world, cfg.owner_codec())[r]
+            owned[plan.start + rng.start:plan.start + rng.end] = True
+        assert torch.equal(f[owned & applied], (A - u)[owned & applied]), r
+        assert not f[~(owned & applied)].any()
+        assert not u[~applied].any()
+        want_e = torch.where(applied, deltas[r] - sent[r], deltas[r])
+        torch.testing.assert_close(res[r]["error"][0], want_e, rtol=1e-6, atol=1e-7)
+        chose = sent[r] != 0
+        assert (chose & ~applied).any(), "nothing was put back: the test does not exercise the mode"
+        for t in range(STEPS):
+            assert torch.equal(res[r]["anchor"][t], res[0]["anchor"][t]), (r, t)
+    # the lossless owner codec sends the whole union: nothing to put back, all-gather bit for bit
+    for r in range(world):
+        for t in range(STEPS):
+            assert torch.equal(runs[world]["lossless_put_back"][r]["anchor"][t], runs[world]["allgather"][0]["anchor"][t])
+            assert torch.equal(runs[world]["lossless_put_back"][r]["error"][t], runs[world]["allgather"][r]["error"][t])

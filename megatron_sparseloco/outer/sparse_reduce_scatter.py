@@ -24,6 +24,14 @@ Per outer step and bucket, on worker w (after the EF step that produced its payl
        the owner codec is the worker codec with ``owner_k`` / ``owner_value_bits`` (default: the
        same density and bits: Top-k per chunk of the aggregate, one quantiser per sub-segment).
        Mass is conserved exactly: decode(Q_j) + f_new = f_old + A (the EF identity of the codec).
+       ``owner_residual="workers"`` (Ok-Topk's choice, arXiv 2201.07598): what the owner does not
+       send goes back to the workers instead of waiting in f. With g = f + A, Q_j = encode(g),
+       U = the positions Q_j sends:
+           f[i] ← g[i] − decode(Q_j)[i]  for i ∈ U ;   f[i] unchanged elsewhere (only quantisation error)
+       and after step 5 every worker w restores what it sent outside U:  e_w[i] ← e_w[i] + v_w[i]
+       for i ∈ idx_w \ U. Position by position, u + Δf + (the values put back, averaged as A is)
+       = A, so nothing is lost; it waits in the workers' e (decayed by β with the rest of e) and
+       competes again in their next Top-k, instead of in an undecayed owner buffer.
     5. all-gather of the W payloads Q_j (padded to the largest, the sizes being known), and on every
        worker u[R_j] = decode(Q_j): the same bytes everywhere, so θ_outer stays bitwise identical.
 
@@ -271,9 +279,10 @@ class SparseReduceScatter:
 
     # ------------------------------------------------------------------ the step of one bucket
     def aggregate(self, b: int, plan: BucketPlan, payload: torch.Tensor, group, counter: CommCounter,
-                  out: torch.Tensor, counts: torch.Tensor, reduce: str, name: str) -> Tuple[int, int]:
+                  out: torch.Tensor, counts: torch.Tensor, reduce: str, name: str,
+                  residual: str = "owner") -> Tuple[int, int, torch.Tensor]:
         """Fill ``out`` (bucket-sized) with the update u of this bucket; returns (owned elements chosen
-        by some worker, elements of u sent by the owners)."""
+        by some worker, elements of u sent by the owners, their bucket positions)."""
         ranges = self.ranges[b]
         pieces = {j: self.make_piece(b, plan, payload, j) for j in range(self.world)}
         mine = ranges[self.rank]
@@ -301,16 +310,22 @@ class SparseReduceScatter:
                 agg.div_(self.world)
             s0 = plan.start + mine.start
             f = self.error[s0:s0 + n]
-            f.add_(agg)
-            q = encode_bucket(f, mine.plan, f"{name} owner {self.rank}")
-            sent = decode_bucket(q, mine.plan, device=self.device)
-            f.index_put_((sent.indices,), f[sent.indices] - sent.values)
+            if residual == "owner":      # f ← f + A, encode f, f ← f − decode(sent)
+                f.add_(agg)
+                q = encode_bucket(f, mine.plan, f"{name} owner {self.rank}")
+                sent = decode_bucket(q, mine.plan, device=self.device)
+                f.index_put_((sent.indices,), f[sent.indices] - sent.values)
+            else:                        # "workers": g = f + A is encoded; f keeps g − decode(sent) at the
+                agg.add_(f)              # positions sent and its old value elsewhere (A there goes back
+                q = encode_bucket(agg, mine.plan, f"{name} owner {self.rank}")  # to the workers' e)
+                sent = decode_bucket(q, mine.plan, device=self.device)
+                f.index_put_((sent.indices,), agg[sent.indices] - sent.values)
         width = max(r.aggregate_nbytes for r in ranges)
         padded = torch.zeros(width, dtype=torch.uint8, device=self.device)
         padded[:q.numel()] = q
         gathered = all_gather_payloads(padded, group, counter, equal_sizes=True)
         out.zero_()
-        applied = 0
+        positions = []
         for r in ranges:
             if r.plan is None:
                 continue
@@ -319,5 +334,6 @@ class SparseReduceScatter:
             except PayloadError as exc:
                 raise PayloadError(f"{name}: aggregate of owner {r.owner}: {exc}") from exc
             out[r.start + dec.indices] = dec.values
-            applied += int(dec.indices.numel())
-        return chosen, applied
+            positions.append(r.start + dec.indices)
+        applied = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64, device=self.device)
+        return chosen, int(applied.numel()), applied

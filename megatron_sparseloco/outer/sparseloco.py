@@ -89,6 +89,7 @@ from megatron_sparseloco.outer.sgd import check_outer_sgd, lr_field, momentum_fi
 
 REDUCE_MODES = ("contributors", "all")
 AGGREGATIONS = ("allgather", "reduce-scatter")
+OWNER_RESIDUALS = ("owner", "workers")
 CHUNKINGS = ("tensor", "flat")
 #: value widths of the SparseLoCo codec (compress.config: 2/4/8 quantised, 16 bf16, 32 fp32)
 VALUE_BITS = QUANTISED_VALUE_BITS + RAW_VALUE_BITS
@@ -145,6 +146,9 @@ class SparseLoCoConfig(OuterConfig):
     """Reduce-scatter owner codec: values kept per chunk (0: k)."""
     owner_value_bits: int = config_field(0, low=0)
     """Reduce-scatter owner codec: value bits (0: value_bits)."""
+    owner_residual: str = config_field("owner", choices=OWNER_RESIDUALS)
+    """Reduce-scatter: where the aggregate the owner does not send waits — "owner" (the owner's error
+    feedback) or "workers" (back into each contributor's e, as Ok-Topk does; module docstring)."""
 
     def codec(self) -> CodecConfig:
         """The flat codec (flat chunking), or the base the per-tensor segments derive theirs from."""
@@ -170,9 +174,10 @@ class SparseLoCoConfig(OuterConfig):
         check_outer_sgd(self.lr, self.momentum, self.nesterov)
         if self.aggregation == "reduce-scatter":
             self._check_reduce_scatter()
-        elif self.owner_k or self.owner_value_bits:
-            raise ConfigError("owner_k / owner_value_bits apply to aggregation='reduce-scatter' only",
-                              "owner_k" if self.owner_k else "owner_value_bits", "set `aggregation='reduce-scatter'`")
+        elif self.owner_k or self.owner_value_bits or self.owner_residual != "owner":
+            bad = "owner_k" if self.owner_k else "owner_value_bits" if self.owner_value_bits else "owner_residual"
+            raise ConfigError("owner_k / owner_value_bits / owner_residual apply to aggregation='reduce-scatter' only",
+                              bad, "set `aggregation='reduce-scatter'`")
         return self
 
     def _check_reduce_scatter(self) -> None:
@@ -387,7 +392,7 @@ class SparseLoCo(OuterStrategy):
         if self.reduce_scatter is None:
             return all_gather_payloads(payload, self.group, self.counter, equal_sizes=cfg.index_coding == "packed")
         return self.reduce_scatter.aggregate(b, plan, payload, self.group, self.counter, rs_out, rs_counts,
-                                             cfg.reduce, self._bucket_name(s, e))
+                                             cfg.reduce, self._bucket_name(s, e), cfg.owner_residual)
 
     def _apply_bucket(self, s: int, e: int, plan: Optional[BucketPlan], got, local: Decoded,
                       rs_out: Optional[torch.Tensor], work: torch.Tensor, counts: torch.Tensor,
@@ -395,7 +400,9 @@ class SparseLoCo(OuterStrategy):
         """Reduce-scatter: outer SGD with the owners' update in ``rs_out``. All-gather: decode
         ``got`` (every worker's payload), mean into ``work``, outer SGD. Write-back unless delayed."""
         if self.reduce_scatter is not None:
-            union, applied = got
+            union, applied, positions = got
+            if self.config.owner_residual == "workers":
+                self._put_back(s, e, local, positions)
             _, _, update = self._finish_bucket(s, e, rs_out, None, 1.0, write=write)
             tot.applied += applied
         else:
@@ -403,6 +410,16 @@ class SparseLoCo(OuterStrategy):
             tot.clip_min = min(tot.clip_min, clip)
         tot.kept_union += union
         tot.upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
+
+    def _put_back(self, s: int, e: int, local: Decoded, positions: torch.Tensor) -> None:
+        """Reduce-scatter, ``owner_residual="workers"``: what this worker sent at a position the owners
+        did not send goes back into its error feedback, e[i] ← e[i] + v[i] (the EF step removed it)."""
+        applied = torch.zeros(e - s, dtype=torch.bool, device=self.device)
+        applied[positions] = True
+        back = ~applied[local.indices]
+        err = self.error_feedback[s:e]
+        idx = local.indices[back]
+        err.index_put_((idx,), err[idx] + local.values[back])
 
     def _outer_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
         """Bucket by bucket: compress, exchange, apply (one work buffer of the largest bucket)."""
