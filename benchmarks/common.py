@@ -138,6 +138,7 @@ class RunCfg:
     gasloc_rule: str = "ours"               # gasloc: ours | laplacian-momentum (docs/gasloc.md §2)
     gasloc_compress: bool = False           # gasloc: SparseLoCo-compressed proposals (k=64 of 4096, 2-bit)
     gasloc_refresh: int = 8                 # gasloc topology bandwidth: rounds between link-cost agreements
+    gasloc_rounds: int = 1                  # gasloc: mixing steps per outer round (--sparseloco-gossip-rounds)
     slow_compute: float = 1.0               # the last worker's inner steps take this many times longer (sleep)
     auto_h: bool = False                    # --sparseloco-inner-steps-per-worker auto (H_w from step times)
     outer_lr: Optional[float] = None       # None: the method's reference value (below)
@@ -146,6 +147,8 @@ class RunCfg:
     aggregation: str = "allgather"          # sparseloco: allgather | reduce-scatter (--sparseloco-aggregation)
     owner_k: int = 0                        # reduce-scatter: values the owners keep per chunk (0: k)
     owner_value_bits: int = 0               # reduce-scatter: bits of the owners' values (0: value bits)
+    owner_residual: str = "owner"           # reduce-scatter: owner | workers (where the unsent aggregate waits)
+    reduce: str = "contributors"            # sparseloco: contributors | all (--sparseloco-reduce)
     overlap_steps: int = 0                  # τ: delayed outer step (--sparseloco-overlap-steps), 0: blocking
     overlap_merge: str = "replay"           # replay | lerp (alpha 0.5)
     fragments: int = 1                      # P: Streaming-DiLoCo fragments (--sparseloco-fragments)
@@ -157,6 +160,8 @@ class RunCfg:
             tag += "" if self.aggregation == "allgather" else f" {self.aggregation}"
             tag += f" owner-k={self.owner_k}" if self.owner_k else ""
             tag += f" owner-bits={self.owner_value_bits}" if self.owner_value_bits else ""
+            tag += "" if self.owner_residual == "owner" else f" residual={self.owner_residual}"
+            tag += "" if self.reduce == "contributors" else f" reduce={self.reduce}"
         else:
             tag = self.method
         if self.outer_lr is not None:
@@ -164,6 +169,8 @@ class RunCfg:
         if self.method == "gasloc":
             tag += "" if self.gasloc_topology == "ring" else f" {self.gasloc_topology}"
             tag += " lap" if self.gasloc_rule == "laplacian-momentum" else ""
+            tag += " mn" if self.gasloc_rule == "mixed-nesterov" else ""
+            tag += f" g{self.gasloc_rounds}" if self.gasloc_rounds != 1 else ""
             tag += " c64" if self.gasloc_compress else ""
             tag += f" r{self.gasloc_refresh}" if self.gasloc_topology == "bandwidth" and self.gasloc_refresh != 8 else ""
         if self.auto_h:
@@ -190,7 +197,9 @@ def strategy_fields(run: RunCfg) -> Dict:
         return dict(k=run.k, chunk=4096, value_bits=2, ef_beta=0.95, lr=1.0 if run.outer_lr is None else run.outer_lr,
                     index_coding=run.index_coding, chunking=run.chunking,
                     aggregation=run.aggregation, **({"owner_k": run.owner_k} if run.owner_k else {}),
-                    **({"owner_value_bits": run.owner_value_bits} if run.owner_value_bits else {}))
+                    **({"owner_value_bits": run.owner_value_bits} if run.owner_value_bits else {}),
+                    **({"owner_residual": run.owner_residual} if run.owner_residual != "owner" else {}),
+                    **({"reduce": run.reduce} if run.reduce != "contributors" else {}))
     if run.method == "gasloc":
         # the plugin's defaults for gasloc (GASLoCConfig, outer/gasloc.py): η = 0.7, γ = 0.6 since 2026-12-01
         # (results before that used η = 1.0, γ = 0.9: the spec's lr1.0:mu0.9 reproduces them)
@@ -203,6 +212,8 @@ def strategy_fields(run: RunCfg) -> Dict:
             out.update(compress=True, chunk=4096, k=64, value_bits=2)
         if run.gasloc_topology == "bandwidth":
             out.update(bandwidth_refresh=run.gasloc_refresh)
+        if run.gasloc_rounds != 1:
+            out.update(gossip_rounds=run.gasloc_rounds)
         return out
     raise ValueError(run.method)
 
@@ -238,10 +249,11 @@ def outer_setting(tag: str) -> Optional[Tuple[str, float]]:
 
 
 def gasloc_fields(spec: str) -> Dict:
-    """'gasloc[:topology][:lap][:c][:auto][:rN]' → RunCfg fields: e.g. 'gasloc:bandwidth:lap:c:auto:r2' is
+    """'gasloc[:topology][:lap|:mn][:c][:auto][:rN][:gN]' → RunCfg fields: e.g. 'gasloc:bandwidth:lap:c:auto:r2' is
     bandwidth-aware one-peer matchings (link costs agreed every 2 rounds; default 8), the laplacian-momentum
-    rule, compressed proposals and per-worker H_w from measured step times; 'lr0.7:mu0.6' set η and γ
-    (default the plugin's, GASLoCConfig: 0.7 and 0.6)."""
+    rule, compressed proposals and per-worker H_w from measured step times; 'mn' the mixed-nesterov rule,
+    'gN' N mixing steps per outer round; 'lr0.7:mu0.6' set η and γ (default the plugin's, GASLoCConfig:
+    0.7 and 0.6)."""
     parts = spec.split(":")
     if parts[0] != "gasloc":
         raise ValueError(f"not a gasloc spec: {spec!r}")
@@ -253,6 +265,10 @@ def gasloc_fields(spec: str) -> Dict:
             out["gasloc_topology"] = tag
         elif tag == "lap":
             out["gasloc_rule"] = "laplacian-momentum"
+        elif tag == "mn":
+            out["gasloc_rule"] = "mixed-nesterov"
+        elif tag[:1] == "g" and tag[1:].isdigit() and int(tag[1:]) >= 1:
+            out["gasloc_rounds"] = int(tag[1:])
         elif tag == "c":
             out["gasloc_compress"] = True
         elif tag[:1] == "r" and tag[1:].isdigit() and int(tag[1:]) >= 1:
@@ -262,7 +278,8 @@ def gasloc_fields(spec: str) -> Dict:
             out[field] = value
         else:
             raise SystemExit(f"gasloc method {spec!r}: unknown tag {tag!r} (topologies {GASLOC_TOPOLOGIES}, 'lap', 'c', "
-                             "'auto', 'rN' = bandwidth table agreed every N rounds, 'lrX' = η, 'muX' = γ)")
+                             "'mn', 'auto', 'rN' = bandwidth table agreed every N rounds, 'gN' = N mixing steps per round, 'lrX' = η, "
+                             "'muX' = γ)")
     return out
 
 

@@ -76,12 +76,15 @@ def parse_methods(text: str):
 
 
 def owner_codec(extra):
-    """'rs' → {}, 'rs256' → {owner_k: 256}, 'rs256b8' → {owner_k: 256, owner_value_bits: 8}."""
-    m = re.fullmatch(r"rs(\d*)(?:b(\d+))?", extra or "")
+    """'rs' → {}, 'rs256' → {owner_k: 256}, 'rs256b8' → {owner_k: 256, owner_value_bits: 8}; a trailing
+    'w' ('rsw', 'rs128w') → owner_residual 'workers'; then 'a' → reduce 'all' (mean over all W)."""
+    m = re.fullmatch(r"rs(\d*)(?:b(\d+))?(w?)(a?)", extra or "")
     if m is None:
         return {}
     return {**({"owner_k": int(m.group(1))} if m.group(1) else {}),
-            **({"owner_value_bits": int(m.group(2))} if m.group(2) else {})}
+            **({"owner_value_bits": int(m.group(2))} if m.group(2) else {}),
+            **({"owner_residual": "workers"} if m.group(3) else {}),
+            **({"reduce": "all"} if m.group(4) else {})}
 
 
 def make_run(method, k, extra, H, seed, base, tuned):

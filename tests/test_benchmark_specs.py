@@ -70,3 +70,19 @@ def test_overlap_merges_parsed_and_unknown_refused():
     for bad in ("replay,restart", "", " , "):
         with pytest.raises(SystemExit, match="--overlap-merges"):
             common.overlap_merges(bad)
+
+
+def test_reduce_scatter_and_gossip_tags_reach_the_strategy_fields():
+    import common
+
+    args = argparse.Namespace(methods="sparseloco:64:rs128w,sparseloco:64:rs256b8a,gasloc:exponential:mn:g2", H=15,
+                              mbs=4, lr=1e-3, eval_windows=8, overlap_steps="", overlap_merges="replay", fragments="")
+    rs_w, rs_a, gossip = quality.build_runs(args, {"sparseloco": (1.5, None)}, [0], 30)[0]
+    assert common.strategy_fields(rs_w)["owner_k"] == 128 and common.strategy_fields(rs_w)["owner_residual"] == "workers"
+    assert "reduce" not in common.strategy_fields(rs_w)
+    fa = common.strategy_fields(rs_a)
+    assert (fa["owner_k"], fa["owner_value_bits"], fa["reduce"], "owner_residual" in fa) == (256, 8, "all", False)
+    fg = common.strategy_fields(gossip)
+    assert (fg["topology"], fg["rule"], fg["gossip_rounds"]) == ("exponential", "mixed-nesterov", 2)
+    with pytest.raises(SystemExit, match="unknown tag 'g0'"):
+        common.gasloc_fields("gasloc:g0")
