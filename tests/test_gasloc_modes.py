@@ -56,6 +56,21 @@ SCENARIOS: Dict[str, dict] = {
                         rounds=8, init="diff"),
     "cap_bw_lap": dict(cfg=dict(topology="bandwidth", rule="laplacian-momentum", proposal_lr=1.0, momentum=0.0,
                                 max_copies=1, bandwidth_refresh=2, **CODEC), rounds=10, init="diff", slow=True),
+    # rule mixed-nesterov, and several mixing steps per outer round
+    "mn_ring": dict(cfg=dict(topology="ring", rule="mixed-nesterov", proposal_lr=0.8, momentum=0.9), rounds=5,
+                    init="diff"),
+    "mn_ring_r2": dict(cfg=dict(topology="ring", rule="mixed-nesterov", proposal_lr=0.8, momentum=0.6,
+                                gossip_rounds=2), rounds=4, init="diff"),
+    "lap_random1_r3": dict(cfg=dict(topology="random1", rule="laplacian-momentum", proposal_lr=1.0, momentum=0.5,
+                                    seed=4, gossip_rounds=3), rounds=3, init="diff"),
+    "mn_exp_r2": dict(cfg=dict(topology="exponential", rule="mixed-nesterov", proposal_lr=0.7, momentum=0.6,
+                               gossip_rounds=2), rounds=6, init="same"),
+    "mn_complete": dict(cfg=dict(topology="complete", rule="mixed-nesterov", proposal_lr=0.7, momentum=0.6),
+                        rounds=4, init="same"),
+    "mn_c_random1": dict(cfg=dict(topology="random1", rule="mixed-nesterov", proposal_lr=1.0, momentum=0.0, seed=6,
+                                  max_copies=1, **CODEC), rounds=6, init="diff"),
+    "mean_r2": dict(cfg=dict(topology="ring", rule="mixed-nesterov", proposal_lr=1.0, momentum=0.0, gossip_rounds=2),
+                    rounds=3, init="diff"),
 }
 
 
@@ -123,16 +138,24 @@ def reference(sc: dict, costs_per_round=None) -> List[torch.Tensor]:
     """float64 matrix form of the uncompressed update, both rules; ``costs_per_round[r]``: the bandwidth table."""
     c = sc["cfg"]
     eta, gamma = (c.get(key, GASLOC_DEFAULTS[key]) for key in ("proposal_lr", "momentum"))
-    lap = c.get("rule", "ours") == "laplacian-momentum"
+    rule = c.get("rule", "ours")
+    R = c.get("gossip_rounds", 1)
     theta = torch.stack([init_theta(sc["init"], i) for i in range(WORLD)]).double()
     d = torch.zeros_like(theta)   # ours: momentum
-    v = torch.zeros_like(theta)   # laplacian: y_prev − θ
+    v = torch.zeros_like(theta)   # laplacian / mixed-nesterov: y_prev − θ
     out = []
     for r in range(sc["rounds"]):
         y = theta - eta * torch.stack([drift(i, r) for i in range(WORLD)]).double()
         costs = costs_per_round[r] if costs_per_round is not None else None
-        M = mixing_matrix(c["topology"], WORLD, r, c.get("seed", 0), c.get("mixing_weight"), costs=costs)
-        if lap:
+        M = torch.eye(WORLD, dtype=torch.float64)
+        for q in range(R):  # mixing step q of round r uses matching r·R + q
+            M = mixing_matrix(c["topology"], WORLD, r * R + q, c.get("seed", 0), c.get("mixing_weight"),
+                              costs=costs).double() @ M
+        if rule == "mixed-nesterov":
+            new = M @ (y + gamma * ((y - theta) - v))
+            v = y - new
+            theta = new
+        elif rule == "laplacian-momentum":
             new = M @ y + gamma * ((y - theta) - v)
             v = y - new
             theta = new
@@ -143,7 +166,8 @@ def reference(sc: dict, costs_per_round=None) -> List[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("name", ["lap_ring", "lap_complete", "lap_random1", "bw", "bw_lap"])
+@pytest.mark.parametrize("name", ["lap_ring", "lap_complete", "lap_random1", "bw", "bw_lap", "mn_ring", "mn_ring_r2",
+                                  "lap_random1_r3", "mn_exp_r2", "mn_complete"])
 def test_update_matches_float64_reference(runs, name):
     sc, rec = SCENARIOS[name], runs[name]
     costs = rec[0]["costs"] if sc["cfg"]["topology"] == "bandwidth" else None
@@ -152,6 +176,27 @@ def test_update_matches_float64_reference(runs, name):
         # 2e-6·(r + 1)·max|θ| (a wrong matching or rule is off by O(0.1))
         err = (_anchors(rec, r) - ref).abs().max().item()
         assert err < 2e-6 * (r + 1) * max(1.0, ref.abs().max().item()), (name, r, err)
+
+
+@pytest.mark.parametrize("name", ["mn_exp_r2", "mn_complete"])
+def test_exact_averaging_with_mixed_nesterov_is_diloco_nesterov_on_every_worker(runs, name):
+    """Exponential with R = log2 W = 2 mixing steps (or the complete graph) averages exactly, so with the
+    mixed-nesterov rule every worker holds the same floats after every round, and they follow torch's
+    Nesterov SGD on the mean pseudo-gradient Δ̄ (lr η, momentum γ): DiLoCo, point to point only."""
+    sc, rec = SCENARIOS[name], runs[name]
+    eta, gamma = sc["cfg"]["proposal_lr"], sc["cfg"]["momentum"]
+    theta = torch.nn.Parameter(init_theta("same", 0).double().clone())
+    opt = torch.optim.SGD([theta], lr=eta, momentum=gamma, nesterov=True)
+    for r in range(sc["rounds"]):
+        theta.grad = torch.stack([drift(i, r) for i in range(WORLD)]).double().mean(0)
+        opt.step()
+        for i in range(1, WORLD):
+            assert torch.equal(rec[i]["anchors"][r], rec[0]["anchors"][r]), (name, r, i)
+        err = (rec[0]["anchors"][r].double() - theta.detach()).abs().max().item()
+        assert err < 1e-5, (name, r, err)
+    if name == "mn_exp_r2":  # two one-peer exchanges per round: the two partners of the hypercube
+        for i in range(WORLD):
+            assert rec[i]["stats"][1]["bytes_sent"] == 2 * 4 * (N + 2), rec[i]["stats"][1]  # 2 buckets + flags
 
 
 def test_laplacian_rule_on_complete_graph_mean_is_diloco_nesterov(runs):
@@ -172,7 +217,8 @@ def test_laplacian_rule_on_complete_graph_mean_is_diloco_nesterov(runs):
     assert spread[0] > 1e-3  # the workers are NOT identical (momentum on each one's own proposals)
 
 
-@pytest.mark.parametrize("name", ["mean_bw", "mean_lap", "cap_random1", "cap_random2", "cap_bw_lap"])
+@pytest.mark.parametrize("name", ["mean_bw", "mean_lap", "cap_random1", "cap_random2", "cap_bw_lap", "mn_c_random1",
+                                  "mean_r2"])
 def test_every_mode_preserves_the_workers_mean(runs, name):
     """γ = 0, η = 1: mean_i θ_i after round r = mean_i θ_local,i before it (= mean before + mean local
     progress), to fp32 rounding: |err| ≤ 1e-6 for O(1) values (the pairwise mixing terms cancel exactly)."""
@@ -256,6 +302,8 @@ def test_only_point_to_point_traffic(runs):
     (dict(topology="complete", max_copies=4, **CODEC), 8, "below the 7 neighbours"),
     (dict(topology="random2", max_copies=1, **CODEC), 4, "max_copies must be >= 2"),
     (dict(rule="nesterov"), 4, "rule must be one of"),
+    (dict(gossip_rounds=2, **CODEC), 4, "gossip_rounds=2 needs uncompressed"),
+    (dict(gossip_rounds=0), 4, "gossip_rounds"),
     (dict(topology="bandwidth", bandwidth_refresh=0), 4, "bandwidth_refresh"),
 ])
 def test_bad_settings_are_refused_with_the_field(kwargs, W, match):
@@ -325,3 +373,10 @@ def test_new_flags_reach_the_config(monkeypatch):
     cfg = GASLoCConfig(**outer_config_fields(args)).validate()
     assert (cfg.topology, cfg.rule, cfg.bandwidth_refresh, cfg.compress, cfg.max_copies) == (
         "bandwidth", "laplacian-momentum", 5, True, 2)
+    monkeypatch.setattr(sys, "argv", ["x"] + BASE_ARGS + [
+        "--sparseloco-gossip-topology", "exponential", "--sparseloco-gossip-rule", "mixed-nesterov",
+        "--sparseloco-gossip-rounds", "2"])
+    args = parse_args(add_sparseloco_args)
+    validate_sparseloco_args(args, world_size=4)
+    cfg = GASLoCConfig(**outer_config_fields(args)).validate()
+    assert (cfg.topology, cfg.rule, cfg.gossip_rounds) == ("exponential", "mixed-nesterov", 2)

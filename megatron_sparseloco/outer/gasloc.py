@@ -47,6 +47,21 @@ On the complete graph the workers' mean follows DiLoCo with *Nesterov* outer mom
 (torch SGD nesterov=True, lr η, momentum γ); each worker is off the mean by γ times its own proposal
 difference minus the mean one.
 
+Rule "mixed-nesterov" (our variant, docs/gasloc.md §2.2): the same look-ahead, but mixed with the proposal,
+
+    z_t = y_t + γ (y_t − y_{t−1}) ,   θ_{t+1} = M_r z_t ,   v ← y_t − θ_{t+1}     (same state v as above)
+
+so the momentum term is averaged with the neighbours' instead of staying each worker's own. The mean
+follows the same Nesterov recursion (M_r doubly stochastic); under exact averaging (complete graph, or
+exponential with ``gossip_rounds`` = log2 W) every worker holds the same θ after every round and the
+step IS DiLoCo with Nesterov outer momentum (lr η, momentum γ), point to point only.
+
+``gossip_rounds`` R (uncompressed proposals only): one outer round mixes R times,
+x⁽⁰⁾ = y (or z), x⁽q+1⁾ = M_{t·R+q} x⁽q⁾, m = x⁽R⁾, each step with the topology's next matching and
+one fp32 proposal per neighbour per step (R× the bytes of R = 1). For the exponential topology with W
+a power of two and R = log2 W the product of the R pairwise averages is exactly 11ᵀ/W (every worker
+ends with the same floats: each pair computes the same two-term sum in rank order).
+
 Topology "bandwidth": one-peer matchings drawn (comm.topology.bandwidth_matching) from a table of measured
 link costs that all workers agree on every ``bandwidth_refresh`` rounds by a W-float point-to-point
 exchange; a link k× slower than the fastest is used at most 1/k as often as proposed. Compressed copies
@@ -111,8 +126,11 @@ _COMPRESSED = {"compress": True}
 #: topologies whose neighbour set never changes: one own public copy serves every neighbour
 STATIC_TOPOLOGIES = ("ring", "complete")
 #: update rules (docs/gasloc.md §2): "ours" d ← γd + (My − θ0), θ ← θ0 + d (momentum on the mixed
-#: increment); "laplacian-momentum" θ ← (I − αΛ)y + γ(y − y_prev) (momentum on successive proposals)
-RULES = ("ours", "laplacian-momentum")
+#: increment); "laplacian-momentum" θ ← (I − αΛ)y + γ(y − y_prev) (momentum on successive proposals);
+#: "mixed-nesterov" θ ← M(y + γ(y − y_prev)) (the same look-ahead, mixed with the proposal)
+RULES = ("ours", "laplacian-momentum", "mixed-nesterov")
+#: the rules that keep the proposal lag v = y_prev − θ0 (the others keep the momentum d)
+LAG_RULES = ("laplacian-momentum", "mixed-nesterov")
 
 
 @dataclass
@@ -133,7 +151,10 @@ class GASLoCConfig(OuterConfig):
                    error feedback (β = 1); see the module docstring
     gossip_step    ξ, CHOCO's consensus step on the copy differences (compressed mode only);
                    1 = the uncompressed mixing when the codec is lossless
-    rule           "ours" (momentum on the mixed increment) or "laplacian-momentum" (on proposals)
+    rule           "ours" (momentum on the mixed increment), "laplacian-momentum" (on proposals) or
+                   "mixed-nesterov" (the proposals' look-ahead is mixed too)
+    gossip_rounds  R: mixing steps per outer round, each with the topology's next matching
+                   (uncompressed only); exponential with R = log2 W averages exactly
     max_copies     compressed mode: most peers whose public copies are kept (LRU, dynamic topologies)
     bandwidth_refresh  topology "bandwidth": rounds between agreements on the link-cost table
     """
@@ -162,8 +183,13 @@ class GASLoCConfig(OuterConfig):
                                          "(1 diverges at k=64/4096, see docs/gasloc.md).")
 
     rule: str = flag_field("ours", flag="gossip-rule", choices=RULES,
-                           help="Update rule: ours (momentum on the mixed increment) or laplacian-momentum "
-                                "(θ ← (I−αΛ)y + γ(y − y_prev)); docs/gasloc.md §2.")
+                           help="Update rule: ours (momentum on the mixed increment), laplacian-momentum "
+                                "(θ ← (I−αΛ)y + γ(y − y_prev)) or mixed-nesterov (θ ← M(y + γ(y − y_prev))); "
+                                "docs/gasloc.md §2.")
+    gossip_rounds: int = flag_field(1, flag="gossip-rounds", low=1,
+                                    help="Mixing steps per outer round, each with the topology's next matching "
+                                         "(R proposals sent per neighbour; not with --sparseloco-gossip-compress). "
+                                         "Exponential with R = log2 W averages exactly (docs/gasloc.md §2.2).")
     max_copies: int = flag_field(4, flag="gossip-max-copies", low=1, requires=_COMPRESSED,
                                  help="With --sparseloco-gossip-compress: most peers whose public copies a worker "
                                       "keeps (LRU; 2 shard-sized fp32 copies per peer on one-peer topologies).")
@@ -195,6 +221,10 @@ class GASLoCConfig(OuterConfig):
         if not 1 <= self.k <= self.chunk:
             raise ConfigError(f"k must be an integer in [1, chunk={self.chunk}], got {self.k!r}", "k",
                               "use `k` <= `chunk`")
+        if self.compress and self.gossip_rounds > 1:
+            raise ConfigError(f"gossip_rounds={self.gossip_rounds} needs uncompressed proposals (public copies "
+                              "are kept per outer round)", "gossip_rounds",
+                              "use `gossip_rounds=1`, or drop `compress`")
         if self.compress:
             check_codec(self.codec(), "GASLoCConfig codec")
             check_bucket_holds_a_chunk(self)
@@ -250,6 +280,8 @@ class _Round:
     sq_shift: float = 0.0
     sq_resid: float = 0.0
     payload_bytes: int = 0
+    #: gossip_rounds > 1: the (nbrs, peers, self weight) of every mixing step (the first is the above)
+    steps: List[Tuple[List[Tuple[int, float]], List[int], float]] = field(default_factory=list)
 
     def into(self, stats: OuterStepStats, copies_bytes: Optional[int]) -> None:
         stats.delta_norm = math.sqrt(self.sq_delta)
@@ -267,7 +299,7 @@ class _Round:
 @register_outer_strategy("gasloc")
 class GASLoC(OuterStrategy):
     """Gossip outer step with momentum; see the module docstring. Extra state: ``momentum`` (d, rule
-    "ours") or ``proposal_lag`` (v = y_prev − θ0, rule "laplacian-momentum")."""
+    "ours") or ``proposal_lag`` (v = y_prev − θ0, rules "laplacian-momentum" and "mixed-nesterov")."""
 
     name = "gasloc"
     config_class = GASLoCConfig
@@ -282,10 +314,12 @@ class GASLoC(OuterStrategy):
         super().__init__(params, group, config, names, slices)
         config.check_copies(self.world_size, self.params.numel)
         self.laplacian = config.rule == "laplacian-momentum"
-        # rule "ours": d (heavy ball); "laplacian-momentum": v = y_{t−1} − θ_t, v = 0 at the start
+        self.mixed_nesterov = config.rule == "mixed-nesterov"
+        # rule "ours": d (heavy ball); the lag rules: v = y_{t−1} − θ_t, v = 0 at the start
         # meaning y_{−1} := θ_0 (no momentum in round 0). The other one is None (not kept).
-        self.momentum: Optional[torch.Tensor] = None if self.laplacian else torch.zeros_like(self.anchor)
-        self.proposal_lag: Optional[torch.Tensor] = torch.zeros_like(self.anchor) if self.laplacian else None
+        lag = config.rule in LAG_RULES
+        self.momentum: Optional[torch.Tensor] = None if lag else torch.zeros_like(self.anchor)
+        self.proposal_lag: Optional[torch.Tensor] = torch.zeros_like(self.anchor) if lag else None
         # compressed mode: CHOCO public copies, allocated the first time a peer is met
         self.codec: Optional[CodecConfig] = config.codec() if config.compress else None
         self.static = config.topology in STATIC_TOPOLOGIES
@@ -312,8 +346,9 @@ class GASLoC(OuterStrategy):
 
     # ------------------------------------------------------------------ topology
     def round_edges(self, round: Optional[int] = None) -> list:
-        """All edges ``(i, j, w)`` of round ``round`` (default: the next step's), the same on every worker."""
-        r = self.outer_steps if round is None else round
+        """All edges ``(i, j, w)`` of mixing round ``round`` (default: the next step's first), the same on
+        every worker. With ``gossip_rounds`` R, outer step t mixes with rounds t·R, …, t·R + R − 1."""
+        r = self.outer_steps * self.config.gossip_rounds if round is None else round  # type: ignore[attr-defined]
         c: GASLoCConfig = self.config  # type: ignore[assignment]
         if self._edges_cache is not None and self._edges_cache[0] == r:
             return self._edges_cache[1]
@@ -385,9 +420,15 @@ class GASLoC(OuterStrategy):
 
         ours:                d ← γd + (m − θ0) ;  θ ← θ0 + d
         laplacian-momentum:  θ ← m + γ(y − y_prev),  y − y_prev = (y − θ0) − v,  then v ← y − θ_new
+        mixed-nesterov:      θ ← m (the look-ahead z = y + γ(y − y_prev) was mixed), then v ← y − θ_new
         """
         c: GASLoCConfig = self.config  # type: ignore[assignment]
         theta0 = self.anchor[s:e]
+        if self.mixed_nesterov:
+            upd = torch.sub(mix, theta0)
+            theta0.copy_(mix)
+            torch.sub(y, theta0, out=self.proposal_lag[s:e])   # v ← y_t − θ_{t+1}
+            return float(torch.dot(upd, upd))
         if not self.laplacian:
             d = self.momentum[s:e]
             d.mul_(c.momentum).add_(mix.sub_(theta0))  # d ← γd + (m − θ0)
@@ -418,11 +459,17 @@ class GASLoC(OuterStrategy):
         rnd.into(stats, self.copies_nbytes() if self.codec is not None else None)
 
     def _start_round(self, nonfinite_tensor: Optional[str]) -> "_Round":
-        nbrs = self.round_neighbours()
-        rnd = _Round(nbrs=nbrs, peers=[p for p, _ in nbrs], self_weight=1.0 - sum(w for _, w in nbrs),
+        R = self.config.gossip_rounds  # type: ignore[attr-defined]
+        steps = []
+        for q in range(R):
+            nbrs = self.round_neighbours(self.outer_steps * R + q)
+            steps.append((nbrs, [p for p, _ in nbrs], 1.0 - sum(w for _, w in nbrs)))
+        nbrs, peers, self_weight = steps[0]
+        rnd = _Round(nbrs=nbrs, peers=peers, self_weight=self_weight,
                      bad=nonfinite_tensor is not None, nonfinite_tensor=nonfinite_tensor,
-                     abort=self.config.nonfinite_policy == "abort")  # type: ignore[attr-defined]
-        self._begin_round(rnd.peers)
+                     abort=self.config.nonfinite_policy == "abort", steps=steps)  # type: ignore[attr-defined]
+        if R == 1:
+            self._begin_round(rnd.peers)
         return rnd
 
     def _propose(self, s: int, e: int, rnd: "_Round", out: torch.Tensor) -> torch.Tensor:
@@ -437,6 +484,13 @@ class GASLoC(OuterStrategy):
         rnd.sq_delta += float(torch.dot(out, out))
         return out.mul_(-self.config.proposal_lr).add_(self.anchor[s:e])  # type: ignore[attr-defined]
 
+    def _to_mix(self, s: int, e: int, y: torch.Tensor) -> torch.Tensor:
+        """What is mixed: y, or for rule mixed-nesterov the look-ahead z = y + γ((y − θ0) − v) (new tensor)."""
+        if not self.mixed_nesterov:
+            return y
+        step = torch.sub(y, self.anchor[s:e]).sub_(self.proposal_lag[s:e])   # y_t − y_{t−1}
+        return torch.add(y, step, alpha=self.config.momentum)  # type: ignore[attr-defined]
+
     def _check_flags(self, rnd: "_Round", flags: Dict[int, bool]) -> None:
         """The peers' non-finite flags of one bucket (the same on every bucket): under "abort" any
         flag, ours or a neighbour's, raises here at bucket 0."""
@@ -446,23 +500,32 @@ class GASLoC(OuterStrategy):
             self._raise_nonfinite(bad_peers, rnd.nonfinite_tensor)
 
     def _dense_buckets(self, stats: OuterStepStats, rnd: "_Round") -> None:
-        """Proposals sent whole (fp32, plus the flag element): m = Σ_j M_ij y_j."""
+        """Proposals sent whole (fp32, plus the flag element): m = Σ_j M_ij x_j with x = y (or the
+        look-ahead z), repeated over the round's ``gossip_rounds`` mixing steps (x ← m between them)."""
         for s, e in self.buckets():
             n = e - s
             with self._timer(stats, "time_compress_s"):
                 send = torch.empty(n + 1, dtype=torch.float32, device=self.device)
-                y = self._propose(s, e, rnd, send[:n])
+                y = self._propose(s, e, rnd, torch.empty(n, dtype=torch.float32, device=self.device))
+                send[:n] = self._to_mix(s, e, y)
                 send[n] = 1.0 if rnd.bad else 0.0
-            with self._timer(stats, "time_communicate_s"):
-                received = self._timed_exchange(lambda: exchange(send, rnd.peers, self.group, self.counter),
-                                                rnd.peers, 4 * (n + 1))
-            self._check_flags(rnd, {p: buf[n].item() != 0.0 for p, buf in received.items()})
+            for q, (nbrs, peers, self_weight) in enumerate(rnd.steps):
+                if len(rnd.steps) > 1:
+                    self._begin_round(peers)
+                with self._timer(stats, "time_communicate_s"):
+                    received = self._timed_exchange(lambda: exchange(send, peers, self.group, self.counter),
+                                                    peers, 4 * (n + 1))
+                self._check_flags(rnd, {p: buf[n].item() != 0.0 for p, buf in received.items()})
+                with self._timer(stats, "time_apply_s"):
+                    terms = sorted([(self.rank, self_weight, send[:n])] + [(p, w, received[p][:n]) for p, w in nbrs],
+                                   key=lambda t: t[0])
+                    mix = torch.zeros(n + 1, dtype=torch.float32, device=self.device)
+                    for _, w, v in terms:  # same order on every worker: identical sums on the complete graph
+                        mix[:n].add_(v, alpha=w)
+                    mix[n] = send[n]
+                    send = mix         # the next mixing step sends what this one mixed
+            mix = send[:n]
             with self._timer(stats, "time_apply_s"):
-                terms = sorted([(self.rank, rnd.self_weight, y)] + [(p, w, received[p][:n]) for p, w in rnd.nbrs],
-                               key=lambda t: t[0])
-                mix = torch.zeros(n, dtype=torch.float32, device=self.device)
-                for _, w, v in terms:  # same order on every worker: identical sums on the complete graph
-                    mix.add_(v, alpha=w)
                 rnd.sq_shift += float(torch.sum((mix - y) ** 2))
                 rnd.sq_update += self._apply_rule(s, e, y, mix)
                 self.write_back(s, e)
@@ -517,13 +580,14 @@ class GASLoC(OuterStrategy):
             n = e - s
             with self._timer(stats, "time_compress_s"):
                 y = self._propose(s, e, rnd, torch.empty(n, dtype=torch.float32, device=self.device))
-                bodies = self._encode_for_peers(s, e, y, rnd)
+                x = self._to_mix(s, e, y)
+                bodies = self._encode_for_peers(s, e, x, rnd)
             with self._timer(stats, "time_communicate_s"):
                 received = self._exchange_bodies(n, bodies, flag, rnd)
             self._check_flags(rnd, {p: int(buf[-1].item()) != 0 for p, buf in received.items()})
             with self._timer(stats, "time_apply_s"):
                 self._refresh_copies(s, e, bodies, {p: buf[:-1] for p, buf in received.items()}, rnd)
-                mix = self._choco_mix(s, e, y, rnd)
+                mix = self._choco_mix(s, e, x, rnd)
                 rnd.sq_update += self._apply_rule(s, e, y, mix)
                 self.write_back(s, e)
 
