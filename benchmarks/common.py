@@ -149,6 +149,7 @@ class RunCfg:
     owner_value_bits: int = 0               # reduce-scatter: bits of the owners' values (0: value bits)
     owner_residual: str = "owner"           # reduce-scatter: owner | workers (where the unsent aggregate waits)
     reduce: str = "contributors"            # sparseloco: contributors | all (--sparseloco-reduce)
+    ef_beta: float = 0.95                   # sparseloco: error-feedback decay β (--sparseloco-ef-decay)
     overlap_steps: int = 0                  # τ: delayed outer step (--sparseloco-overlap-steps), 0: blocking
     overlap_merge: str = "replay"           # replay | lerp (alpha 0.5)
     fragments: int = 1                      # P: Streaming-DiLoCo fragments (--sparseloco-fragments)
@@ -162,6 +163,7 @@ class RunCfg:
             tag += f" owner-bits={self.owner_value_bits}" if self.owner_value_bits else ""
             tag += "" if self.owner_residual == "owner" else f" residual={self.owner_residual}"
             tag += "" if self.reduce == "contributors" else f" reduce={self.reduce}"
+            tag += "" if self.ef_beta == 0.95 else f" beta={self.ef_beta:g}"
         else:
             tag = self.method
         if self.outer_lr is not None:
@@ -194,7 +196,7 @@ def strategy_fields(run: RunCfg) -> Dict:
         return dict(lr=0.7 if run.outer_lr is None else run.outer_lr, momentum=momentum,
                     nesterov=momentum > 0)   # μ = 0: plain outer SGD (Nesterov needs a momentum)
     if run.method == "sparseloco":
-        return dict(k=run.k, chunk=4096, value_bits=2, ef_beta=0.95, lr=1.0 if run.outer_lr is None else run.outer_lr,
+        return dict(k=run.k, chunk=4096, value_bits=2, ef_beta=run.ef_beta, lr=1.0 if run.outer_lr is None else run.outer_lr,
                     index_coding=run.index_coding, chunking=run.chunking,
                     aggregation=run.aggregation, **({"owner_k": run.owner_k} if run.owner_k else {}),
                     **({"owner_value_bits": run.owner_value_bits} if run.owner_value_bits else {}),

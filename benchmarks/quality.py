@@ -56,7 +56,7 @@ SWEEP = {
 
 def parse_methods(text: str):
     """'ddp,diloco,sparseloco:64,sparseloco:64:flat,sparseloco:64:entropy,sparseloco:64:rs' → [(method, k, extra)]
-    (``rs``: --sparseloco-aggregation reduce-scatter; ``rsN`` / ``rsNbB``: with the owners keeping N values
+    (``efX``: error-feedback decay β = X; ``rs``: --sparseloco-aggregation reduce-scatter; ``rsN`` / ``rsNbB``: with the owners keeping N values
     per chunk, quantised to B bits)."""
     out = []
     for item in text.split(","):
@@ -92,6 +92,8 @@ def make_run(method, k, extra, H, seed, base, tuned):
     lr, mu = tuned.get(method, (None, None))
     fields = dict(base, H=H, seed=1234 + seed, data_seed=seed)
     if method == "sparseloco":
+        if extra and re.fullmatch(r"ef\d*\.?\d+", extra):   # 'ef0.9': error-feedback decay β
+            return RunCfg("sparseloco", k=k, outer_lr=lr, ef_beta=float(extra[2:]), **fields)
         return RunCfg("sparseloco", k=k, outer_lr=lr, index_coding="entropy" if extra == "entropy" else "packed",
                       chunking="flat" if extra == "flat" else "tensor",
                       aggregation="reduce-scatter" if (extra or "").startswith("rs") else "allgather",

@@ -29,7 +29,7 @@ Per outer step and bucket, on worker w (after the EF step that produced its payl
        U = the positions Q_j sends:
            f[i] ← g[i] − decode(Q_j)[i]  for i ∈ U ;   f[i] unchanged elsewhere (only quantisation error)
        and after step 5 every worker w restores what it sent outside U:  e_w[i] ← e_w[i] + v_w[i]
-       for i ∈ idx_w \ U. Position by position, u + Δf + (the values put back, averaged as A is)
+       for i ∈ idx_w outside U. Position by position, u + Δf + (the values put back, averaged as A is)
        = A, so nothing is lost; it waits in the workers' e (decayed by β with the rest of e) and
        competes again in their next Top-k, instead of in an undecayed owner buffer.
     5. all-gather of the W payloads Q_j (padded to the largest, the sizes being known), and on every
