@@ -371,14 +371,16 @@ MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-router-topk",
 @pytest.mark.megatron
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("cell", [
-    dict(nproc=4, workers=2, algorithm="gasloc", extra=["--tensor-model-parallel-size", "2"]),
+    dict(nproc=4, workers=2, algorithm="gasloc", extra=["--tensor-model-parallel-size", "2",
+                                                         "--sparseloco-gossip-rule", "mixed-nesterov",
+                                                         "--sparseloco-gossip-rounds", "2"]),
     dict(nproc=2, workers=1, algorithm="average", extra=["--expert-model-parallel-size", "2"] + MOE),
     # reduce-scatter aggregation: its owners are per shard position (issue 20)
     dict(nproc=4, workers=2, algorithm="sparseloco",
          extra=["--tensor-model-parallel-size", "2", "--sparseloco-aggregation", "reduce-scatter"]),
     dict(nproc=4, workers=2, algorithm="sparseloco",
          extra=["--expert-model-parallel-size", "2", "--sparseloco-aggregation", "reduce-scatter"] + MOE),
-], ids=["gasloc-W2-TP2", "average-single_worker-EP2-moe", "sparseloco-reduce_scatter-W2-TP2",
+], ids=["gasloc-mixed_nesterov-R2-W2-TP2", "average-single_worker-EP2-moe", "sparseloco-reduce_scatter-W2-TP2",
         "sparseloco-reduce_scatter-W2-DP2-EP2-moe"])
 def test_matrix_single_worker_and_inner_isolation_cells(tmp_path, cell):
     """The configuration cells the other tests here do not cover (together with them every algorithm
@@ -392,6 +394,8 @@ def test_matrix_single_worker_and_inner_isolation_cells(tmp_path, cell):
     assert_outer_step_stays_at_its_position(ranks)
     if cell["algorithm"] == "gasloc":
         assert_identical_within_worker(ranks)
+        assert "rule: mixed-nesterov" in "\n".join(res["log_lines"]) or "mixed-nesterov" in "\n".join(res["log_lines"]), \
+            tail(res)
     else:
         assert_identical_replicas(ranks)
 
