@@ -29,6 +29,8 @@ JOBS = {
     "sparse_tensor": dict(name="sparseloco", config=dict(chunk=64, k=4), merge="replay"),
     "sparse_entropy": dict(name="sparseloco", config=dict(chunk=64, k=4, index_coding="entropy"), merge="replay"),
     "sparse_rs": dict(name="sparseloco", config=dict(chunk=64, k=4, aggregation="reduce-scatter"), merge="replay"),
+    "sparse_rs_put_back": dict(name="sparseloco", config=dict(chunk=64, k=4, aggregation="reduce-scatter",
+                                                              owner_residual="workers"), merge="replay"),
     "diloco_replay": dict(name="diloco", config=dict(bucket_numel=64), merge="replay"),
     "diloco_lerp": dict(name="diloco", config=dict(bucket_numel=64), merge="lerp", alpha=0.5),
     "average_replay": dict(name="average", config=dict(bucket_numel=64), merge="replay"),
@@ -163,9 +165,10 @@ def test_delayed_step_matches_single_process_reference(runs, world, job):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("job", ["sparse_tensor", "sparse_entropy", "sparse_rs", "tau_max"])
+@pytest.mark.parametrize("job", ["sparse_tensor", "sparse_entropy", "sparse_rs", "sparse_rs_put_back", "tau_max"])
 def test_delayed_step_equals_blocking_step_on_launch_params(runs, world, job):
-    """Per-tensor chunking, entropy coding, reduce-scatter, τ = H − 1: θ_outer,k+1 bitwise the blocking step's."""
+    """Per-tensor chunking, entropy coding, reduce-scatter (its put-back too: a wrong EF after round 1
+    shows in round 2), τ = H − 1: θ_outer,k+1 bitwise the blocking step's."""
     res = runs[world][job]
     _check_shadow(res)
     for i, a in res[0]["anchor"].items():
