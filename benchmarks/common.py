@@ -142,7 +142,7 @@ class RunCfg:
     slow_compute: float = 1.0               # the last worker's inner steps take this many times longer (sleep)
     auto_h: bool = False                    # --sparseloco-inner-steps-per-worker auto (H_w from step times)
     outer_lr: Optional[float] = None       # None: the method's reference value (below)
-    outer_momentum: Optional[float] = None  # diloco only (sparseloco has none: EF plays that role)
+    outer_momentum: Optional[float] = None  # diloco; sparseloco: Nesterov μ (None: none, EF plays that role)
     chunking: str = "tensor"                # sparseloco: per-tensor (default) or flat
     aggregation: str = "allgather"          # sparseloco: allgather | reduce-scatter (--sparseloco-aggregation)
     owner_k: int = 0                        # reduce-scatter: values the owners keep per chunk (0: k)
@@ -201,7 +201,9 @@ def strategy_fields(run: RunCfg) -> Dict:
                     aggregation=run.aggregation, **({"owner_k": run.owner_k} if run.owner_k else {}),
                     **({"owner_value_bits": run.owner_value_bits} if run.owner_value_bits else {}),
                     **({"owner_residual": run.owner_residual} if run.owner_residual != "owner" else {}),
-                    **({"reduce": run.reduce} if run.reduce != "contributors" else {}))
+                    **({"reduce": run.reduce} if run.reduce != "contributors" else {}),
+                    **({"momentum": run.outer_momentum, "nesterov": run.outer_momentum > 0}
+                       if run.outer_momentum is not None else {}))
     if run.method == "gasloc":
         # the plugin's defaults for gasloc (GASLoCConfig, outer/gasloc.py): η = 0.7, γ = 0.6 since 2026-12-01
         # (results before that used η = 1.0, γ = 0.9: the spec's lr1.0:mu0.9 reproduces them)

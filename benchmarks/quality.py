@@ -93,8 +93,8 @@ def make_run(method, k, extra, H, seed, base, tuned):
     fields = dict(base, H=H, seed=1234 + seed, data_seed=seed)
     if method == "sparseloco":
         if extra and re.fullmatch(r"ef\d*\.?\d+", extra):   # 'ef0.9': error-feedback decay β
-            return RunCfg("sparseloco", k=k, outer_lr=lr, ef_beta=float(extra[2:]), **fields)
-        return RunCfg("sparseloco", k=k, outer_lr=lr, index_coding="entropy" if extra == "entropy" else "packed",
+            return RunCfg("sparseloco", k=k, outer_lr=lr, outer_momentum=mu, ef_beta=float(extra[2:]), **fields)
+        return RunCfg("sparseloco", k=k, outer_lr=lr, outer_momentum=mu, index_coding="entropy" if extra == "entropy" else "packed",
                       chunking="flat" if extra == "flat" else "tensor",
                       aggregation="reduce-scatter" if (extra or "").startswith("rs") else "allgather",
                       **owner_codec(extra), **fields)

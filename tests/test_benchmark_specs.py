@@ -86,3 +86,15 @@ def test_reduce_scatter_and_gossip_tags_reach_the_strategy_fields():
     assert (fg["topology"], fg["rule"], fg["gossip_rounds"]) == ("exponential", "mixed-nesterov", 2)
     with pytest.raises(SystemExit, match="unknown tag 'g0'"):
         common.gasloc_fields("gasloc:g0")
+
+
+def test_sparseloco_outer_momentum_from_the_tuned_file_reaches_the_strategy():
+    import common
+
+    args = argparse.Namespace(methods="sparseloco:64", H=15, mbs=4, lr=1e-3, eval_windows=8, overlap_steps="",
+                              overlap_merges="replay", fragments="")
+    (plain,), _ = quality.build_runs(args, {"sparseloco": (1.5, None)}, [0], 30)
+    (nesterov,), _ = quality.build_runs(args, {"sparseloco": (1.0, 0.3)}, [0], 30)
+    assert "momentum" not in common.strategy_fields(plain)
+    f = common.strategy_fields(nesterov)
+    assert (f["lr"], f["momentum"], f["nesterov"]) == (1.0, 0.3, True)
