@@ -93,7 +93,7 @@ def make_run(method, k, extra, H, seed, base, tuned):
     fields = dict(base, H=H, seed=1234 + seed, data_seed=seed)
     if method == "sparseloco":
         if extra and re.fullmatch(r"ef\d*\.?\d+", extra):   # 'ef0.9': error-feedback decay β
-            return RunCfg("sparseloco", k=k, outer_lr=lr, outer_momentum=mu, ef_beta=float(extra[2:]), **fields)
+            fields["ef_beta"] = float(extra[2:])
         return RunCfg("sparseloco", k=k, outer_lr=lr, outer_momentum=mu, index_coding="entropy" if extra == "entropy" else "packed",
                       chunking="flat" if extra == "flat" else "tensor",
                       aggregation="reduce-scatter" if (extra or "").startswith("rs") else "allgather",

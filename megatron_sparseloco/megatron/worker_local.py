@@ -49,8 +49,6 @@ def worker_dp_cp_group():
     return parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
 
 
-
-
 # ------------------------------------------------------------------------------ 1. train_step
 def _pg_collection_holder(model_chunk):
     """The (wrapped) module whose ``pg_collection`` megatron.training's train_step reads, or None."""

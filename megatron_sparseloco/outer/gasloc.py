@@ -267,9 +267,8 @@ class GASLoCConfig(OuterConfig):
 class _Round:
     """One outer round of one worker: its neighbours and what the step adds up over the buckets."""
 
-    nbrs: List[Tuple[int, float]]
-    peers: List[int]
-    self_weight: float
+    #: the (neighbours with weights, peers, self weight) of each of the round's ``gossip_rounds`` mixing steps
+    steps: List[Tuple[List[Tuple[int, float]], List[int], float]]
     bad: bool                              # this worker's pseudo-gradient is non-finite
     nonfinite_tensor: Optional[str]
     abort: bool
@@ -280,8 +279,19 @@ class _Round:
     sq_shift: float = 0.0
     sq_resid: float = 0.0
     payload_bytes: int = 0
-    #: gossip_rounds > 1: the (nbrs, peers, self weight) of every mixing step (the first is the above)
-    steps: List[Tuple[List[Tuple[int, float]], List[int], float]] = field(default_factory=list)
+
+    @property
+    def nbrs(self) -> List[Tuple[int, float]]:
+        """``[(peer, M[me, peer])]`` of the first mixing step (the only one unless gossip_rounds > 1)."""
+        return self.steps[0][0]
+
+    @property
+    def peers(self) -> List[int]:
+        return self.steps[0][1]
+
+    @property
+    def self_weight(self) -> float:
+        return self.steps[0][2]
 
     def into(self, stats: OuterStepStats, copies_bytes: Optional[int]) -> None:
         stats.delta_norm = math.sqrt(self.sq_delta)
@@ -464,12 +474,9 @@ class GASLoC(OuterStrategy):
         for q in range(R):
             nbrs = self.round_neighbours(self.outer_steps * R + q)
             steps.append((nbrs, [p for p, _ in nbrs], 1.0 - sum(w for _, w in nbrs)))
-        nbrs, peers, self_weight = steps[0]
-        rnd = _Round(nbrs=nbrs, peers=peers, self_weight=self_weight,
-                     bad=nonfinite_tensor is not None, nonfinite_tensor=nonfinite_tensor,
-                     abort=self.config.nonfinite_policy == "abort", steps=steps)  # type: ignore[attr-defined]
-        if R == 1:
-            self._begin_round(rnd.peers)
+        rnd = _Round(steps=steps, bad=nonfinite_tensor is not None, nonfinite_tensor=nonfinite_tensor,
+                     abort=self.config.nonfinite_policy == "abort")  # type: ignore[attr-defined]
+        self._begin_round(rnd.peers)   # later mixing steps: at their first bucket (_dense_buckets)
         return rnd
 
     def _propose(self, s: int, e: int, rnd: "_Round", out: torch.Tensor) -> torch.Tensor:
@@ -502,7 +509,7 @@ class GASLoC(OuterStrategy):
     def _dense_buckets(self, stats: OuterStepStats, rnd: "_Round") -> None:
         """Proposals sent whole (fp32, plus the flag element): m = Σ_j M_ij x_j with x = y (or the
         look-ahead z), repeated over the round's ``gossip_rounds`` mixing steps (x ← m between them)."""
-        for s, e in self.buckets():
+        for b, (s, e) in enumerate(self.buckets()):
             n = e - s
             with self._timer(stats, "time_compress_s"):
                 send = torch.empty(n + 1, dtype=torch.float32, device=self.device)
@@ -510,7 +517,7 @@ class GASLoC(OuterStrategy):
                 send[:n] = self._to_mix(s, e, y)
                 send[n] = 1.0 if rnd.bad else 0.0
             for q, (nbrs, peers, self_weight) in enumerate(rnd.steps):
-                if len(rnd.steps) > 1:
+                if q > 0 and b == 0:   # step 0's handshake was the round's (_start_round)
                     self._begin_round(peers)
                 with self._timer(stats, "time_communicate_s"):
                     received = self._timed_exchange(lambda: exchange(send, peers, self.group, self.counter),
