@@ -87,9 +87,15 @@ def owner_codec(extra):
             **({"reduce": "all"} if m.group(4) else {})}
 
 
+def tuned_setting(tuned, method, k):
+    """(outer lr, momentum) for ``method`` at Top-k ``k``: the ``"sparseloco:K"`` entry when the sweep tuned
+    that k on its own, else the method's entry, else (None, None) (the plugin's defaults)."""
+    return tuned.get(f"{method}:{k}", tuned.get(method, (None, None)))
+
+
 def make_run(method, k, extra, H, seed, base, tuned):
-    """One RunCfg; ``tuned`` maps method → (outer lr, momentum) chosen by the sweep."""
-    lr, mu = tuned.get(method, (None, None))
+    """One RunCfg; ``tuned`` maps method (or ``sparseloco:K``) → (outer lr, momentum) chosen by the sweep."""
+    lr, mu = tuned_setting(tuned, method, k)
     fields = dict(base, H=H, seed=1234 + seed, data_seed=seed)
     if method == "sparseloco":
         if extra and re.fullmatch(r"ef\d*\.?\d+", extra):   # 'ef0.9': error-feedback decay β
@@ -153,9 +159,14 @@ def sweep_grid(text):
         grid = json.loads(text)
     except json.JSONDecodeError as e:
         raise SystemExit(f"--sweep-grid: not JSON ({e}); e.g. '{{\"sparseloco\": [[2.0, null]]}}'")
-    if not isinstance(grid, dict) or not set(grid) <= set(SWEEP) or not grid:
-        raise SystemExit(f"--sweep-grid: an object whose keys are among {sorted(SWEEP)}, got {text!r}")
+    if not isinstance(grid, dict) or not grid or not all(_grid_key(m) for m in grid):
+        raise SystemExit(f"--sweep-grid: an object whose keys are among {sorted(SWEEP)} or 'sparseloco:K' "
+                         f"(K a positive integer: tune that Top-k on its own), got {text!r}")
     return {m: [tuple(pt) for pt in pts] for m, pts in grid.items()}
+
+
+def _grid_key(key):
+    return key in SWEEP or re.fullmatch(r"sparseloco:[1-9]\d*", str(key)) is not None
 
 
 def sweep_runs(args, steps):
@@ -163,6 +174,8 @@ def sweep_runs(args, steps):
     grid = sweep_grid(args.sweep_grid)
     runs = [RunCfg("diloco", outer_lr=lr, outer_momentum=mu, **base) for lr, mu in grid.get("diloco", [])]
     runs += [RunCfg("sparseloco", k=64, outer_lr=lr, **base) for lr, _ in grid.get("sparseloco", [])]
+    for key in sorted(k for k in grid if k.startswith("sparseloco:")):   # a Top-k tuned on its own
+        runs += [RunCfg("sparseloco", k=int(key.split(":")[1]), outer_lr=lr, **base) for lr, _ in grid[key]]
     return runs
 
 
@@ -284,13 +297,17 @@ def run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
 
 
 def pick_tuned(sweep_rows):
-    """method → (outer lr, momentum) with the lowest held-out loss in the sweep."""
+    """method → (outer lr, momentum) with the lowest held-out loss in the sweep (k=64 for sparseloco;
+    every other swept Top-k gets its own ``sparseloco:K`` entry)."""
     tuned = {}
     for method in SWEEP:
-        rs = [r for r in sweep_rows if r["method"] == method]
+        rs = [r for r in sweep_rows if r["method"] == method and (method != "sparseloco" or r.get("k") == 64)]
         if rs:
             best = min(rs, key=lambda r: r["held_out_loss"])
             tuned[method] = (best["outer_lr"], best["outer_momentum"])
+    for k in sorted({r.get("k") for r in sweep_rows if r["method"] == "sparseloco" and r.get("k") != 64}):
+        best = min((r for r in sweep_rows if r["method"] == "sparseloco" and r.get("k") == k), key=lambda r: r["held_out_loss"])
+        tuned[f"sparseloco:{k}"] = (best["outer_lr"], best["outer_momentum"])
     return tuned
 
 
@@ -312,7 +329,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-grid", default="",
                     help="JSON (inline or a file) {method: [[lr, mu], ...]} replacing the sweep's points for the "
                          "methods it names (only those are swept)")
-    ap.add_argument("--tuned", default=None, help="JSON with {'diloco': [lr, mu], 'sparseloco': [lr, null]}: skip the sweep")
+    ap.add_argument("--tuned", default=None, help="JSON with {'diloco': [lr, mu], 'sparseloco': [lr, null]} (and optionally "
+                         "'sparseloco:K': [lr, null] for a Top-k tuned on its own): skip the sweep")
     ap.add_argument("--long", type=int, default=0, metavar="FACTOR",
                     help="also one run FACTOR x longer at the first W for diloco and sparseloco k=64 (seed 0)")
     ap.add_argument("--corpus", default=None, help="directory of text / source files (default: the Python stdlib)")

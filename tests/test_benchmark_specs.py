@@ -44,7 +44,26 @@ def test_sweep_grid_replaces_only_named_methods(tmp_path):
     assert (run.method, run.outer_lr, run.outer_momentum, run.seed, run.data_seed) == ("diloco", 0.7, 0.3, 1234, 0)
 
 
-@pytest.mark.parametrize("text", ["{not json", '{"adam": [[1, 2]]}', "{}", "[1]"])
+def test_a_top_k_tuned_on_its_own_gets_its_own_setting():
+    grid = quality.sweep_grid('{"sparseloco:128": [[1.0, null], [1.2, null]]}')
+    assert grid == {"sparseloco:128": [(1.0, None), (1.2, None)]}
+    args = argparse.Namespace(sweep_grid='{"sparseloco:128": [[1.0, null], [1.2, null]]}', mbs=4, lr=1e-3,
+                              eval_windows=8, H=15)
+    runs = quality.sweep_runs(args, 30)
+    assert [(r.method, r.k, r.outer_lr) for r in runs] == [("sparseloco", 128, 1.0), ("sparseloco", 128, 1.2)]
+    rows = [{"method": "sparseloco", "k": 64, "outer_lr": 1.5, "outer_momentum": None, "held_out_loss": 2.0},
+            {"method": "sparseloco", "k": 128, "outer_lr": 1.0, "outer_momentum": None, "held_out_loss": 2.1},
+            {"method": "sparseloco", "k": 128, "outer_lr": 1.2, "outer_momentum": None, "held_out_loss": 1.9}]
+    tuned = quality.pick_tuned(rows)
+    assert tuned == {"sparseloco": (1.5, None), "sparseloco:128": (1.2, None)}
+    args = argparse.Namespace(methods="sparseloco:64,sparseloco:128,sparseloco:256", H=15, mbs=4, lr=1e-3,
+                              eval_windows=8, overlap_steps="", overlap_merges="replay", fragments="")
+    runs, _ = quality.build_runs(args, tuned, [0], 30)
+    assert [(r.k, r.outer_lr) for r in runs] == [(64, 1.5), (128, 1.2), (256, 1.5)]
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"adam": [[1, 2]]}', "{}", "[1]", '{"sparseloco:0": [[1, null]]}',
+                                  '{"diloco:64": [[1, 0.6]]}'])
 def test_sweep_grid_refuses_bad_input(text):
     with pytest.raises(SystemExit, match="--sweep-grid"):
         quality.sweep_grid(text)
