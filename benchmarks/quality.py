@@ -297,18 +297,14 @@ def run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
 
 
 def pick_tuned(sweep_rows):
-    """method → (outer lr, momentum) with the lowest held-out loss in the sweep (k=64 for sparseloco;
-    every other swept Top-k gets its own ``sparseloco:K`` entry)."""
-    tuned = {}
-    for method in SWEEP:
-        rs = [r for r in sweep_rows if r["method"] == method and (method != "sparseloco" or r.get("k") == 64)]
-        if rs:
-            best = min(rs, key=lambda r: r["held_out_loss"])
-            tuned[method] = (best["outer_lr"], best["outer_momentum"])
-    for k in sorted({r.get("k") for r in sweep_rows if r["method"] == "sparseloco" and r.get("k") != 64}):
-        best = min((r for r in sweep_rows if r["method"] == "sparseloco" and r.get("k") == k), key=lambda r: r["held_out_loss"])
-        tuned[f"sparseloco:{k}"] = (best["outer_lr"], best["outer_momentum"])
-    return tuned
+    """Tuned key → (outer lr, momentum) with the lowest held-out loss in the sweep. The key is the method
+    (sparseloco: at k=64), or ``sparseloco:K`` for any other swept Top-k (tuned on its own)."""
+    best = {}
+    for r in sweep_rows:
+        key = f"sparseloco:{r['k']}" if r["method"] == "sparseloco" and r["k"] != 64 else r["method"]
+        if _grid_key(key) and (key not in best or r["held_out_loss"] < best[key]["held_out_loss"]):
+            best[key] = r
+    return {key: (r["outer_lr"], r["outer_momentum"]) for key, r in best.items()}
 
 
 def main(argv=None) -> int:
