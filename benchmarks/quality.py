@@ -56,7 +56,7 @@ SWEEP = {
 
 def parse_methods(text: str):
     """'ddp,diloco,sparseloco:64,sparseloco:64:flat,sparseloco:64:entropy,sparseloco:64:rs' → [(method, k, extra)]
-    (``efX``: error-feedback decay β = X; ``rs``: --sparseloco-aggregation reduce-scatter; ``rsN`` / ``rsNbB``: with the owners keeping N values
+    (``efX``: error-feedback decay β = X; ``all``: --sparseloco-reduce all; ``rs``: --sparseloco-aggregation reduce-scatter; ``rsN`` / ``rsNbB``: with the owners keeping N values
     per chunk, quantised to B bits)."""
     out = []
     for item in text.split(","):
@@ -100,6 +100,8 @@ def make_run(method, k, extra, H, seed, base, tuned):
     if method == "sparseloco":
         if extra and re.fullmatch(r"ef\d*\.?\d+", extra):   # 'ef0.9': error-feedback decay β
             fields["ef_beta"] = float(extra[2:])
+        if extra == "all":   # --sparseloco-reduce all: S / W, the paper's mean (default: over contributors)
+            fields["reduce"] = "all"
         return RunCfg("sparseloco", k=k, outer_lr=lr, outer_momentum=mu, index_coding="entropy" if extra == "entropy" else "packed",
                       chunking="flat" if extra == "flat" else "tensor",
                       aggregation="reduce-scatter" if (extra or "").startswith("rs") else "allgather",
@@ -317,7 +319,7 @@ def main(argv=None) -> int:
     ap.add_argument("--first-seed", type=int, default=0, help="run seeds FIRST .. FIRST + SEEDS - 1 (to add seeds)")
     ap.add_argument("--methods", default=METHODS_DEFAULT,
                     help="comma-separated: ddp, average, diloco, gasloc[:TOPOLOGY][:lap][:c][:auto], torchft_diloco, "
-                         "sparseloco:K[:flat|:entropy|:rs|:rsN|:rsNbB]")
+                         "sparseloco:K[:flat|:entropy|:all|:efB|:rs|:rsN|:rsNbB]")
     ap.add_argument("--sweep", action="store_true",
                     help="first sweep the outer lr of diloco and sparseloco (W = first of --workers, seed 0, "
                          "--sweep-steps), then run every method at the best setting")

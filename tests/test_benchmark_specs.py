@@ -107,6 +107,17 @@ def test_reduce_scatter_and_gossip_tags_reach_the_strategy_fields():
         common.gasloc_fields("gasloc:g0")
 
 
+def test_all_tag_gives_the_papers_mean_over_all_workers_and_its_own_label():
+    import common
+
+    args = argparse.Namespace(methods="sparseloco:64,sparseloco:64:all", H=15, mbs=4, lr=1e-3, eval_windows=8,
+                              overlap_steps="", overlap_merges="replay", fragments="")
+    plain, mean_all = quality.build_runs(args, {"sparseloco": (1.5, None)}, [0], 30)[0]
+    assert "reduce" not in common.strategy_fields(plain)
+    assert common.strategy_fields(mean_all)["reduce"] == "all" and mean_all.aggregation == "allgather"
+    assert plain.label() != mean_all.label() and "reduce=all" in mean_all.label()
+
+
 def test_sparseloco_outer_momentum_from_the_tuned_file_reaches_the_strategy():
     import common
 
