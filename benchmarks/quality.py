@@ -319,7 +319,7 @@ def main(argv=None) -> int:
     ap.add_argument("--first-seed", type=int, default=0, help="run seeds FIRST .. FIRST + SEEDS - 1 (to add seeds)")
     ap.add_argument("--methods", default=METHODS_DEFAULT,
                     help="comma-separated: ddp, average, diloco, gasloc[:TOPOLOGY][:lap][:c][:auto], torchft_diloco, "
-                         "sparseloco:K[:flat|:entropy|:all|:efB|:rs|:rsN|:rsNbB]")
+                         "sparseloco:K[:flat|:entropy|:all|:efX|:rs|:rsN|:rsNbB]")
     ap.add_argument("--sweep", action="store_true",
                     help="first sweep the outer lr of diloco and sparseloco (W = first of --workers, seed 0, "
                          "--sweep-steps), then run every method at the best setting")
