@@ -28,6 +28,7 @@ import functools
 import logging
 import os
 import sys
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +37,21 @@ _INSTALLED = False
 ACTIVE = None
 
 
+#: Seconds a rank other than 0 waits before exiting on a bad flag. A launcher (torchrun, ``srun
+#: --kill-on-bad-exit``) kills the whole job at the first exit; if a silent rank exited first, a rank 0
+#: still starting up (a loaded node) was killed before printing and the job ended with no message.
+#: Rank 0 exits at once, so under torchrun the wait ends as soon as rank 0 has printed.
+NONZERO_RANK_EXIT_GRACE_S = 20.0
+
+
 def check_sparseloco_args_or_exit(args) -> None:
     """Validate the ``--sparseloco-*`` flags (resolving defaults); a bad one ends the process.
 
     Runs before Megatron's ``validate_args`` and before torch.distributed is initialised: rank 0
     prints one message (flag, value, why, fix) on stderr, every rank exits with status 2 and no
-    traceback, so a torchrun job stops at once with a single explanation.
+    traceback, so a torchrun job stops at once with a single explanation. The other ranks wait up to
+    ``NONZERO_RANK_EXIT_GRACE_S`` before exiting, so that rank 0 is the first to exit and its message
+    is never lost to the launcher's tear-down.
     """
     from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError, validate_sparseloco_args
     try:
@@ -49,6 +59,8 @@ def check_sparseloco_args_or_exit(args) -> None:
     except SparseLoCoArgumentError as exc:
         if int(os.environ.get("RANK", getattr(args, "rank", 0) or 0)) == 0:
             print(f"megatron_sparseloco: error: {exc}", file=sys.stderr, flush=True)
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            time.sleep(NONZERO_RANK_EXIT_GRACE_S)
         sys.exit(2)
 
 
