@@ -31,7 +31,7 @@ demo: venv
 
 bench: venv
 	$(PY) benchmarks/codec.py --json docs/results/codec.json
-	$(PY) benchmarks/quality.py --workers 2,4,8 --seeds 3 --sweep --long 3 --json docs/results/quality.json --plots docs/results
+	$(PY) benchmarks/quality.py --workers 2,4,8 --seeds 3 --sweep --sweep-each-w --long 3 --json docs/results/quality.json --plots docs/results
 	$(PY) benchmarks/codec.py --llama-1b --json docs/results/codec_llama1b.json
 	$(PY) benchmarks/network.py --json docs/results/network.json
 

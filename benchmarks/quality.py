@@ -48,9 +48,14 @@ from common import ModelCfg, RunCfg  # noqa: E402
 
 METHODS_DEFAULT = "ddp,average,diloco,sparseloco:64,sparseloco:128,sparseloco:64:flat"
 #: the outer-lr sweep (issue: every outer method tuned the same way, on the default corpus)
+#: The issue's grid (DiLoCo lr {0.5, 0.7, 1.0} × μ {0.9, 0.6}; SparseLoCo lr {0.8 … 1.5}), widened where
+#: a 900-step winner sat on its edge (DiLoCo 0.35, SparseLoCo 2.0 / 2.5), with k = 128 tuned on its own
+#: (its best lr differs from k = 64's at every W measured; docs/benchmarks.md).
+SWEEP_SPARSELOCO_LRS = (0.8, 1.0, 1.2, 1.5, 2.0, 2.5)
 SWEEP = {
-    "diloco": [(lr, mu) for lr in (0.5, 0.7, 1.0) for mu in (0.9, 0.6)],
-    "sparseloco": [(lr, None) for lr in (0.8, 1.0, 1.2, 1.5)],
+    "diloco": [(lr, mu) for lr in (0.35, 0.5, 0.7, 1.0) for mu in (0.9, 0.6)],
+    "sparseloco": [(lr, None) for lr in SWEEP_SPARSELOCO_LRS],
+    "sparseloco:128": [(lr, None) for lr in SWEEP_SPARSELOCO_LRS],
 }
 
 
@@ -179,6 +184,11 @@ def sweep_runs(args, steps):
     for key in sorted(k for k in grid if k.startswith("sparseloco:")):   # a Top-k tuned on its own
         runs += [RunCfg("sparseloco", k=int(key.split(":")[1]), outer_lr=lr, **base) for lr, _ in grid[key]]
     return runs
+
+
+def _run_key(cfg):
+    """Identity of a run's configuration (a sweep run and a seed-0 run with equal keys give the same row)."""
+    return json.dumps(asdict(cfg), sort_keys=True)
 
 
 def row_of(results, W):
@@ -321,8 +331,13 @@ def main(argv=None) -> int:
                     help="comma-separated: ddp, average, diloco, gasloc[:TOPOLOGY][:lap][:c][:auto], torchft_diloco, "
                          "sparseloco:K[:flat|:entropy|:all|:efX|:rs|:rsN|:rsNbB]")
     ap.add_argument("--sweep", action="store_true",
-                    help="first sweep the outer lr of diloco and sparseloco (W = first of --workers, seed 0, "
-                         "--sweep-steps), then run every method at the best setting")
+                    help="first sweep the outer lr of diloco and sparseloco k=64 and k=128 (W = first of --workers, or "
+                         "every W with --sweep-each-w; seed 0, --sweep-steps), then run every method at the best "
+                         "setting")
+    ap.add_argument("--sweep-each-w", action="store_true",
+                    help="with --sweep: sweep at every W of --workers (seed 0) and run each W at its own chosen "
+                         "settings (the best outer step moves with W); a seed-0 run that equals a sweep run is "
+                         "not run twice")
     ap.add_argument("--sweep-steps", type=int, default=None, help="steps of each sweep run (default --steps)")
     ap.add_argument("--sweep-grid", default="",
                     help="JSON (inline or a file) {method: [[lr, mu], ...]} replacing the sweep's points for the "
@@ -378,25 +393,35 @@ def main(argv=None) -> int:
     env = {"OMP_NUM_THREADS": "1"}
     timeout = args.timeout or (600 if args.quick else 7200)
     notes, rows, sweep_rows = [], [], []
-    tuned = {}
+    tuned, tuned_per_w, swept = {}, {}, {}
+    if args.sweep_each_w and (args.tuned or not args.sweep):
+        raise SystemExit("--sweep-each-w: only with --sweep (and without --tuned): it chooses the settings per W")
     if args.tuned:
         with open(args.tuned) as f:
             tuned = {k: tuple(v) for k, v in json.load(f).items()}
     elif args.sweep:
-        sw = sweep_runs(args, args.sweep_steps or steps)
-        print(f"[quality] sweep: {len(sw)} runs at W={workers[0]}", flush=True)
-        sweep_rows = run_rows(workers[0], model, sw, [], paths, timeout, env, notes)
-        tuned = pick_tuned(sweep_rows)
-        print(f"[quality] chosen outer settings: {tuned}", flush=True)
+        for W in (workers if args.sweep_each_w else workers[:1]):
+            sw = sweep_runs(args, args.sweep_steps or steps)
+            print(f"[quality] sweep: {len(sw)} runs at W={W}", flush=True)
+            rows_w = run_rows(W, model, sw, [], paths, timeout, env, notes)
+            sweep_rows += rows_w
+            swept[W] = {_run_key(cfg): row for cfg, row in zip(sw, rows_w)}
+            tuned_per_w[W] = pick_tuned(rows_w)
+            print(f"[quality] chosen outer settings at W={W}: {tuned_per_w[W]}", flush=True)
+        tuned = tuned_per_w[workers[0]]
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     for W in workers:
-        runs, ft_runs = build_runs(args, tuned, seeds, steps)
+        tuned_w = tuned_per_w.get(W, tuned)
+        runs, ft_runs = build_runs(args, tuned_w, seeds, steps)
         if args.long and W == workers[0]:
             base = dict(steps=steps * args.long, mbs=args.mbs, lr=args.lr, eval_windows=args.eval_windows)
-            runs += [make_run(m, k, None, args.H, 0, base, tuned) for m, k in (("diloco", None), ("sparseloco", 64))]
-        print(f"[quality] W={W}: {len(runs)} megatron runs + {len(ft_runs)} torchft runs, model {asdict(model)}",
-              flush=True)
-        rows += run_rows(W, model, runs, ft_runs, paths, timeout, env, notes)
+            runs += [make_run(m, k, None, args.H, 0, base, tuned_w) for m, k in (("diloco", None), ("sparseloco", 64))]
+        known = swept.get(W, {})
+        reused = [dict(known[_run_key(r)], reused_from_sweep=True) for r in runs if _run_key(r) in known]
+        runs = [r for r in runs if _run_key(r) not in known]
+        print(f"[quality] W={W}: {len(runs)} megatron runs + {len(ft_runs)} torchft runs "
+              f"({len(reused)} taken from the sweep), model {asdict(model)}", flush=True)
+        rows += reused + run_rows(W, model, runs, ft_runs, paths, timeout, env, notes)
     total = time.perf_counter() - t_start
     summary = summarise(rows)
     for g in sorted(summary, key=lambda g: (g["workers"], g["steps"], g["mean"])):
@@ -406,7 +431,8 @@ def main(argv=None) -> int:
            "model": asdict(model), "corpus": args.corpus or "python stdlib",
            "inner": {"optimizer": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1,
                      "schedule": "constant", "clip_grad": None, "micro_batch": args.mbs},
-           "tuned": tuned, "sweep": sweep_rows, "summary": summary,
+           "tuned": tuned, "tuned_per_w": {str(W): t for W, t in tuned_per_w.items()} if args.sweep_each_w else None,
+           "sweep": sweep_rows, "summary": summary,
            "command": "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": common.machine_info(), "total_wall_s": total, "notes": notes, "results": rows}
     if args.json:

@@ -128,3 +128,49 @@ def test_sparseloco_outer_momentum_from_the_tuned_file_reaches_the_strategy():
     assert "momentum" not in common.strategy_fields(plain)
     f = common.strategy_fields(nesterov)
     assert (f["lr"], f["momentum"], f["nesterov"]) == (1.0, 0.3, True)
+
+
+def _fake_rows(calls, best_lr):
+    """A stand-in for quality.run_rows: the held-out loss is a bowl around each W's best outer lr."""
+    def run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
+        calls.append((W, list(runs)))
+        rows = []
+        for r in runs:
+            if r.method == "diloco":
+                loss = (r.outer_lr - 0.5) ** 2 + (r.outer_momentum - 0.9) ** 2
+            else:
+                loss = (r.outer_lr - best_lr[W] * (0.8 if r.k == 128 else 1.0)) ** 2
+            rows.append({"method": r.method, "k": r.k, "label": r.label(), "seed": r.data_seed, "workers": W,
+                         "steps": r.steps, "outer_lr": r.outer_lr, "outer_momentum": r.outer_momentum,
+                         "chunking": r.chunking, "held_out_loss": loss + r.data_seed, "bytes_sent_per_worker": 1,
+                         "curve": []})
+        return rows
+    return run_rows
+
+
+def test_sweep_each_w_tunes_every_w_on_its_own_and_reuses_the_sweeps_seed0_runs(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(quality, "run_rows", _fake_rows(calls, {2: 2.0, 8: 1.0}))
+    monkeypatch.setattr(quality.common, "ensure_data", lambda *a, **k: {})
+    out = tmp_path / "q.json"
+    quality.main(["--sweep", "--sweep-each-w", "--workers", "2,8", "--steps", "30", "--seeds", "2",
+                  "--methods", "diloco,sparseloco:64,sparseloco:128", "--json", str(out)])
+    import json
+    res = json.loads(out.read_text())
+    assert res["tuned_per_w"]["2"] == {"diloco": [0.5, 0.9], "sparseloco": [2.0, None], "sparseloco:128": [1.5, None]}
+    assert res["tuned_per_w"]["8"] == {"diloco": [0.5, 0.9], "sparseloco": [1.0, None], "sparseloco:128": [0.8, None]}
+    swept_ws = [W for W, runs in calls if len(runs) == sum(len(v) for v in quality.SWEEP.values())]
+    assert swept_ws == [2, 8]
+    for W, lr64, lr128 in ((2, 2.0, 1.5), (8, 1.0, 0.8)):
+        rows = [r for r in res["results"] if r["workers"] == W]
+        assert sorted((r["seed"], r["method"], r["k"], r["outer_lr"]) for r in rows) == sorted(
+            (s, m, k, lr) for s in (0, 1) for m, k, lr in (("diloco", None, 0.5), ("sparseloco", 64, lr64),
+                                                            ("sparseloco", 128, lr128)))
+        assert all(bool(r.get("reused_from_sweep")) == (r["seed"] == 0) for r in rows)
+        (seed_runs,) = [runs for w, runs in calls if w == W and len(runs) != sum(len(v) for v in quality.SWEEP.values())]
+        assert sorted(r.data_seed for r in seed_runs) == [1, 1, 1]   # seed 0 is not run twice
+
+
+def test_sweep_each_w_needs_the_sweep():
+    with pytest.raises(SystemExit, match="--sweep-each-w"):
+        quality.main(["--sweep-each-w", "--workers", "2,8", "--steps", "30"])
