@@ -239,6 +239,8 @@ def main(argv=None) -> int:
                    help="outer algorithm (none: plain Megatron data parallelism, for comparison)")
     p.add_argument("--train-iters", type=int, default=800, help="Megatron iterations (inner steps)")
     p.add_argument("--inner-steps", type=int, default=10, help="H: inner steps between outer steps")
+    p.add_argument("--outer-lr", type=float, default=None,
+                   help="--sparseloco-outer-lr (default: the plugin's, which depends on W and k)")
     p.add_argument("--eval-interval", type=int, default=200, help="iterations between held-out evaluations")
     p.add_argument("--log-interval", type=int, default=20, help="iterations between log lines")
     p.add_argument("--eval-iters", type=int, default=8, help="held-out batches per evaluation")
@@ -257,7 +259,8 @@ def main(argv=None) -> int:
     prefixes = {s: os.path.join(a.data, PREFIXES[s]) for s in ("train", "valid")}
     cmd = build_command(prefixes, nproc=DEMO_RANKS, workers=DEMO_WORKERS, micro_batch_size=DEMO_MICRO_BATCH,
                         seq_length=DEMO_SEQ, algorithm=a.algorithm, inner_steps=a.inner_steps, train_iters=a.train_iters,
-                        eval_interval=a.eval_interval, eval_iters=a.eval_iters, log_interval=a.log_interval)
+                        eval_interval=a.eval_interval, eval_iters=a.eval_iters, log_interval=a.log_interval,
+                        extra=["--sparseloco-outer-lr", str(a.outer_lr)] if a.outer_lr is not None else None)
     os.makedirs(a.out, exist_ok=True)
     counters_path = os.path.join(a.out, "outer_counters.json")
     log_path = os.path.join(a.out, "train.log")

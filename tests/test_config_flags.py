@@ -223,8 +223,10 @@ def test_gossip_compress_with_16_bit_values_is_refused_before_the_model():
 def test_defaults_resolved_per_algorithm_are_the_config_defaults(algo):
     cls = outer_strategy_classes()[algo].config_class
     args = validate_sparseloco_args(_args(["--sparseloco-algorithm", algo, *BASE]), WORLD)
+    default = cls()
+    default.resolve_for_workers(args.sparseloco_workers, ())   # defaults that depend on W (sparseloco: lr)
     for flag, spec in flagged_fields(cls).items():
-        assert getattr(args, dest_of(flag)) == getattr(cls(), spec.name), flag
+        assert getattr(args, dest_of(flag)) == getattr(default, spec.name), flag
     for flag, value in cls.implied_flags.items():
         assert getattr(args, dest_of(flag)) == value, flag
     for flag, spec in flagged_fields(LoopFlags).items():
@@ -234,7 +236,7 @@ def test_defaults_resolved_per_algorithm_are_the_config_defaults(algo):
         if algo not in owners and LOOP not in owners and flag not in cls.implied_flags:
             assert getattr(args, dest_of(flag)) is None, flag
     strategy = strategy_factory_from_args(args)([torch.zeros(8192)], None, ["w"])
-    assert strategy.config == cls()
+    assert strategy.config == default
 
 
 def test_shared_flags_declare_one_type():

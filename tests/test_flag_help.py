@@ -79,7 +79,9 @@ def test_stated_defaults_are_what_validation_resolves(algo, monkeypatch):
         if a.dest in ("sparseloco_algorithm", "sparseloco_workers") or value is None:
             continue
         text = flag_help.default_text(a.dest)
-        if a.dest in ("sparseloco_outer_lr", "sparseloco_outer_momentum"):
+        if (algo, a.dest) == ("sparseloco", "sparseloco_outer_lr"):   # a rule of W (here 2) and k
+            assert f"{algo} 0.375/√(W·k/C)" in text and f"{value} at W = 2" in text, (a.dest, text)
+        elif a.dest in ("sparseloco_outer_lr", "sparseloco_outer_momentum"):
             assert f"{algo} {value}" in text, (a.dest, text)
         elif a.dest == "sparseloco_outer_nesterov":
             assert (algo in text.split(",")[0]) == value, (a.dest, text)

@@ -425,6 +425,7 @@ def outer_config_from_args(args: argparse.Namespace, algo: str, given: Optional[
     fields = _from_args(args, cls, given)
     try:
         config = cls(**fields).validate_given(fields)
+        config.resolve_for_workers(args.sparseloco_workers, fields)
         config.check_workers(args.sparseloco_workers)
     except ConfigError as exc:
         raise argument_error(exc, cls, algo) from None

@@ -67,6 +67,10 @@ def default_text(dest: str) -> str:
     if loop is not None:
         return _fmt(loop.default)
     values = defaults_by_algorithm(flag)
+    owners, classes = A.flag_table().get(flag, {}), outer_strategy_classes()
+    rules = {a: classes[a].config_class.default_rules.get(owners[a].name) for a in values if a in owners}
+    if any(rules.values()):   # a default that depends on the job (e.g. on W): the rule, in words
+        return ", ".join(f"{a} {rules.get(a) or _fmt(v)}" for a, v in values.items())
     distinct = {repr(v) for v in values.values()}
     if len(distinct) == 1:
         return _fmt(next(iter(values.values())))

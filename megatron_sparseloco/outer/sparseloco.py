@@ -17,8 +17,20 @@ Per outer step, per bucket B (a flat range of this rank's shard), on worker r:
 
 Following production Templar, Δ enters the error feedback unscaled and lr is applied once, in the
 SGD step (the reference code multiplies by lr twice). Defaults: chunk 4096, k 64 (1.56 %), 2-bit
-values, β 0.95, contributors mean, lr 1.5 (the reference uses 1; 1.5 was best of {0.8, 1, 1.2, 1.5}
-in our quality benchmark, docs/benchmarks.md), no momentum, per-tensor chunking, 1-D tensors dense.
+values, β 0.95, contributors mean, no momentum, per-tensor chunking, 1-D tensors dense, and an outer
+lr that depends on W and k (the reference uses 1 at every W):
+
+    u  = W·k / C                      the share of a chunk that the W selections can cover
+    lr = 0.375 / √u ,  u clamped to [1/32, 1/4]        (``default_outer_lr``)
+
+i.e. 1.5 at W = 4, k = 64 of 4096; 2.12 at W = 2; 1.06 at W = 8 (0.75 with k = 128). This is our
+quality benchmark's measurement, not a derivation: the best lr of the 900-step sweep at W ∈ {2, 4, 8}
+× k ∈ {64, 128} was the grid point nearest this rule at all six points (docs/benchmarks.md, "Outer lr
+vs W and k"); outside the measured u the end value is held. A reading: under the contributors mean a
+coordinate chosen by one worker moves θ_outer by that worker's whole value, so the update's norm grows
+with the union of the selections, and the step that works shrinks with it. The rule is the default
+only with the contributors mean and no outer momentum; otherwise the default is 1.5 (the rule's value
+at u = 1/16). An explicit ``--sparseloco-outer-lr`` (``lr=``) always wins.
 
 ``peer_norm_clip``: before summing, worker w's decoded values in a bucket are scaled by
 min(1, median_w' ‖v_w'‖ / ‖v_w‖) (the lower median, ``torch.median``, of the W peers' norms in
@@ -60,8 +72,9 @@ when μ > 0.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import ClassVar, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -93,6 +106,17 @@ OWNER_RESIDUALS = ("owner", "workers")
 CHUNKINGS = ("tensor", "flat")
 #: value widths of the SparseLoCo codec (compress.config: 2/4/8 quantised, 16 bf16, 32 fp32)
 VALUE_BITS = QUANTISED_VALUE_BITS + RAW_VALUE_BITS
+
+#: the union shares u = W·k/C over which the default lr rule was measured (W·k = 128 … 1024 at C = 4096)
+DEFAULT_LR_MEASURED_U = (1 / 32, 1 / 4)
+
+
+def default_outer_lr(num_workers: int, k: int, chunk: int) -> float:
+    """The default outer lr, 0.375 / √u with u = W·k/C held inside ``DEFAULT_LR_MEASURED_U``, to 2 decimals
+    (module docstring: 1.5 at W = 4, k = 64 of 4096)."""
+    low, high = DEFAULT_LR_MEASURED_U
+    u = min(max(num_workers * k / chunk, low), high)
+    return round(0.375 / math.sqrt(u), 2)
 
 
 @dataclass
@@ -128,7 +152,8 @@ class SparseLoCoConfig(OuterConfig):
                                   "workers.")
     """"contributors": S / max(c, 1) (the reference code); "all": S / W (the paper's formula)."""
     lr: float = lr_field(1.5)
-    """Outer lr: the reference's α = 1; 1.5 won our outer-lr sweep of {0.8, 1, 1.2, 1.5} (docs/benchmarks.md)."""
+    """Outer lr: 1.5 when built directly; from the Megatron flags, unless given, ``default_outer_lr(W, k, C)``
+    (module docstring; ``resolve_for_workers``)."""
     momentum: float = momentum_field(0.0)
     """Outer momentum μ; 0 (default): error feedback plays momentum's role."""
     nesterov: bool = nesterov_field(False)
@@ -149,6 +174,15 @@ class SparseLoCoConfig(OuterConfig):
     owner_residual: str = config_field("owner", choices=OWNER_RESIDUALS)
     """Reduce-scatter: where the aggregate the owner does not send waits — "owner" (the owner's error
     feedback) or "workers" (back into each contributor's e, as Ok-Topk does; module docstring)."""
+
+    default_rules: ClassVar[Mapping[str, str]] = {
+        "lr": "0.375/√(W·k/C) with W·k/C held in [1/32, 1/4]: 2.12 at W = 2, 1.5 at W = 4, 1.06 at W = 8 "
+              "(k = 64 of 4096); 1.5 with reduce 'all' or an outer momentum"}
+
+    def resolve_for_workers(self, num_workers: int, given) -> None:
+        """Unless ``lr`` was given: the W- and k-dependent default (contributors mean, no momentum only)."""
+        if "lr" not in given and self.momentum == 0.0 and self.reduce == "contributors":
+            self.lr = default_outer_lr(num_workers, self.k, self.chunk)
 
     def codec(self) -> CodecConfig:
         """The flat codec (flat chunking), or the base the per-tensor segments derive theirs from."""
