@@ -173,3 +173,14 @@ def test_reduce_scatter_needs_tensor_chunking_and_packed_indices(extra, monkeypa
                          "--sparseloco-aggregation", "reduce-scatter", *extra], monkeypatch)
     with pytest.raises(SparseLoCoArgumentError, match="--sparseloco-aggregation"):
         validate_sparseloco_args(args, world_size=4)
+
+
+@pytest.mark.parametrize("extra,shown", [
+    ([], "1.06 (default for W = 8: 0.375/√(W·k/C) with W·k/C held in [1/32, 1/4])"),
+    (["--sparseloco-outer-lr", "1.06"], 1.06),
+])
+def test_startup_block_says_when_the_outer_lr_came_from_the_rule(extra, shown, monkeypatch):
+    from megatron_sparseloco.megatron.startup import resolved_settings
+    args = parse(BASE + ["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "8", *extra], monkeypatch)
+    validate_sparseloco_args(args, world_size=8)
+    assert resolved_settings(args)["outer-lr"] == shown

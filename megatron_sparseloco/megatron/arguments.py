@@ -9,7 +9,7 @@ pretrain script)::
 One source per setting: every field of a registered strategy's config declared with
 ``outer.config_fields.flag_field`` is the flag ``--sparseloco-<flag>`` (its type, choices and help
 from the field); several algorithms may share a flag, each with its own default (``--sparseloco-
-outer-lr``: DiLoCo 0.7, SparseLoCo 1.5). The loop-level flags (workers, inner steps, timeout,
+outer-lr``: DiLoCo 0.7, SparseLoCo a rule of W and k). The loop-level flags (workers, inner steps, timeout,
 consistency checks) are the fields of ``LoopFlags`` here. Every flag is None on the parser, so a
 flag given can be told from one left unset.
 
@@ -425,10 +425,13 @@ def outer_config_from_args(args: argparse.Namespace, algo: str, given: Optional[
     fields = _from_args(args, cls, given)
     try:
         config = cls(**fields).validate_given(fields)
-        config.resolve_for_workers(args.sparseloco_workers, fields)
+        ruled = config.resolve_for_workers(args.sparseloco_workers, fields)
         config.check_workers(args.sparseloco_workers)
     except ConfigError as exc:
         raise argument_error(exc, cls, algo) from None
+    flag_of = {spec.name: flag for flag, spec in flagged_fields(cls).items()}
+    #: flag → the rule its default came from (shown in the start-up block)
+    args.sparseloco_defaults_by_rule = {flag_of[name]: cls.default_rules[name][0] for name in ruled}
     return config
 
 

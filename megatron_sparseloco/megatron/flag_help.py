@@ -70,7 +70,7 @@ def default_text(dest: str) -> str:
     owners, classes = A.flag_table().get(flag, {}), outer_strategy_classes()
     rules = {a: classes[a].config_class.default_rules.get(owners[a].name) for a in values if a in owners}
     if any(rules.values()):   # a default that depends on the job (e.g. on W): the rule, in words
-        return ", ".join(f"{a} {rules.get(a) or _fmt(v)}" for a, v in values.items())
+        return ", ".join(f"{a} {': '.join(rules[a]) if rules.get(a) else _fmt(v)}" for a, v in values.items())
     distinct = {repr(v) for v in values.values()}
     if len(distinct) == 1:
         return _fmt(next(iter(values.values())))

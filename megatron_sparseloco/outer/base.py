@@ -58,9 +58,9 @@ class OuterConfig:
     #: flags this algorithm has no field for but behaves as if set to (flag → value): accepted on
     #: the command line only with that value (e.g. model averaging is outer lr 1 without momentum)
     implied_flags: ClassVar[Mapping[str, Any]] = {}
-    #: fields whose default ``resolve_for_workers`` sets from the job (field → the rule, in words, for the
-    #: flag reference)
-    default_rules: ClassVar[Mapping[str, str]] = {}
+    #: fields whose default ``resolve_for_workers`` sets from the job: field → (the rule, its values in
+    #: words), for the flag reference and the start-up block
+    default_rules: ClassVar[Mapping[str, Tuple[str, str]]] = {}
 
     def validate(self) -> "OuterConfig":
         check_fields(self)
@@ -76,9 +76,10 @@ class OuterConfig:
     def check_workers(self, num_workers: int) -> None:
         """Checks that need the number of workers W (known only once the job layout is)."""
 
-    def resolve_for_workers(self, num_workers: int, given: Collection[str]) -> None:
+    def resolve_for_workers(self, num_workers: int, given: Collection[str]) -> Tuple[str, ...]:
         """Set the defaults that depend on W (known only once the job layout is) for the fields not in
-        ``given`` (the fields set explicitly). None by default."""
+        ``given`` (the fields set explicitly); returns the fields it set (none by default)."""
+        return ()
 
 
 @dataclass

@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import ClassVar, Collection, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -175,14 +175,16 @@ class SparseLoCoConfig(OuterConfig):
     """Reduce-scatter: where the aggregate the owner does not send waits — "owner" (the owner's error
     feedback) or "workers" (back into each contributor's e, as Ok-Topk does; module docstring)."""
 
-    default_rules: ClassVar[Mapping[str, str]] = {
-        "lr": "0.375/√(W·k/C) with W·k/C held in [1/32, 1/4]: 2.12 at W = 2, 1.5 at W = 4, 1.06 at W = 8 "
-              "(k = 64 of 4096); 1.5 with reduce 'all' or an outer momentum"}
+    default_rules: ClassVar[Mapping[str, Tuple[str, str]]] = {
+        "lr": ("0.375/√(W·k/C) with W·k/C held in [1/32, 1/4]",
+               "2.12 at W = 2, 1.5 at W = 4, 1.06 at W = 8 (k = 64 of 4096); 1.5 with reduce 'all' or an outer momentum")}
 
-    def resolve_for_workers(self, num_workers: int, given) -> None:
+    def resolve_for_workers(self, num_workers: int, given: Collection[str]) -> Tuple[str, ...]:
         """Unless ``lr`` was given: the W- and k-dependent default (contributors mean, no momentum only)."""
         if "lr" not in given and self.momentum == 0.0 and self.reduce == "contributors":
             self.lr = default_outer_lr(num_workers, self.k, self.chunk)
+            return ("lr",)
+        return ()
 
     def codec(self) -> CodecConfig:
         """The flat codec (flat chunking), or the base the per-tensor segments derive theirs from."""
