@@ -47,10 +47,10 @@ from common import ModelCfg, RunCfg  # noqa: E402
 
 
 METHODS_DEFAULT = "ddp,average,diloco,sparseloco:64,sparseloco:128,sparseloco:64:flat"
-#: the outer-lr sweep (issue: every outer method tuned the same way, on the default corpus)
-#: The issue's grid (DiLoCo lr {0.5, 0.7, 1.0} × μ {0.9, 0.6}; SparseLoCo lr {0.8 … 1.5}), widened where
-#: a 900-step winner sat on its edge (DiLoCo 0.35, SparseLoCo 2.0 / 2.5), with k = 128 tuned on its own
-#: (its best lr differs from k = 64's at every W measured; docs/benchmarks.md).
+#: The outer-lr sweep (every outer method tuned the same way, on the default corpus): the issue's grid
+#: (DiLoCo lr {0.5, 0.7, 1.0} × μ {0.9, 0.6}; SparseLoCo lr {0.8 … 1.5}), widened where a 900-step winner
+#: sat on its edge (DiLoCo 0.35, SparseLoCo 2.0 / 2.5), with k = 128 tuned on its own (its best lr differs
+#: from k = 64's at every W measured; docs/benchmarks.md).
 SWEEP_SPARSELOCO_LRS = (0.8, 1.0, 1.2, 1.5, 2.0, 2.5)
 SWEEP = {
     "diloco": [(lr, mu) for lr in (0.35, 0.5, 0.7, 1.0) for mu in (0.9, 0.6)],
@@ -416,9 +416,11 @@ def main(argv=None) -> int:
         if args.long and W == workers[0]:
             base = dict(steps=steps * args.long, mbs=args.mbs, lr=args.lr, eval_windows=args.eval_windows)
             runs += [make_run(m, k, None, args.H, 0, base, tuned_w) for m, k in (("diloco", None), ("sparseloco", 64))]
-        known = swept.get(W, {})
-        reused = [dict(known[_run_key(r)], reused_from_sweep=True) for r in runs if _run_key(r) in known]
-        runs = [r for r in runs if _run_key(r) not in known]
+        known, reused, to_run = swept.get(W, {}), [], []
+        for r in runs:   # a run the sweep already made at this W gives its row, not a second run
+            row = known.get(_run_key(r))
+            (to_run.append(r) if row is None else reused.append(dict(row, reused_from_sweep=True)))
+        runs = to_run
         print(f"[quality] W={W}: {len(runs)} megatron runs + {len(ft_runs)} torchft runs "
               f"({len(reused)} taken from the sweep), model {asdict(model)}", flush=True)
         rows += reused + run_rows(W, model, runs, ft_runs, paths, timeout, env, notes)

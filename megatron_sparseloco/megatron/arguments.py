@@ -429,9 +429,8 @@ def outer_config_from_args(args: argparse.Namespace, algo: str, given: Optional[
         config.check_workers(args.sparseloco_workers)
     except ConfigError as exc:
         raise argument_error(exc, cls, algo) from None
-    flag_of = {spec.name: flag for flag, spec in flagged_fields(cls).items()}
-    #: flag → the rule its default came from (shown in the start-up block)
-    args.sparseloco_defaults_by_rule = {flag_of[name]: cls.default_rules[name][0] for name in ruled}
+    #: config field → the rule its default came from (shown in the start-up block)
+    args.sparseloco_defaults_by_rule = {name: cls.default_rules[name][0] for name in ruled}
     return config
 
 

@@ -31,7 +31,7 @@ def resolved_settings(args) -> Dict[str, object]:
             continue
         value = values[spec.name]
         out[flag] = ("on" if value else "off") if isinstance(value, bool) else value
-        rule = (getattr(args, "sparseloco_defaults_by_rule", None) or {}).get(flag)
+        rule = (getattr(args, "sparseloco_defaults_by_rule", None) or {}).get(spec.name)
         if rule:   # a default that follows the job's W (and k): say so, with the rule
             out[flag] = f"{value} (default for W = {args.sparseloco_workers}: {rule})"
     if "k" in values and "chunk" in values and "topk" in out and out.get("chunk-size"):

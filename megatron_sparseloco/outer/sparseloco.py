@@ -177,7 +177,8 @@ class SparseLoCoConfig(OuterConfig):
 
     default_rules: ClassVar[Mapping[str, Tuple[str, str]]] = {
         "lr": ("0.375/√(W·k/C) with W·k/C held in [1/32, 1/4]",
-               "2.12 at W = 2, 1.5 at W = 4, 1.06 at W = 8 (k = 64 of 4096); 1.5 with reduce 'all' or an outer momentum")}
+               ", ".join(f"{default_outer_lr(W, 64, 4096):g} at W = {W}" for W in (2, 4, 8))
+               + " (k = 64 of 4096); 1.5 with reduce 'all' or an outer momentum")}
 
     def resolve_for_workers(self, num_workers: int, given: Collection[str]) -> Tuple[str, ...]:
         """Unless ``lr`` was given: the W- and k-dependent default (contributors mean, no momentum only)."""
