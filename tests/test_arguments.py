@@ -167,6 +167,27 @@ def test_aggregation_flag_reaches_the_strategy(monkeypatch):
     assert strategy.config.aggregation == "reduce-scatter" and strategy.reduce_scatter is not None
 
 
+def test_hierarchical_aggregation_flags_reach_the_strategy_and_are_checked_against_w(monkeypatch):
+    import torch
+
+    from megatron_sparseloco.megatron.strategy_from_args import strategy_factory_from_args
+    flags = BASE + ["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "4",
+                    "--sparseloco-aggregation", "hierarchical"]
+    args = parse(flags + ["--sparseloco-aggregation-groups", "2"], monkeypatch)
+    validate_sparseloco_args(args, world_size=4)
+    strategy = strategy_factory_from_args(args)([torch.zeros(8192)], None, ["w"])
+    assert strategy.config.aggregation_groups == 2 and strategy.site_groups is not None
+    for extra, why in ((["--sparseloco-aggregation-groups", "3"], "site groups do not divide the 4 workers"),
+                       ([], "number of site groups")):
+        args = parse(flags + extra, monkeypatch)
+        with pytest.raises(SparseLoCoArgumentError, match=f"(?s)--sparseloco-aggregation-groups.*{why}"):
+            validate_sparseloco_args(args, world_size=4)
+    args = parse(BASE + ["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "4",
+                         "--sparseloco-aggregation-groups", "2"], monkeypatch)
+    with pytest.raises(SparseLoCoArgumentError, match="--sparseloco-aggregation-groups"):
+        validate_sparseloco_args(args, world_size=4)
+
+
 @pytest.mark.parametrize("extra", [["--sparseloco-chunking", "flat"], ["--sparseloco-index-coding", "entropy"]])
 def test_reduce_scatter_needs_tensor_chunking_and_packed_indices(extra, monkeypatch):
     args = parse(BASE + ["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "2",

@@ -380,8 +380,11 @@ MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-router-topk",
          extra=["--tensor-model-parallel-size", "2", "--sparseloco-aggregation", "reduce-scatter"]),
     dict(nproc=4, workers=2, algorithm="sparseloco",
          extra=["--expert-model-parallel-size", "2", "--sparseloco-aggregation", "reduce-scatter"] + MOE),
+    # hierarchical aggregation: W = 4 in 2 site groups (group gather, leaders' site exchange, relay)
+    dict(nproc=4, workers=4, algorithm="sparseloco",
+         extra=["--sparseloco-aggregation", "hierarchical", "--sparseloco-aggregation-groups", "2"]),
 ], ids=["gasloc-mixed_nesterov-R2-W2-TP2", "average-single_worker-EP2-moe", "sparseloco-reduce_scatter-W2-TP2",
-        "sparseloco-reduce_scatter-W2-DP2-EP2-moe"])
+        "sparseloco-reduce_scatter-W2-DP2-EP2-moe", "sparseloco-hierarchical-W4-G2"])
 def test_matrix_single_worker_and_inner_isolation_cells(tmp_path, cell):
     """The configuration cells the other tests here do not cover (together with them every algorithm
     meets W ∈ {1, 2}, DP2-in-worker, TP2, PP2 tied, VPP, EP2): 4 iterations, 2 outer steps each."""
@@ -390,6 +393,9 @@ def test_matrix_single_worker_and_inner_isolation_cells(tmp_path, cell):
     assert all(r["outer_steps"] == 2 for r in ranks)
     if "reduce-scatter" in cell["extra"]:
         assert "aggregation: reduce-scatter" in "\n".join(res["log_lines"]), tail(res)
+    if "hierarchical" in cell["extra"]:
+        assert "aggregation: hierarchical" in "\n".join(res["log_lines"]), tail(res)
+        assert "aggregation-groups: 2" in "\n".join(res["log_lines"]), tail(res)
     assert not crossing_inner_calls(ranks)
     assert_outer_step_stays_at_its_position(ranks)
     if cell["algorithm"] == "gasloc":

@@ -31,6 +31,8 @@ JOBS = {
     "sparse_rs": dict(name="sparseloco", config=dict(chunk=64, k=4, aggregation="reduce-scatter"), merge="replay"),
     "sparse_rs_put_back": dict(name="sparseloco", config=dict(chunk=64, k=4, aggregation="reduce-scatter",
                                                               owner_residual="workers"), merge="replay"),
+    "sparse_hier": dict(name="sparseloco", config=dict(chunk=64, k=4, aggregation="hierarchical", aggregation_groups=2),
+                        merge="replay"),
     "diloco_replay": dict(name="diloco", config=dict(bucket_numel=64), merge="replay"),
     "diloco_lerp": dict(name="diloco", config=dict(bucket_numel=64), merge="lerp", alpha=0.5),
     "average_replay": dict(name="average", config=dict(bucket_numel=64), merge="replay"),
@@ -165,15 +167,19 @@ def test_delayed_step_matches_single_process_reference(runs, world, job):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("job", ["sparse_tensor", "sparse_entropy", "sparse_rs", "sparse_rs_put_back", "tau_max"])
+@pytest.mark.parametrize("job", ["sparse_tensor", "sparse_entropy", "sparse_rs", "sparse_rs_put_back", "sparse_hier",
+                                 "tau_max"])
 def test_delayed_step_equals_blocking_step_on_launch_params(runs, world, job):
     """Per-tensor chunking, entropy coding, reduce-scatter (its put-back too: a wrong EF after round 1
-    shows in round 2), τ = H − 1: θ_outer,k+1 bitwise the blocking step's."""
+    shows in round 2), hierarchical (also bitwise the all-gather run), τ = H − 1: θ_outer,k+1 bitwise
+    the blocking step's."""
     res = runs[world][job]
     _check_shadow(res)
     for i, a in res[0]["anchor"].items():
         for r in range(1, world):
             assert torch.equal(res[r]["anchor"][i], a)
+        if job == "sparse_hier":
+            assert torch.equal(a, runs[world]["sparse_tensor"][0]["anchor"][i])
     stats = [s for s in res[0]["stats"] if s is not None]
     assert len(stats) == ROUNDS and all(s["bytes_sent"] > 0 and s["time_exposed_s"] > 0 for s in stats)
 

@@ -114,10 +114,11 @@ def exchange_per_peer(payloads: Dict[int, torch.Tensor], recv_nbytes: Optional[D
 
 
 def exchange_pieces(pieces: Dict[int, torch.Tensor], recv_sizes: Dict[int, int],
-                    group: Optional[dist.ProcessGroup], counter: CommCounter) -> Dict[int, torch.Tensor]:
+                    group: Optional[dist.ProcessGroup], counter: CommCounter,
+                    kind: str = "all_to_all") -> Dict[int, torch.Tensor]:
     """An all-to-all of 1-D uint8 pieces whose sizes both sides know: ``pieces[p]`` goes to peer p,
     ``recv_sizes[p]`` bytes come from peer p (no size exchange; empty ones are skipped), in one
-    ``batch_isend_irecv``. Counted as one collective of kind ``"all_to_all"``."""
+    ``batch_isend_irecv``. Counted as one collective of ``kind`` (default ``"all_to_all"``)."""
     peers = _check_peers(sorted(set(pieces) | set(recv_sizes)), group)
     if not peers:
         return {}
@@ -125,5 +126,5 @@ def exchange_pieces(pieces: Dict[int, torch.Tensor], recv_sizes: Dict[int, int],
     send = {p: pieces.get(p, torch.zeros(0, dtype=torch.uint8, device=device)).contiguous() for p in peers}
     received = {p: torch.empty(int(recv_sizes.get(p, 0)), dtype=torch.uint8, device=device) for p in peers}
     _p2p(send, received, group)
-    counter.add("all_to_all", sum(t.numel() for t in send.values()), sum(t.numel() for t in received.values()))
+    counter.add(kind, sum(t.numel() for t in send.values()), sum(t.numel() for t in received.values()))
     return received

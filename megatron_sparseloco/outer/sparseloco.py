@@ -65,6 +65,10 @@ re-encode their range with an owner error feedback (``owner_k`` / ``owner_value_
 worker codec's), and an all-gather of the re-encoded ranges gives every worker the same update;
 about 2·(W−1)/W payloads received instead of W − 1 (``outer/sparse_reduce_scatter.py``,
 docs/scaling.md). Tensor chunking, packed indices and no peer-norm clipping only.
+``"hierarchical"``: the same payloads and the same aggregate as all-gather (bitwise), moved in site
+groups — gathered inside each of ``aggregation_groups`` groups, whole groups exchanged once between
+the group leaders, relayed inside the group (``outer/sparse_hierarchical.py``): one WAN round per
+bucket instead of W − 1 ring hops, each payload over the WAN once per remote site. Packed indices.
 
 State: the anchor, the error-feedback buffer (shard-sized fp32, different on every worker: it
 must not be deduplicated as a data-parallel replica when checkpointing), and the momentum buffer
@@ -97,11 +101,12 @@ from megatron_sparseloco.outer.codec_fields import (check_bucket_holds_a_chunk, 
                                                     codec_index_coding_field, codec_k_field, codec_value_bits_field)
 from megatron_sparseloco.outer.config_fields import config_field, flag_field
 from megatron_sparseloco.outer.registry import register_outer_strategy
+from megatron_sparseloco.outer.sparse_hierarchical import SiteGroups
 from megatron_sparseloco.outer.sparse_reduce_scatter import SparseReduceScatter
 from megatron_sparseloco.outer.sgd import check_outer_sgd, lr_field, momentum_field, nesterov_field, outer_sgd_
 
 REDUCE_MODES = ("contributors", "all")
-AGGREGATIONS = ("allgather", "reduce-scatter")
+AGGREGATIONS = ("allgather", "reduce-scatter", "hierarchical")
 OWNER_RESIDUALS = ("owner", "workers")
 CHUNKINGS = ("tensor", "flat")
 #: value widths of the SparseLoCo codec (compress.config: 2/4/8 quantised, 16 bf16, 32 fp32)
@@ -165,8 +170,16 @@ class SparseLoCoConfig(OuterConfig):
         help="sparseloco only: 'allgather' (default) sends every worker's payload to every worker (W-1 payloads "
              "received); 'reduce-scatter' sends each bucket range's owner only that range, owners re-encode the mean "
              "and all-gather it (about 2 payloads received; needs --sparseloco-chunking tensor and packed indices; "
-             "docs/scaling.md).")
-    """"allgather" or "reduce-scatter" (outer/sparse_reduce_scatter.py)."""
+             "docs/scaling.md); 'hierarchical' all-gathers inside each site group (their number: "
+             "--sparseloco-aggregation-groups) and relays whole groups between sites, one WAN round, bitwise the "
+             "all-gather result (needs packed indices).")
+    """"allgather", "reduce-scatter" (outer/sparse_reduce_scatter.py) or "hierarchical"
+    (outer/sparse_hierarchical.py)."""
+    aggregation_groups: int = flag_field(
+        0, flag="aggregation-groups", low=0, requires={"aggregation": "hierarchical"},
+        help="sparseloco with --sparseloco-aggregation hierarchical: the number of site groups G (W/G consecutive "
+             "workers each, W divisible by G; list nodes site by site); required with hierarchical.")
+    """Hierarchical aggregation: G site groups of W/G consecutive workers (must be given, W % G == 0)."""
     owner_k: int = config_field(0, low=0)
     """Reduce-scatter owner codec: values kept per chunk (0: k)."""
     owner_value_bits: int = config_field(0, low=0)
@@ -179,6 +192,14 @@ class SparseLoCoConfig(OuterConfig):
         "lr": ("0.375/√(W·k/C) with W·k/C held in [1/32, 1/4]",
                ", ".join(f"{default_outer_lr(W, 64, 4096):g} at W = {W}" for W in (2, 4, 8))
                + " (k = 64 of 4096); 1.5 with reduce 'all' or an outer momentum")}
+
+    def check_workers(self, num_workers: int) -> None:
+        if self.aggregation == "hierarchical" and num_workers % self.aggregation_groups:
+            raise ConfigError(f"{self.aggregation_groups} site groups do not divide the {num_workers} workers "
+                              "into equal groups", "aggregation_groups",
+                              f"give a divisor of {num_workers} (e.g. "
+                              f"{max(d for d in range(1, num_workers + 1) if num_workers % d == 0 and d <= self.aggregation_groups)}), "
+                              "or change the number of workers")
 
     def resolve_for_workers(self, num_workers: int, given: Collection[str]) -> Tuple[str, ...]:
         """Unless ``lr`` was given: the W- and k-dependent default (contributors mean, no momentum only)."""
@@ -209,6 +230,13 @@ class SparseLoCoConfig(OuterConfig):
             raise ConfigError("dense_1d=False applies to chunking='tensor' only (flat chunking does not see tensors)",
                               "dense_1d", "set `chunking='tensor'`, or leave `dense_1d` unset")
         check_outer_sgd(self.lr, self.momentum, self.nesterov)
+        if self.aggregation == "hierarchical":
+            if self.aggregation_groups < 1:
+                raise ConfigError("aggregation='hierarchical' needs the number of site groups", "aggregation_groups",
+                                  "give `aggregation_groups=G` (W/G consecutive workers per site)")
+            if self.index_coding != "packed":
+                raise ConfigError("aggregation='hierarchical' needs index_coding='packed' (relayed payload sizes known "
+                                  "up front)", "aggregation", "use `index_coding=packed`, or `aggregation=allgather`")
         if self.aggregation == "reduce-scatter":
             self._check_reduce_scatter()
         elif self.owner_k or self.owner_value_bits or self.owner_residual != "owner":
@@ -297,6 +325,13 @@ class SparseLoCo(OuterStrategy):
         if cfg.aggregation == "reduce-scatter":
             self.reduce_scatter = SparseReduceScatter(self.plans, cfg.owner_codec(), self.world_size, self.rank,
                                                       self.params.numel, self.device)
+        self.site_groups: Optional[SiteGroups] = None
+        if cfg.aggregation == "hierarchical":
+            try:
+                self.site_groups = SiteGroups(self.world_size, self.rank, cfg.aggregation_groups)
+            except ValueError as exc:
+                raise ConfigError(str(exc), "aggregation_groups",
+                                  f"give a divisor of the {self.world_size} workers") from None
         self.check_group_layout()
 
     def buckets(self) -> Iterator[Tuple[int, int]]:
@@ -426,6 +461,8 @@ class SparseLoCo(OuterStrategy):
         """All-gather: every worker's payload. Reduce-scatter: (union, applied), the bucket's update
         written into ``rs_out`` (``rs_counts`` is the owners' scratch)."""
         cfg: SparseLoCoConfig = self.config
+        if self.site_groups is not None:
+            return self.site_groups.all_gather(payload, self.group, self.counter)
         if self.reduce_scatter is None:
             return all_gather_payloads(payload, self.group, self.counter, equal_sizes=cfg.index_coding == "packed")
         return self.reduce_scatter.aggregate(b, plan, payload, self.group, self.counter, rs_out, rs_counts,
@@ -473,6 +510,8 @@ class SparseLoCo(OuterStrategy):
             with self._timer(stats, "time_apply_s"):
                 self._apply_bucket(s, e, plan, got, local, work[:n], work[:n], counts[:n], tot, write=True)
         tot.into(stats, self.config, self.params.numel, self.reduce_scatter is not None)
+        if self.site_groups is not None:
+            stats.extra.update(self.site_groups.take_wan_bytes())
 
     # ------------------------------------------------------------------ delayed application
     supports_overlap = True
@@ -516,6 +555,8 @@ class SparseLoCo(OuterStrategy):
                     self._apply_bucket(s, e, plan, got, local, rs_out[s:e] if rs else None,
                                        work[:n], counts[:n], tot, write=False)
             tot.into(stats, self.config, self.params.numel, rs)
+            if self.site_groups is not None:
+                stats.extra.update(self.site_groups.take_wan_bytes())
 
         def cancel() -> None:
             self.error_feedback.copy_(error_before)   # the round never happened: e as before the launch
