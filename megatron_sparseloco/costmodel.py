@@ -37,6 +37,18 @@ the bytes add up on the link and the latencies of each group's sequential collec
     DiLoCo (ring all-red.) wire = 2·(W−1)/W · D              T = c·2(W−1)·α + 8·wire / bw,  D = Σ_r s·n_r
     reduce-scatter         wire = 2·(W−1)/W · P + 2(W−1)·O   T = c·2(W−1)·α + 8·wire / bw
 
+``hierarchical`` (``--sparseloco-aggregation hierarchical``, G = ``--sites`` site groups of g = W/G
+workers; the worker costed is a group leader, the busiest): counted exactly as the strategy counts
+
+    hierarchical    sent = Σ_r (4 + (g−1)·P_r + (G−1)·g·P_r + (g−1)·(G−1)·g·P_r)   received = Σ_r (4 + (W−1)·P_r)
+                    wire = (G−1)·g·P on the leader's WAN link
+                    lan  = (g−1)·P + (g−1)·(W−g)·P out of the leader over the site's LAN (gather + relay)
+                    T = c·(α + 2·α_lan) + 8·wire / bw + 8·lan / bw_lan
+
+i.e. one WAN round per collective (the leaders' block exchange) and two LAN rounds (``--lan-gbps``,
+``--lan-latency-ms``). The relay is the leader unicasting the remote blocks to each member, so its
+LAN bytes grow as g·W: the mode suits few workers per site.
+
 with ``c = max_r (b_r + 1)`` sequential collectives per group (its buckets and the flag, whose
 ``2(W−1)`` latency hops are counted as those of one more collective) and ``s`` = 4 (fp32) or 2 (bf16).
 Reduce-scatter is the design of ``--sparseloco-aggregation reduce-scatter`` (docs/scaling.md):
@@ -76,6 +88,8 @@ from megatron_sparseloco.compress.segments import (
 
 FLAG_BYTES = 4  #: the non-finite flag all-reduce (one fp32) of every outer step
 MODES = ("allgather", "reduce-scatter", "diloco-fp32", "diloco-bf16")
+#: modes selectable with ``--modes`` but not in the default tables
+EXTRA_MODES = ("hierarchical",)
 DENSE_ITEMSIZE = {"diloco-fp32": 4, "diloco-bf16": 2}
 
 
@@ -252,6 +266,8 @@ def worker_ranks(model: Model, tp: int, pp: int, dp: int, sparse: SparseSettings
 class Link:
     bandwidth_bps: float   # bit/s, each direction
     latency_s: float       # one-way, per ring hop
+    lan_bandwidth_bps: float = 400e9   # hierarchical: the site's LAN (bit/s per worker link)
+    lan_latency_s: float = 1e-5        # hierarchical: one-way LAN latency
 
 
 @dataclass
@@ -277,10 +293,10 @@ class ModeCost:
 
 
 def mode_cost(mode: str, ranks: Sequence[Tuple[RankCost, int]], W: int, link: Link,
-              compute_s: float) -> ModeCost:
-    """One mode at W workers; see the module docstring for every formula."""
-    if mode not in MODES:
-        raise CostModelError(f"mode must be one of {MODES}, got {mode!r}")
+              compute_s: float, sites: int = 2) -> ModeCost:
+    """One mode at W workers (``sites``: G for ``hierarchical``); see the module docstring for every formula."""
+    if mode not in MODES + EXTRA_MODES:
+        raise CostModelError(f"mode must be one of {MODES + EXTRA_MODES}, got {mode!r}")
     flag = FLAG_BYTES if W > 1 else 0
     n_ranks = sum(m for _, m in ranks)
     if mode in DENSE_ITEMSIZE:
@@ -292,7 +308,21 @@ def mode_cost(mode: str, ranks: Sequence[Tuple[RankCost, int]], W: int, link: Li
         exact = True
     else:
         payload = sum(m * r.payload for r, m in ranks)
-        if mode == "allgather":
+        if mode == "hierarchical":
+            G = min(sites, W)
+            if G < 1 or W % G:
+                raise CostModelError(f"hierarchical: {sites} sites do not divide W = {W} workers into equal groups")
+            g = W // G
+            sent = n_ranks * flag + ((g - 1) + (G - 1) * g + (g - 1) * (G - 1) * g) * payload if W > 1 else 0
+            recv = n_ranks * flag + (W - 1) * payload if W > 1 else 0
+            wire = (G - 1) * g * payload
+            lan = (g - 1) * payload + (g - 1) * (W - g) * payload
+            c = max(r.buckets + 1 for r, _ in ranks) if W > 1 else 0
+            t = c * (link.latency_s + 2 * link.lan_latency_s) + 8.0 * wire / link.bandwidth_bps \
+                + 8.0 * lan / link.lan_bandwidth_bps
+            return ModeCost(mode, W, int(payload), int(sent), int(recv), float(wire), t, compute_s,
+                            t / compute_s if compute_s > 0 else math.inf, True)
+        elif mode == "allgather":
             sent = n_ranks * flag + payload if W > 1 else 0
             recv = n_ranks * flag + (W - 1) * payload if W > 1 else 0
             wire = (W - 1) * payload
@@ -314,8 +344,20 @@ def compute_seconds(numel: int, c: Compute, gpus: int) -> float:
     return c.inner_steps * 6.0 * numel * c.tokens / (c.mfu * c.peak_flops * gpus)
 
 
-def max_workers(mode: str, ranks, link: Link, compute_s: float, budget: float, limit: int = 1 << 20) -> int:
-    """Largest W in [1, limit] with ratio ≤ budget (1 if none: W = 1 communicates nothing)."""
+def max_workers(mode: str, ranks, link: Link, compute_s: float, budget: float, limit: int = 1 << 20,
+                sites: int = 2) -> int:
+    """Largest W in [1, limit] with ratio ≤ budget (1 if none: W = 1 communicates nothing);
+    ``hierarchical`` searches the multiples of ``sites`` (and W < sites)."""
+    if mode == "hierarchical":
+        fits_h = lambda w: mode_cost(mode, ranks, w, link, compute_s, sites).ratio <= budget  # noqa: E731
+        best, w = 1, 1
+        while w <= limit:
+            if w % min(sites, w) == 0:
+                if not fits_h(w):
+                    break
+                best = w
+            w = w + 1 if w < sites else w + sites
+        return best
     fits = lambda w: mode_cost(mode, ranks, w, link, compute_s).ratio <= budget  # noqa: E731
     if fits(limit):
         return limit
@@ -345,19 +387,23 @@ class Scenario:
 
 def scenario(model: Model, tp: int, pp: int, dp: int, sparse: SparseSettings, compute: Compute,
              workers: Sequence[int], bandwidths_gbps: Sequence[float], latency_s: float,
-             budget: float = 0.1, modes: Sequence[str] = MODES) -> Scenario:
+             budget: float = 0.1, modes: Sequence[str] = MODES, sites: int = 2,
+             lan: Optional[Link] = None) -> Scenario:
+    """Every (bandwidth, W, mode) row and the largest W per mode; ``lan``: the hierarchical mode's LAN
+    (its bandwidth and latency; default 400 Gbit/s, 0.01 ms)."""
+    lan = lan or Link(400e9, 1e-5)
     ranks = worker_ranks(model, tp, pp, dp, sparse)
     comp = compute_seconds(model.numel, compute, tp * pp * dp)
     payload = sum(m * r.payload for r, m in ranks)
     sc = Scenario(model.name, model.numel, tp, pp, dp, payload, 8.0 * payload / model.numel, comp)
     for bw in bandwidths_gbps:
-        link = Link(bw * 1e9, latency_s)
+        link = Link(bw * 1e9, latency_s, lan.bandwidth_bps, lan.latency_s)
         for W in workers:
             for mode in modes:
-                sc.rows.append({"bandwidth_gbps": bw, **asdict(mode_cost(mode, ranks, W, link, comp))})
+                sc.rows.append({"bandwidth_gbps": bw, **asdict(mode_cost(mode, ranks, W, link, comp, sites))})
         for mode in modes:
             sc.max_w.append({"bandwidth_gbps": bw, "mode": mode,
-                             "max_w": max_workers(mode, ranks, link, comp, budget)})
+                             "max_w": max_workers(mode, ranks, link, comp, budget, sites=sites)})
     return sc
 
 
@@ -429,7 +475,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--value-bits", type=int, default=2)
     p.add_argument("--bucket-size", type=int, default=1 << 24)
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated, from {', '.join(MODES + EXTRA_MODES)} (default: the first four)")
+    p.add_argument("--sites", type=int, default=2, help="hierarchical: site groups G (each W must be a multiple)")
+    p.add_argument("--lan-gbps", type=float, default=400.0, help="hierarchical: the sites' LAN bandwidth, Gbit/s")
+    p.add_argument("--lan-latency-ms", type=float, default=0.01, help="hierarchical: one-way LAN latency")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     args = p.parse_args(argv)
     if args.params is not None:
@@ -448,7 +498,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         compute = Compute(args.inner_steps, args.tokens or dflt["tokens"], args.mfu, args.peak_tflops * 1e12)
         try:
             sc = scenario(model, tp, pp, dp, sparse, compute, _ints(args.workers), _floats(args.bandwidth_gbps),
-                          args.latency_ms / 1e3, args.budget, modes)
+                          args.latency_ms / 1e3, args.budget, modes, args.sites,
+                          Link(args.lan_gbps * 1e9, args.lan_latency_ms / 1e3))
         except CostModelError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -19,6 +19,7 @@ TINY = dict(vocab=40, hidden=16, layers=4, heads=2, kv_heads=1, ffn=24, qkv_bias
 SPARSE = cm.SparseSettings(chunk=64, k=4, value_bits=2, bucket_numel=700)
 LAYOUT = dict(tp=2, pp=2, dp=3, stage=0, pos=1)  # the shard a rank of stage 0, DP position 1 holds
 WORLDS = (2, 4, 8, 16)
+SITES = 2  # hierarchical: G site groups (divides every W above)
 
 
 def tiny_model():
@@ -39,7 +40,10 @@ def one_step(rank: int, world: int):
     jobs = {"allgather": ("sparseloco", dict(chunk=SPARSE.chunk, k=SPARSE.k, value_bits=SPARSE.value_bits,
                                              bucket_numel=SPARSE.bucket_numel)),
             "diloco-fp32": ("diloco", dict(bucket_numel=SPARSE.bucket_numel, comm_dtype="fp32")),
-            "diloco-bf16": ("diloco", dict(bucket_numel=SPARSE.bucket_numel, comm_dtype="bf16"))}
+            "diloco-bf16": ("diloco", dict(bucket_numel=SPARSE.bucket_numel, comm_dtype="bf16")),
+            "hierarchical": ("sparseloco", dict(chunk=SPARSE.chunk, k=SPARSE.k, value_bits=SPARSE.value_bits,
+                                                bucket_numel=SPARSE.bucket_numel, aggregation="hierarchical",
+                                                aggregation_groups=SITES))}
     out = {}
     for mode, (algo, fields) in jobs.items():
         g = torch.Generator().manual_seed(rank)
@@ -72,6 +76,24 @@ def test_counted_bytes_equal_the_model(measured, world):
             assert res[mode]["bytes_sent"] == pred.bytes_sent, (mode, r)
             assert res[mode]["bytes_received"] == pred.bytes_received, (mode, r)
     assert all(res["allgather"]["payload_bytes"] == rank.payload for res in measured[world])
+    pred = cm.mode_cost("hierarchical", [(rank, 1)], world, link, compute_s=1.0, sites=SITES)
+    got = measured[world]
+    assert max(res["hierarchical"]["bytes_sent"] for res in got) == pred.bytes_sent   # the leaders
+    assert all(res["hierarchical"]["bytes_received"] == pred.bytes_received for res in got)
+
+
+def test_hierarchical_time_is_one_wan_round_and_two_lan_rounds_per_collective():
+    rank = cm.rank_cost([s for _, s in shard()], SPARSE, [n for n, _ in shard()])
+    c = rank.buckets + 1
+    fast = cm.Link(1e30, 0.02, 1e30, 0.001)
+    assert cm.mode_cost("hierarchical", [(rank, 1)], 16, fast, 1.0, sites=4).time_s == pytest.approx(c * 0.022)
+    assert cm.mode_cost("allgather", [(rank, 1)], 16, fast, 1.0).time_s == pytest.approx(c * 15 * 0.02)
+    slow_lan = cm.Link(1e30, 0.0, 8e9, 0.0)   # 1 GB/s LAN: the leader's (g−1)·P + (g−1)·(W−g)·P
+    g, W = 4, 16
+    want = ((g - 1) + (g - 1) * (W - g)) * rank.payload / 1e9
+    assert cm.mode_cost("hierarchical", [(rank, 1)], W, slow_lan, 1.0, sites=4).time_s == pytest.approx(want)
+    with pytest.raises(cm.CostModelError, match="3 sites do not divide W = 16"):
+        cm.mode_cost("hierarchical", [(rank, 1)], 16, fast, 1.0, sites=3)
 
 
 def test_shard_fixture_exercises_cuts_buckets_and_dense_segments():
