@@ -10,8 +10,8 @@ per W: received / own payload for both modes (targets at W = 16: reduce-scatter 
 = W − 1 = 15 plus the 4-byte flag). ``--owner-codecs 256b8,512b2`` adds reduce-scatter rows whose
 owners keep N values per chunk at B bits (``owner_k`` / ``owner_value_bits``; default: the
 workers' k = 64 and 2 bits). ``--site-groups 2,4`` adds ``hierarchical G=…`` rows for every G that
-divides W (``--sparseloco-aggregation hierarchical``), with the bytes their leaders move over the
-site exchange (``wan_bytes_received``: what enters a site over the WAN per bucket set and step).
+divides W (``--sparseloco-aggregation hierarchical``), with the bytes its rail exchange moves over the
+WAN (``wan_bytes_received``): per worker, and summed over the g workers of a site.
 """
 from __future__ import annotations
 
@@ -87,11 +87,15 @@ def main(argv=None) -> int:
             wan = ""
             if mode.startswith("hierarchical"):
                 G = fields["aggregation_groups"]
-                site_in = max(r[mode]["wan_bytes_received"] for r in res)
+                g = w // G
+                worker_in = max(r[mode]["wan_bytes_received"] for r in res)
+                site_in = sum(r[mode]["wan_bytes_received"] for r in res[:g])   # site 0 = workers 0 .. g-1
                 # all-gather counted per worker: each of a site's g workers receives the (W - g) remote payloads
-                ag_site_in = (w // G) * (w - w // G) * own
-                row.update(site_wan_received=site_in, allgather_site_wan_received=ag_site_in)
-                wan = f"; WAN into a site {site_in / own:6.2f} x payload (all-gather {ag_site_in / own:6.2f} x)"
+                ag_site_in = g * (w - g) * own
+                row.update(worker_wan_received=worker_in, site_wan_received=site_in,
+                           allgather_site_wan_received=ag_site_in)
+                wan = (f"; WAN in: per worker {worker_in / own:5.2f} x, per site {site_in / own:6.2f} x payload "
+                       f"(all-gather {(w - g) * own / own:5.2f} x / {ag_site_in / own:6.2f} x)")
             rows.append(row)
             print(f"W={w:3d} {mode:28s} received {recv:10d} B = {recv / own:6.2f} x own payload ({own} B){wan}",
                   flush=True)

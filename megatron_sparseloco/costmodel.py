@@ -38,16 +38,14 @@ the bytes add up on the link and the latencies of each group's sequential collec
     reduce-scatter         wire = 2·(W−1)/W · P + 2(W−1)·O   T = c·2(W−1)·α + 8·wire / bw
 
 ``hierarchical`` (``--sparseloco-aggregation hierarchical``, G = ``--sites`` site groups of g = W/G
-workers; the worker costed is a group leader, the busiest): counted exactly as the strategy counts
+workers; every worker moves the same bytes): counted exactly as the strategy counts
 
-    hierarchical    sent = Σ_r (4 + (g−1)·P_r + (G−1)·g·P_r + (g−1)·(G−1)·g·P_r)   received = Σ_r (4 + (W−1)·P_r)
-                    wire = (G−1)·g·P on the leader's WAN link
-                    lan  = (g−1)·P + (g−1)·(W−g)·P out of the leader over the site's LAN (gather + relay)
-                    T = c·(α + 2·α_lan) + 8·wire / bw + 8·lan / bw_lan
+    hierarchical    sent = received = Σ_r (4 + (W−1)·P_r)      (G−1)·P over the WAN + (g−1)·G·P over the LAN
+                    wire = (G−1)·P on the worker's WAN link,  lan = (g−1)·G·P on its LAN link
+                    T = c·(α + α_lan) + 8·wire / bw + 8·lan / bw_lan
 
-i.e. one WAN round per collective (the leaders' block exchange) and two LAN rounds (``--lan-gbps``,
-``--lan-latency-ms``). The relay is the leader unicasting the remote blocks to each member, so its
-LAN bytes grow as g·W: the mode suits few workers per site.
+i.e. one WAN round per collective (the rail exchange with member i of every other site) and one LAN
+round (the site gather of the rail sets; ``--lan-gbps``, ``--lan-latency-ms``).
 
 with ``c = max_r (b_r + 1)`` sequential collectives per group (its buckets and the flag, whose
 ``2(W−1)`` latency hops are counted as those of one more collective) and ``s`` = 4 (fp32) or 2 (bf16).
@@ -313,12 +311,11 @@ def mode_cost(mode: str, ranks: Sequence[Tuple[RankCost, int]], W: int, link: Li
             if G < 1 or W % G:
                 raise CostModelError(f"hierarchical: {sites} sites do not divide W = {W} workers into equal groups")
             g = W // G
-            sent = n_ranks * flag + ((g - 1) + (G - 1) * g + (g - 1) * (G - 1) * g) * payload if W > 1 else 0
-            recv = n_ranks * flag + (W - 1) * payload if W > 1 else 0
-            wire = (G - 1) * g * payload
-            lan = (g - 1) * payload + (g - 1) * (W - g) * payload
+            sent = recv = n_ranks * flag + (W - 1) * payload if W > 1 else 0
+            wire = (G - 1) * payload
+            lan = (g - 1) * G * payload
             c = max(r.buckets + 1 for r, _ in ranks) if W > 1 else 0
-            t = c * (link.latency_s + 2 * link.lan_latency_s) + 8.0 * wire / link.bandwidth_bps \
+            t = c * (link.latency_s + link.lan_latency_s) + 8.0 * wire / link.bandwidth_bps \
                 + 8.0 * lan / link.lan_bandwidth_bps
             return ModeCost(mode, W, int(payload), int(sent), int(recv), float(wire), t, compute_s,
                             t / compute_s if compute_s > 0 else math.inf, True)

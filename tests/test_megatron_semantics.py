@@ -380,7 +380,7 @@ MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-router-topk",
          extra=["--tensor-model-parallel-size", "2", "--sparseloco-aggregation", "reduce-scatter"]),
     dict(nproc=4, workers=2, algorithm="sparseloco",
          extra=["--expert-model-parallel-size", "2", "--sparseloco-aggregation", "reduce-scatter"] + MOE),
-    # hierarchical aggregation: W = 4 in 2 site groups (group gather, leaders' site exchange, relay)
+    # hierarchical aggregation: W = 4 in 2 site groups (rail exchange between sites, site gather)
     dict(nproc=4, workers=4, algorithm="sparseloco",
          extra=["--sparseloco-aggregation", "hierarchical", "--sparseloco-aggregation-groups", "2"]),
 ], ids=["gasloc-mixed_nesterov-R2-W2-TP2", "average-single_worker-EP2-moe", "sparseloco-reduce_scatter-W2-TP2",

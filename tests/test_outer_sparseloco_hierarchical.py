@@ -2,9 +2,8 @@
 
 * θ_outer and the error feedback equal all-gather's bit for bit on every rank, for W = 4 in 1, 2
   and 4 site groups and W = 6 in 3 groups of 2 (tensor chunking) and W = 4 in 2 groups (flat chunking);
-* bytes: each phase counted exactly — the group gather (g − 1 payloads out and in), the site
-  exchange on leaders only (a block of g payloads to and from each other leader), the relay
-  (the leader sends the G − 1 remote blocks to each member) — and the WAN bytes in the stats;
+* bytes: each phase counted exactly — the rail exchange (G − 1 payloads out and in, the WAN bytes
+  in the stats) and the site gather (the G-payload rail set to and from each of the g − 1 members);
 * a corrupted payload is still rejected naming its worker, on every rank that received it;
 * bad settings are refused naming ``aggregation_groups`` before any rank starts.
 """
@@ -28,8 +27,8 @@ STEPS = 3
 
 
 def test_site_groups_layout():
-    sg = SiteGroups(6, 4, 3)
-    assert (sg.size, sg.leader, sg.members, sg.leaders) == (2, 4, [4, 5], [0, 2, 4])
+    sg = SiteGroups(6, 5, 3)
+    assert (sg.size, sg.site, sg.index, sg.members, sg.rail) == (2, 2, 1, [4, 5], [1, 3, 5])
     with pytest.raises(ValueError, match="cannot be cut into 4 equal groups"):
         SiteGroups(6, 0, 4)
 
@@ -127,22 +126,21 @@ def test_bytes_of_each_phase(runs, world, mode, ref):
         ag = runs[world][ref][r]["stats"][0]
         P = ag["bytes_sent"] - 4                              # this rank's payload bytes (+ the 4-byte flag)
         assert ag["bytes_received"] - 4 == (world - 1) * P    # all-gather: W − 1 payloads in
-        leader = r % g == 0
-        sent = (g - 1) * P + (leader * ((groups - 1) * g * P + (g - 1) * (groups - 1) * g * P))
-        recv = (g - 1) * P + (leader * (groups - 1) * g * P) + ((not leader) * (groups - 1) * g * P)
+        both = (groups - 1) * P + (g - 1) * groups * P      # rail exchange + site gather
+        assert both == (world - 1) * P                       # what all-gather receives, by another path
         for st in runs[world][mode][r]["stats"]:
-            assert (st["bytes_sent"] - 4, st["bytes_received"] - 4) == (sent, recv), r
-            assert st["wan_bytes_sent"] == st["wan_bytes_received"] == leader * (groups - 1) * g * P
+            assert (st["bytes_sent"] - 4, st["bytes_received"] - 4) == (both, both), r
+            assert st["wan_bytes_sent"] == st["wan_bytes_received"] == (groups - 1) * P
         kinds = runs[world][mode][r]["by_kind"]
         buckets = runs[world][mode][r]["buckets"]
-        assert kinds.get("site_exchange", 0) == (STEPS * buckets if leader and groups > 1 else 0)
+        assert kinds.get("site_exchange", 0) == (STEPS * buckets if groups > 1 else 0)
         assert kinds.get("group_gather", 0) == (STEPS * buckets if g > 1 else 0)
         assert "all_gather" not in kinds
 
 
 @pytest.mark.multirank
 def test_corrupted_payload_is_rejected_naming_the_worker(runs):
-    """Worker 3 corrupts what it sends (its own copy was decoded before): every other rank — its group
-    peer, which got it in the group gather, and the other site, which got it relayed — names it."""
+    """Worker 3 corrupts what it sends (its own copy was decoded before): every other rank — its rail
+    peer in the other site, which got it directly, and the others, which got it in a rail set — names it."""
     for r, res in enumerate(runs[4]["corrupt"][:3]):
         assert "error" in res and re.search(r"payload (of worker )?3\b", res["error"]), (r, res.get("error"))

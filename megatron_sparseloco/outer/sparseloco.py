@@ -66,9 +66,9 @@ worker codec's), and an all-gather of the re-encoded ranges gives every worker t
 about 2·(W−1)/W payloads received instead of W − 1 (``outer/sparse_reduce_scatter.py``,
 docs/scaling.md). Tensor chunking, packed indices and no peer-norm clipping only.
 ``"hierarchical"``: the same payloads and the same aggregate as all-gather (bitwise), moved in site
-groups — gathered inside each of ``aggregation_groups`` groups, whole groups exchanged once between
-the group leaders, relayed inside the group (``outer/sparse_hierarchical.py``): one WAN round per
-bucket instead of W − 1 ring hops, each payload over the WAN once per remote site. Packed indices.
+groups — each worker exchanges its payload with its counterpart in each of the other
+``aggregation_groups`` − 1 sites (one WAN round per bucket instead of W − 1 ring hops), then the
+site's workers gather each other's (``outer/sparse_hierarchical.py``). Packed indices.
 
 State: the anchor, the error-feedback buffer (shard-sized fp32, different on every worker: it
 must not be deduplicated as a data-parallel replica when checkpointing), and the momentum buffer
@@ -171,8 +171,8 @@ class SparseLoCoConfig(OuterConfig):
              "received); 'reduce-scatter' sends each bucket range's owner only that range, owners re-encode the mean "
              "and all-gather it (about 2 payloads received; needs --sparseloco-chunking tensor and packed indices; "
              "docs/scaling.md); 'hierarchical' all-gathers inside each site group (their number: "
-             "--sparseloco-aggregation-groups) and relays whole groups between sites, one WAN round, bitwise the "
-             "all-gather result (needs packed indices).")
+             "--sparseloco-aggregation-groups): one WAN round with the counterpart in each other site, then a gather "
+             "inside the site; bitwise the all-gather result (needs packed indices).")
     """"allgather", "reduce-scatter" (outer/sparse_reduce_scatter.py) or "hierarchical"
     (outer/sparse_hierarchical.py)."""
     aggregation_groups: int = flag_field(
@@ -235,7 +235,7 @@ class SparseLoCoConfig(OuterConfig):
                 raise ConfigError("aggregation='hierarchical' needs the number of site groups", "aggregation_groups",
                                   "give `aggregation_groups=G` (W/G consecutive workers per site)")
             if self.index_coding != "packed":
-                raise ConfigError("aggregation='hierarchical' needs index_coding='packed' (relayed payload sizes known "
+                raise ConfigError("aggregation='hierarchical' needs index_coding='packed' (exchanged payload sizes known "
                                   "up front)", "aggregation", "use `index_coding=packed`, or `aggregation=allgather`")
         if self.aggregation == "reduce-scatter":
             self._check_reduce_scatter()
