@@ -62,7 +62,8 @@ def drive(rank: int, world: int, fields: dict, corrupt_rank=None, steps=STEPS):
             payload[0] ^= 1   # the bucket header's magic
             return payload, local
         strat._compress = corrupt
-    out = {"anchor": [], "error": [], "stats": [], "buckets": len(list(strat.buckets()))}
+    out = {"anchor": [], "error": [], "stats": [], "buckets": len(list(strat.buckets())),
+           "expected_sent": strat.expected_payload_bytes()}
     for step in range(1, steps + 1):
         with torch.no_grad():
             for p, d in zip(params, take(full_drift(rank, step), sls)):
@@ -130,6 +131,7 @@ def test_bytes_of_each_phase(runs, world, mode, ref):
         assert both == (world - 1) * P                       # what all-gather receives, by another path
         for st in runs[world][mode][r]["stats"]:
             assert (st["bytes_sent"] - 4, st["bytes_received"] - 4) == (both, both), r
+            assert st["bytes_sent"] - 4 == runs[world][mode][r]["expected_sent"]   # what the start-up block states
             assert st["wan_bytes_sent"] == st["wan_bytes_received"] == (groups - 1) * P
         kinds = runs[world][mode][r]["by_kind"]
         buckets = runs[world][mode][r]["buckets"]

@@ -57,6 +57,10 @@ class SiteGroups:
         self.wan_sent = 0
         self.wan_received = 0
 
+    def sent_nbytes(self, n: int) -> int:
+        """Bytes this rank hands over for one bucket of n-byte payloads: (G − 1)·n + (g − 1)·G·n = (W − 1)·n."""
+        return (self.groups - 1) * n + (self.size - 1) * self.groups * n
+
     def take_wan_bytes(self) -> Dict[str, float]:
         """The site-exchange bytes since the last call (for the step's stats), then reset."""
         out = {"wan_bytes_sent": float(self.wan_sent), "wan_bytes_received": float(self.wan_received)}

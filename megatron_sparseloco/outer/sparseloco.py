@@ -170,7 +170,7 @@ class SparseLoCoConfig(OuterConfig):
         help="sparseloco only: 'allgather' (default) sends every worker's payload to every worker (W-1 payloads "
              "received); 'reduce-scatter' sends each bucket range's owner only that range, owners re-encode the mean "
              "and all-gather it (about 2 payloads received; needs --sparseloco-chunking tensor and packed indices; "
-             "docs/scaling.md); 'hierarchical' all-gathers inside each site group (their number: "
+             "docs/scaling.md); 'hierarchical' moves all-gather's payloads by site (site groups: "
              "--sparseloco-aggregation-groups): one WAN round with the counterpart in each other site, then a gather "
              "inside the site; bitwise the all-gather result (needs packed indices).")
     """"allgather", "reduce-scatter" (outer/sparse_reduce_scatter.py) or "hierarchical"
@@ -195,11 +195,10 @@ class SparseLoCoConfig(OuterConfig):
 
     def check_workers(self, num_workers: int) -> None:
         if self.aggregation == "hierarchical" and num_workers % self.aggregation_groups:
+            nearest = max(d for d in range(1, self.aggregation_groups + 1) if num_workers % d == 0)
             raise ConfigError(f"{self.aggregation_groups} site groups do not divide the {num_workers} workers "
                               "into equal groups", "aggregation_groups",
-                              f"give a divisor of {num_workers} (e.g. "
-                              f"{max(d for d in range(1, num_workers + 1) if num_workers % d == 0 and d <= self.aggregation_groups)}), "
-                              "or change the number of workers")
+                              f"give a divisor of {num_workers} (e.g. {nearest}), or change the number of workers")
 
     def resolve_for_workers(self, num_workers: int, given: Collection[str]) -> Tuple[str, ...]:
         """Unless ``lr`` was given: the W- and k-dependent default (contributors mean, no momentum only)."""
@@ -375,6 +374,10 @@ class SparseLoCo(OuterStrategy):
         """Exact for packed indices; for entropy coding the upper bound (payloads are padded to it at most)."""
         if self.reduce_scatter is not None:
             return self.reduce_scatter.expected_sent_bytes()
+        if self.site_groups is not None:   # packed: every bucket's payload size is the plan's
+            return sum(self.site_groups.sent_nbytes(bucket_payload_nbytes(p) if p is not None else
+                                                    payload_nbytes(e - s, self.codec))
+                       for s, e, p in self._bucket_plans())
         if self.plans is not None:
             return sum(bucket_payload_nbytes(p) for p in self.plans)
         return sum(payload_nbytes(e - s, self.codec) for s, e in self.buckets())
