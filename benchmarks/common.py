@@ -148,6 +148,7 @@ class RunCfg:
     owner_k: int = 0                        # reduce-scatter: values the owners keep per chunk (0: k)
     owner_value_bits: int = 0               # reduce-scatter: bits of the owners' values (0: value bits)
     owner_residual: str = "owner"           # reduce-scatter: owner | workers (where the unsent aggregate waits)
+    aggregation_groups: int = 0             # hierarchical: site groups G (--sparseloco-aggregation-groups)
     reduce: str = "contributors"            # sparseloco: contributors | all (--sparseloco-reduce)
     ef_beta: float = 0.95                   # sparseloco: error-feedback decay β (--sparseloco-ef-decay)
     overlap_steps: int = 0                  # τ: delayed outer step (--sparseloco-overlap-steps), 0: blocking
@@ -159,6 +160,7 @@ class RunCfg:
             tag = f"sparseloco k={self.k}" + ("" if self.index_coding == "packed" else f" {self.index_coding}")
             tag += "" if self.chunking == "tensor" else f" {self.chunking}"
             tag += "" if self.aggregation == "allgather" else f" {self.aggregation}"
+            tag += f" G={self.aggregation_groups}" if self.aggregation_groups else ""
             tag += f" owner-k={self.owner_k}" if self.owner_k else ""
             tag += f" owner-bits={self.owner_value_bits}" if self.owner_value_bits else ""
             tag += "" if self.owner_residual == "owner" else f" residual={self.owner_residual}"
@@ -201,6 +203,7 @@ def strategy_fields(run: RunCfg) -> Dict:
                     aggregation=run.aggregation, **({"owner_k": run.owner_k} if run.owner_k else {}),
                     **({"owner_value_bits": run.owner_value_bits} if run.owner_value_bits else {}),
                     **({"owner_residual": run.owner_residual} if run.owner_residual != "owner" else {}),
+                    **({"aggregation_groups": run.aggregation_groups} if run.aggregation_groups else {}),
                     **({"reduce": run.reduce} if run.reduce != "contributors" else {}),
                     **({"momentum": run.outer_momentum, "nesterov": run.outer_momentum > 0}
                        if run.outer_momentum is not None else {}))

@@ -62,7 +62,7 @@ SWEEP = {
 def parse_methods(text: str):
     """'ddp,diloco,sparseloco:64,sparseloco:64:flat,sparseloco:64:entropy,sparseloco:64:rs' → [(method, k, extra)]
     (``efX``: error-feedback decay β = X; ``all``: --sparseloco-reduce all; ``rs``: --sparseloco-aggregation reduce-scatter; ``rsN`` / ``rsNbB``: with the owners keeping N values
-    per chunk, quantised to B bits)."""
+    per chunk, quantised to B bits; ``hG``: --sparseloco-aggregation hierarchical in G site groups)."""
     out = []
     for item in text.split(","):
         parts = item.strip().split(":")
@@ -107,9 +107,13 @@ def make_run(method, k, extra, H, seed, base, tuned):
             fields["ef_beta"] = float(extra[2:])
         if extra == "all":   # --sparseloco-reduce all: S / W, the paper's mean (default: over contributors)
             fields["reduce"] = "all"
+        sites = re.fullmatch(r"h(\d+)", extra or "")   # 'h2': hierarchical in 2 site groups
+        if sites:
+            fields["aggregation_groups"] = int(sites.group(1))
         return RunCfg("sparseloco", k=k, outer_lr=lr, outer_momentum=mu, index_coding="entropy" if extra == "entropy" else "packed",
                       chunking="flat" if extra == "flat" else "tensor",
-                      aggregation="reduce-scatter" if (extra or "").startswith("rs") else "allgather",
+                      aggregation="reduce-scatter" if (extra or "").startswith("rs") else
+                      "hierarchical" if sites else "allgather",
                       **owner_codec(extra), **fields)
     if method == "diloco":
         return RunCfg("diloco", outer_lr=lr, outer_momentum=mu, **fields)
@@ -329,7 +333,7 @@ def main(argv=None) -> int:
     ap.add_argument("--first-seed", type=int, default=0, help="run seeds FIRST .. FIRST + SEEDS - 1 (to add seeds)")
     ap.add_argument("--methods", default=METHODS_DEFAULT,
                     help="comma-separated: ddp, average, diloco, gasloc[:TOPOLOGY][:lap][:c][:auto], torchft_diloco, "
-                         "sparseloco:K[:flat|:entropy|:all|:efX|:rs|:rsN|:rsNbB]")
+                         "sparseloco:K[:flat|:entropy|:all|:efX|:rs|:rsN|:rsNbB|:hG]")
     ap.add_argument("--sweep", action="store_true",
                     help="first sweep the outer lr of diloco and sparseloco k=64 and k=128 (W = first of --workers, or "
                          "every W with --sweep-each-w; seed 0, --sweep-steps), then run every method at the best "

@@ -107,6 +107,17 @@ def test_reduce_scatter_and_gossip_tags_reach_the_strategy_fields():
         common.gasloc_fields("gasloc:g0")
 
 
+def test_hierarchical_tag_reaches_the_strategy_fields_and_its_label():
+    import common
+
+    args = argparse.Namespace(methods="sparseloco:64:h2", H=15, mbs=4, lr=1e-3, eval_windows=8, overlap_steps="",
+                              overlap_merges="replay", fragments="")
+    (run,) = quality.build_runs(args, {"sparseloco": (1.0, None)}, [0], 30)[0]
+    f = common.strategy_fields(run)
+    assert (f["aggregation"], f["aggregation_groups"]) == ("hierarchical", 2)
+    assert "hierarchical G=2" in run.label()
+
+
 def test_all_tag_gives_the_papers_mean_over_all_workers_and_its_own_label():
     import common
 
