@@ -89,6 +89,9 @@ MODES = ("allgather", "reduce-scatter", "diloco-fp32", "diloco-bf16")
 #: modes selectable with ``--modes`` but not in the default tables
 EXTRA_MODES = ("hierarchical",)
 DENSE_ITEMSIZE = {"diloco-fp32": 4, "diloco-bf16": 2}
+#: hierarchical: the sites' LAN per worker (``--lan-gbps``, ``--lan-latency-ms``)
+LAN_BANDWIDTH_BPS = 400e9
+LAN_LATENCY_S = 1e-5
 
 
 # ---------------------------------------------------------------------------------- models
@@ -264,8 +267,8 @@ def worker_ranks(model: Model, tp: int, pp: int, dp: int, sparse: SparseSettings
 class Link:
     bandwidth_bps: float   # bit/s, each direction
     latency_s: float       # one-way, per ring hop
-    lan_bandwidth_bps: float = 400e9   # hierarchical: the site's LAN (bit/s per worker link)
-    lan_latency_s: float = 1e-5        # hierarchical: one-way LAN latency
+    lan_bandwidth_bps: float = LAN_BANDWIDTH_BPS   # hierarchical: the site's LAN (bit/s per worker link)
+    lan_latency_s: float = LAN_LATENCY_S           # hierarchical: one-way LAN latency
 
 
 @dataclass
@@ -297,6 +300,7 @@ def mode_cost(mode: str, ranks: Sequence[Tuple[RankCost, int]], W: int, link: Li
         raise CostModelError(f"mode must be one of {MODES + EXTRA_MODES}, got {mode!r}")
     flag = FLAG_BYTES if W > 1 else 0
     n_ranks = sum(m for _, m in ranks)
+    lan_t = 0.0  # hierarchical: the LAN round's latency and bytes
     if mode in DENSE_ITEMSIZE:
         s = DENSE_ITEMSIZE[mode]
         payload = sum(m * s * r.numel for r, m in ranks)
@@ -313,12 +317,9 @@ def mode_cost(mode: str, ranks: Sequence[Tuple[RankCost, int]], W: int, link: Li
             g = W // G
             sent = recv = n_ranks * flag + (W - 1) * payload if W > 1 else 0
             wire = (G - 1) * payload
-            lan = (g - 1) * G * payload
-            c = max(r.buckets + 1 for r, _ in ranks) if W > 1 else 0
-            t = c * (link.latency_s + link.lan_latency_s) + 8.0 * wire / link.bandwidth_bps \
-                + 8.0 * lan / link.lan_bandwidth_bps
-            return ModeCost(mode, W, int(payload), int(sent), int(recv), float(wire), t, compute_s,
-                            t / compute_s if compute_s > 0 else math.inf, True)
+            hops = max(r.buckets + 1 for r, _ in ranks) if W > 1 else 0   # one WAN round per collective
+            lan_t = hops * link.lan_latency_s + 8.0 * (g - 1) * G * payload / link.lan_bandwidth_bps
+            exact = True
         elif mode == "allgather":
             sent = n_ranks * flag + payload if W > 1 else 0
             recv = n_ranks * flag + (W - 1) * payload if W > 1 else 0
@@ -331,7 +332,7 @@ def mode_cost(mode: str, ranks: Sequence[Tuple[RankCost, int]], W: int, link: Li
             sent = recv = int(round(n_ranks * flag + wire)) if W > 1 else 0
             hops = max(r.buckets + 1 for r, _ in ranks) * 2 * (W - 1)
             exact = False
-    t = hops * link.latency_s + 8.0 * wire / link.bandwidth_bps
+    t = hops * link.latency_s + 8.0 * wire / link.bandwidth_bps + lan_t
     return ModeCost(mode, W, int(payload), int(sent), int(recv), float(wire), t, compute_s,
                     t / compute_s if compute_s > 0 else math.inf, exact)
 
@@ -345,17 +346,16 @@ def max_workers(mode: str, ranks, link: Link, compute_s: float, budget: float, l
                 sites: int = 2) -> int:
     """Largest W in [1, limit] with ratio ≤ budget (1 if none: W = 1 communicates nothing);
     ``hierarchical`` searches the multiples of ``sites`` (and W < sites)."""
-    if mode == "hierarchical":
-        fits_h = lambda w: mode_cost(mode, ranks, w, link, compute_s, sites).ratio <= budget  # noqa: E731
-        best, w = 1, 1
-        while w <= limit:
-            if w % min(sites, w) == 0:
-                if not fits_h(w):
-                    break
-                best = w
-            w = w + 1 if w < sites else w + sites
-        return best
-    fits = lambda w: mode_cost(mode, ranks, w, link, compute_s).ratio <= budget  # noqa: E731
+    fits = lambda w: mode_cost(mode, ranks, w, link, compute_s, sites).ratio <= budget  # noqa: E731
+    if mode != "hierarchical":
+        return _largest_fitting(fits, limit)
+    if fits(sites):
+        return sites * _largest_fitting(lambda m: fits(m * sites), limit // sites)
+    return max((w for w in range(1, sites) if fits(w)), default=1)
+
+
+def _largest_fitting(fits, limit: int) -> int:
+    """Largest n in [1, limit] with ``fits(n)``, for ``fits`` true up to some n and false after (1 if none)."""
     if fits(limit):
         return limit
     lo, hi = 1, 2
@@ -385,16 +385,14 @@ class Scenario:
 def scenario(model: Model, tp: int, pp: int, dp: int, sparse: SparseSettings, compute: Compute,
              workers: Sequence[int], bandwidths_gbps: Sequence[float], latency_s: float,
              budget: float = 0.1, modes: Sequence[str] = MODES, sites: int = 2,
-             lan: Optional[Link] = None) -> Scenario:
-    """Every (bandwidth, W, mode) row and the largest W per mode; ``lan``: the hierarchical mode's LAN
-    (its bandwidth and latency; default 400 Gbit/s, 0.01 ms)."""
-    lan = lan or Link(400e9, 1e-5)
+             lan_bandwidth_bps: float = LAN_BANDWIDTH_BPS, lan_latency_s: float = LAN_LATENCY_S) -> Scenario:
+    """Every (bandwidth, W, mode) row and the largest W per mode (``sites`` and the LAN: hierarchical)."""
     ranks = worker_ranks(model, tp, pp, dp, sparse)
     comp = compute_seconds(model.numel, compute, tp * pp * dp)
     payload = sum(m * r.payload for r, m in ranks)
     sc = Scenario(model.name, model.numel, tp, pp, dp, payload, 8.0 * payload / model.numel, comp)
     for bw in bandwidths_gbps:
-        link = Link(bw * 1e9, latency_s, lan.bandwidth_bps, lan.latency_s)
+        link = Link(bw * 1e9, latency_s, lan_bandwidth_bps, lan_latency_s)
         for W in workers:
             for mode in modes:
                 sc.rows.append({"bandwidth_gbps": bw, **asdict(mode_cost(mode, ranks, W, link, comp, sites))})
@@ -475,8 +473,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated, from {', '.join(MODES + EXTRA_MODES)} (default: the first four)")
     p.add_argument("--sites", type=int, default=2, help="hierarchical: site groups G (each W must be a multiple)")
-    p.add_argument("--lan-gbps", type=float, default=400.0, help="hierarchical: the sites' LAN bandwidth, Gbit/s")
-    p.add_argument("--lan-latency-ms", type=float, default=0.01, help="hierarchical: one-way LAN latency")
+    p.add_argument("--lan-gbps", type=float, default=LAN_BANDWIDTH_BPS / 1e9,
+                   help="hierarchical: the sites' LAN bandwidth, Gbit/s")
+    p.add_argument("--lan-latency-ms", type=float, default=LAN_LATENCY_S * 1e3, help="hierarchical: one-way LAN latency")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     args = p.parse_args(argv)
     if args.params is not None:
@@ -496,7 +495,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             sc = scenario(model, tp, pp, dp, sparse, compute, _ints(args.workers), _floats(args.bandwidth_gbps),
                           args.latency_ms / 1e3, args.budget, modes, args.sites,
-                          Link(args.lan_gbps * 1e9, args.lan_latency_ms / 1e3))
+                          args.lan_gbps * 1e9, args.lan_latency_ms / 1e3)
         except CostModelError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

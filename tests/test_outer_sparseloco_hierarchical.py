@@ -18,7 +18,7 @@ from megatron_sparseloco.compress.errors import PayloadError
 from megatron_sparseloco.outer.base import ConfigError
 from megatron_sparseloco.outer.sparse_hierarchical import SiteGroups
 from megatron_sparseloco.outer.sparseloco import SparseLoCoConfig
-from test_outer_sparseloco_tensor import full_drift, full_params, layout_slices, take
+from test_outer_sparseloco_tensor import add_drift, layout_strategy
 
 LAYOUT = "pos1of3"
 BASE = dict(chunk=64, k=4, bucket_numel=2000)
@@ -47,12 +47,7 @@ def test_config_refuses_what_hierarchical_cannot_do():
 
 
 def drive(rank: int, world: int, fields: dict, corrupt_rank=None, steps=STEPS):
-    from megatron_sparseloco.outer import build_outer_strategy
-
-    sls = layout_slices(LAYOUT)
-    params = take(full_params(), sls)
-    strat = build_outer_strategy("sparseloco", params, None, names=[n for n, _ in sls],
-                                 slices=[s for _, s in sls], **fields)
+    sls, params, strat = layout_strategy(LAYOUT, fields)
     if corrupt_rank == rank:
         compress = strat._compress
 
@@ -65,9 +60,7 @@ def drive(rank: int, world: int, fields: dict, corrupt_rank=None, steps=STEPS):
     out = {"anchor": [], "error": [], "stats": [], "buckets": len(list(strat.buckets())),
            "expected_sent": strat.expected_payload_bytes()}
     for step in range(1, steps + 1):
-        with torch.no_grad():
-            for p, d in zip(params, take(full_drift(rank, step), sls)):
-                p.add_(d)
+        add_drift(params, sls, rank, step)
         try:
             st = strat.step()
         except PayloadError as exc:

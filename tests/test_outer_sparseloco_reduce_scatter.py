@@ -17,7 +17,7 @@ from megatron_sparseloco.compress.errors import PayloadError
 from megatron_sparseloco.compress.segments import decode_bucket, encode_bucket, plan_buckets, segment_layout
 from megatron_sparseloco.outer.sparse_reduce_scatter import SparseReduceScatter, owner_ranges
 from megatron_sparseloco.outer.sparseloco import SparseLoCoConfig
-from test_outer_sparseloco_tensor import full_drift, full_params, layout_slices, take
+from test_outer_sparseloco_tensor import add_drift, full_drift, full_params, layout_slices, layout_strategy, take
 
 LAYOUT = "pos1of3"  # mid-row cuts, tile2d, flat and dense segments
 BASE = dict(chunk=64, k=4, bucket_numel=2000)
@@ -106,12 +106,7 @@ def test_config_rejects_what_reduce_scatter_cannot_do():
 
 # ---------------------------------------------------------------------------------- ranks
 def drive(rank: int, world: int, fields: dict, corrupt_rank=None):
-    from megatron_sparseloco.outer import build_outer_strategy
-
-    sls = layout_slices(LAYOUT)
-    params = take(full_params(), sls)
-    strat = build_outer_strategy("sparseloco", params, None, names=[n for n, _ in sls],
-                                 slices=[s for _, s in sls], **fields)
+    sls, params, strat = layout_strategy(LAYOUT, fields)
     rs = strat.reduce_scatter
     updates, positions = {}, {}
     if rs is not None:
@@ -135,9 +130,7 @@ def drive(rank: int, world: int, fields: dict, corrupt_rank=None):
             rs.make_piece = corrupt
     out = {"anchor": [], "stats": [], "owner_error": [], "update": [], "error": [], "applied": []}
     for step in range(1, STEPS + 1):
-        with torch.no_grad():
-            for p, d in zip(params, take(full_drift(rank, step), sls)):
-                p.add_(d)
+        add_drift(params, sls, rank, step)
         try:
             st = strat.step()
         except PayloadError as exc:

@@ -120,18 +120,29 @@ def reference(layout: str, workers, fields: dict, steps: int = STEPS):
 
 
 # ---------------------------------------------------------------------------------- runs
-def drive_layout(rank: int, world: int, layout: str, fields: dict, steps: int = STEPS):
-    from megatron_sparseloco.testing.collective_spy import CollectiveSpy
-
+def layout_strategy(layout: str, fields: dict):
+    """(slices, params, strategy): a SparseLoCo strategy over this rank's ``layout`` slices of ``full_params()``."""
     sls = layout_slices(layout)
     params = take(full_params(), sls)
     strat = build_outer_strategy("sparseloco", params, None, names=[n for n, _ in sls],
                                  slices=[sl for _, sl in sls], **fields)
+    return sls, params, strat
+
+
+def add_drift(params, sls, rank: int, step: int) -> None:
+    """Inner training stand-in: worker ``rank``'s drift of ``step`` added to its params."""
+    with torch.no_grad():
+        for p, d in zip(params, take(full_drift(rank, step), sls)):
+            p.add_(d)
+
+
+def drive_layout(rank: int, world: int, layout: str, fields: dict, steps: int = STEPS):
+    from megatron_sparseloco.testing.collective_spy import CollectiveSpy
+
+    sls, params, strat = layout_strategy(layout, fields)
     out = {"params": [], "stats": [], "spy": [], "buckets": len(strat.plans)}
     for step in range(1, steps + 1):
-        with torch.no_grad():
-            for p, d in zip(params, take(full_drift(rank, step), sls)):
-                p.add_(d)
+        add_drift(params, sls, rank, step)
         if world > 1:
             with CollectiveSpy() as spy:
                 st = strat.step()

@@ -374,13 +374,13 @@ class SparseLoCo(OuterStrategy):
         """Exact for packed indices; for entropy coding the upper bound (payloads are padded to it at most)."""
         if self.reduce_scatter is not None:
             return self.reduce_scatter.expected_sent_bytes()
-        if self.site_groups is not None:   # packed: every bucket's payload size is the plan's
-            return sum(self.site_groups.sent_nbytes(bucket_payload_nbytes(p) if p is not None else
-                                                    payload_nbytes(e - s, self.codec))
-                       for s, e, p in self._bucket_plans())
         if self.plans is not None:
-            return sum(bucket_payload_nbytes(p) for p in self.plans)
-        return sum(payload_nbytes(e - s, self.codec) for s, e in self.buckets())
+            sizes = [bucket_payload_nbytes(p) for p in self.plans]
+        else:
+            sizes = [payload_nbytes(e - s, self.codec) for s, e in self.buckets()]
+        if self.site_groups is not None:   # packed: every worker's payload of a bucket has its size
+            return sum(self.site_groups.sent_nbytes(n) for n in sizes)
+        return sum(sizes)
 
     # ------------------------------------------------------------------ the three phases
     def _compress(self, s: int, e: int, plan: Optional[BucketPlan], delta: torch.Tensor) -> Tuple[torch.Tensor, Decoded]:
