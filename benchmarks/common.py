@@ -391,7 +391,8 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
             if flag.item() > 0:
                 break
     return {"rank": rank, "numel": numel, "curve": curve, "train_losses": train_losses,
-            "sync": sync_times, "bytes_sent": curve[-1]["bytes_per_worker"], "wall_s": wall,
+            "sync": sync_times, "bytes_sent": curve[-1]["bytes_per_worker"],
+            "bytes_received": int(outer.log.bytes_received) if outer is not None else None, "wall_s": wall,
             "steps_done": curve[-1]["step"], "mean_model_loss": mean_model_loss}
 
 

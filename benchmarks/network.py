@@ -21,6 +21,16 @@ veth pair created directly between the two namespaces; worker i has 10.77.0.(i+1
 ``eth0``. Each link is shaped with tbf in both directions (worker's ``eth0`` egress, the hub-side
 peer's egress): 100 Mbit/s for every worker except the last, whose link is 10× slower
 (10 Mbit/s). Compares gasloc (ring gossip) against diloco (all-reduce) in time to loss.
+
+Sites (``--sites G``): the same hub and per-worker namespaces, the W = ``--sites-workers`` workers cut
+into G contiguous sites (worker w = a·g + i of site a has 10.77.a.(i+1)/16). Each worker's link is
+shaped in both directions with an htb of two classes: traffic to (from) its own site's /24 at
+``--lan-rate``, traffic to (from) another site's /24 at ``--wan-rate``, plus ``--wan-delay`` of netem
+delay on the way out when given (one-way, so a WAN round trip pays it once; needs sch_netem, which
+some container kernels lack: then the case shapes bandwidth only). Each worker has its own WAN share
+(the cost model's per-worker-link assumption, docs/scaling.md). Compares the SparseLoCo aggregations
+(``--sites-methods``: all-gather, ``hier`` = hierarchical in the G sites, ``rs`` = reduce-scatter) in
+outer-sync time; all-gather and hierarchical must end on the same loss (bitwise the same update).
 """
 from __future__ import annotations
 
@@ -123,6 +133,62 @@ def hetero_netns(nss: Namespaces, rates):
     return names, addrs
 
 
+def site_of(addr: str) -> int:
+    return int(addr.split(".")[2])
+
+
+def sites_addresses(world: int, sites: int):
+    """10.77.a.(i+1) for worker w = a·g + i of site a (g = W / G)."""
+    if sites < 2 or world % sites:
+        raise SystemExit(f"--sites {sites}: must be >= 2 and divide --sites-workers {world}")
+    g = world // sites
+    return [f"10.77.{w // g}.{w % g + 1}" for w in range(world)]
+
+
+def sites_tc_commands(dev: str, addr: str, sites: int, lan_rate: str, wan_rate: str, wan_delay: str,
+                      toward_worker: bool):
+    """tc commands shaping one side of a worker's link: class 1:10 (its own site, LAN rate, the default)
+    and 1:20 (the other sites' /24s, WAN rate; the worker's egress adds the netem delay). Matched on the
+    destination on the worker's egress, on the source on the hub side (traffic toward the worker)."""
+    own = site_of(addr)
+    cmds = [["tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "10"],
+            ["tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", lan_rate,
+             "burst", "512k"],
+            ["tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", wan_rate,
+             "burst", "512k"]]
+    if wan_delay and not toward_worker:
+        cmds.append(["tc", "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "netem", "delay",
+                     wan_delay, "limit", "100000"])
+    for b in range(sites):
+        if b != own:
+            cmds.append(["tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                         "match", "ip", "src" if toward_worker else "dst", f"10.77.{b}.0/24", "flowid", "1:20"])
+    return cmds
+
+
+def sites_netns(nss: Namespaces, world: int, sites: int, lan_rate: str, wan_rate: str, wan_delay: str):
+    """Hub bridge + one namespace per worker in G sites (see the module docstring); returns (names, addrs)."""
+    pid = os.getpid()
+    hub = nss.add(f"slb-hub-{pid}")
+    sh("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
+    sh("ip", "-n", hub, "link", "set", "br0", "up")
+    names, addrs = [], sites_addresses(world, sites)
+    for i, addr in enumerate(addrs):
+        ns = nss.add(f"slb-w{i}-{pid}")
+        peer = f"p{i}"
+        sh("ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", peer, "netns", hub)
+        sh("ip", "-n", hub, "link", "set", peer, "master", "br0")
+        sh("ip", "-n", hub, "link", "set", peer, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{addr}/16", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        for cmd in sites_tc_commands("eth0", addr, sites, lan_rate, wan_rate, wan_delay, toward_worker=False):
+            sh("ip", "netns", "exec", ns, *cmd)
+        for cmd in sites_tc_commands(peer, addr, sites, lan_rate, wan_rate, wan_delay, toward_worker=True):
+            sh("ip", "netns", "exec", hub, *cmd)
+        names.append(ns)
+    return names, addrs
+
+
 # ---------------------------------------------------------------------------- jobs
 def _write_spec(tmp, model, runs, paths):
     spec = os.path.join(tmp, "spec.json")
@@ -177,9 +243,14 @@ def run_uniform(model, runs, paths, world, rate, timeout):
 
 
 def run_hetero(model, runs, paths, rates, timeout):
-    world = len(rates)
+    return run_namespaced(model, runs, paths, lambda nss: hetero_netns(nss, rates), timeout)
+
+
+def run_namespaced(model, runs, paths, build, timeout):
+    """One rank per worker namespace that ``build(nss)`` creates (it returns their names and addresses)."""
     with Namespaces() as nss, tempfile.TemporaryDirectory(prefix="slb-net-") as tmp:
-        names, addrs = hetero_netns(nss, rates)
+        names, addrs = build(nss)
+        world = len(names)
         spec = _write_spec(tmp, model, runs, paths)
         procs, outs = [], []
         for rank, ns in enumerate(names):
@@ -205,7 +276,7 @@ def run_hetero(model, runs, paths, rates, timeout):
         if failed:
             tails = "\n".join(f"--- rank {r} ---\n" + open(os.path.join(tmp, f"rank{r}.log")).read()[-3000:]
                               for r in failed)
-            raise RuntimeError(f"heterogeneous job: ranks {failed} failed\n{tails}")
+            raise RuntimeError(f"namespaced job: ranks {failed} failed\n{tails}")
         res = []
         for out in outs:
             with open(out) as f:
@@ -305,7 +376,23 @@ def outer_fields(item: str, tags) -> dict:
     return out
 
 
-def hetero_runs(text: str, base: dict):
+def aggregation_fields(item: str, tags, sites: int):
+    """The sparseloco aggregation tags of a spec (``hier``: hierarchical in the ``--sites`` groups,
+    ``rs``: reduce-scatter) as run fields, and the remaining tags."""
+    fields, rest = {}, []
+    for tag in tags:
+        if tag == "hier":
+            if not sites:
+                raise SystemExit(f"{item!r}: 'hier' needs the sites case (--sites G)")
+            fields.update(aggregation="hierarchical", aggregation_groups=sites)
+        elif tag == "rs":
+            fields["aggregation"] = "reduce-scatter"
+        else:
+            rest.append(tag)
+    return fields, rest
+
+
+def hetero_runs(text: str, base: dict, sites: int = 0):
     runs = []
     for item in [t.strip() for t in text.split(",") if t.strip()]:
         parts = item.split(":")
@@ -314,7 +401,8 @@ def hetero_runs(text: str, base: dict):
         elif parts[0] == "sparseloco":
             has_k = len(parts) > 1 and parts[1].isdigit()
             k, tags = (int(parts[1]), parts[2:]) if has_k else (64, parts[1:])
-            runs.append(RunCfg("sparseloco", k=k, **base, **outer_fields(item, tags)))
+            agg, tags = aggregation_fields(item, tags, sites)
+            runs.append(RunCfg("sparseloco", k=k, **base, **agg, **outer_fields(item, tags)))
         elif parts[0] == "diloco":
             runs.append(RunCfg("diloco", **base, **outer_fields(item, parts[1:])))
         else:
@@ -372,6 +460,18 @@ def main(argv=None) -> int:
     ap.add_argument("--fragments", default="",
                     help="comma-separated P values (e.g. 3): extra diloco and sparseloco rows with the model synced in "
                          "P fragments (--sparseloco-fragments), blocking and with every --overlap-steps τ < H/P")
+    ap.add_argument("--sites", type=int, default=0,
+                    help="run the sites case: --sites-workers workers in this many sites, LAN inside, WAN between")
+    ap.add_argument("--sites-workers", type=int, default=8)
+    ap.add_argument("--sites-steps", type=int, default=None, help="inner steps of the sites case (default 4·H)")
+    ap.add_argument("--lan-rate", default="1gbit")
+    ap.add_argument("--wan-rate", default="100mbit")
+    ap.add_argument("--wan-delay", default="",
+                    help="one-way netem delay on every worker's WAN class, e.g. 25ms (needs the kernel's sch_netem; "
+                         "default: none)")
+    ap.add_argument("--sites-methods", default="sparseloco:64,sparseloco:64:hier,sparseloco:64:rs",
+                    help="comma-separated methods of the sites case, as --hetero-methods, with the sparseloco "
+                         "tags hier (hierarchical in the --sites groups) and rs (reduce-scatter)")
     ap.add_argument("--no-ddp", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=None)
@@ -428,8 +528,10 @@ def main(argv=None) -> int:
            "uniform": {"rate": args.rate, "tbf": TBF, "workers": args.workers,
                        "note": "all ranks share the shaped loopback: the rate is the aggregate of all traffic"},
            "results": []}
-    if args.no_uniform and args.no_hetero:
-        raise SystemExit("--no-uniform and --no-hetero together leave nothing to run")
+    if args.no_uniform and args.no_hetero and not args.sites:
+        raise SystemExit("--no-uniform and --no-hetero together leave nothing to run (add --sites G for the sites case)")
+    if args.sites:
+        sites_addresses(args.sites_workers, args.sites)   # refuses a G that does not divide W, before any run
     if not args.no_uniform:
         print(f"[network] uniform: W={args.workers}, lo tbf {args.rate}, methods "
               f"{[m.method for m in methods]}, {steps} steps, H={H}", flush=True)
@@ -468,6 +570,25 @@ def main(argv=None) -> int:
             print(f"  {label(r):34s} loss {r['held_out_loss']:.4f}  sync comm {r['sync_communicate_s']}  "
                   f"outer step {r['sync_outer_step_s']}  to-target {r['time_to_target_s']}  "
                   f"to-diloco {r.get('time_to_diloco_s')}", flush=True)
+    if args.sites:
+        Ws, G = args.sites_workers, args.sites
+        ssteps = args.sites_steps or (steps if args.smoke else 4 * H)
+        sbase = dict(base, steps=ssteps)
+        smethods = hetero_runs(args.sites_methods, sbase, sites=G)
+        out["sites"] = {"workers": Ws, "sites": G, "lan_rate": args.lan_rate, "wan_rate": args.wan_rate,
+                        "wan_delay": args.wan_delay, "steps": ssteps,
+                        "note": "one namespace per worker, veth to a hub bridge; htb per link and direction: own "
+                                "site at the LAN rate, other sites at the WAN rate plus the one-way netem delay"}
+        print(f"[network] sites: W={Ws} in {G} sites, LAN {args.lan_rate}, WAN {args.wan_rate}"
+              f"{' + ' + args.wan_delay if args.wan_delay else ''}, {ssteps} steps", flush=True)
+        sres = run_namespaced(model, smethods, paths,
+                              lambda nss: sites_netns(nss, Ws, G, args.lan_rate, args.wan_rate, args.wan_delay),
+                              args.timeout or (240 if args.smoke else 300 * len(smethods)))
+        srows = summarise(sres, Ws, "sites")
+        out["results"] += srows
+        for r in srows:
+            print(f"  {label(r):40s} loss {r['held_out_loss']:.6f}  sync comm {r['sync_communicate_s']}  "
+                  f"outer step {r['sync_outer_step_s']}  step {r['step_s']:.3f}s", flush=True)
     out["total_wall_s"] = time.perf_counter() - t0
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

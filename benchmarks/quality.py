@@ -222,6 +222,9 @@ def row_of(results, W):
         # gasloc: the loss of the workers' mean model (what a final exact average would give)
         "held_out_loss_mean_model": results[0].get("mean_model_loss"),
         "bytes_sent_per_worker": int(max(r["bytes_sent"] for r in results)),
+        # the most any worker received over the run (None where the run has no outer step)
+        "bytes_received_per_worker": (None if results[0].get("bytes_received") is None
+                                      else int(max(r["bytes_received"] for r in results))),
         "tokens": final["tokens"],
         "steps": final["step"],
         "numel": results[0]["numel"],
@@ -278,6 +281,7 @@ def summarise(rows):
         out.append({"label": lab, "method": rs[0]["method"], "k": rs[0]["k"], "workers": W, "steps": steps,
                     "seeds": len(rs), "mean": sum(losses) / len(losses), "spread": max(losses) - min(losses),
                     "losses": losses, "bytes_sent_per_worker": max(r["bytes_sent_per_worker"] for r in rs),
+                    "bytes_received_per_worker": max((r.get("bytes_received_per_worker") or 0) for r in rs) or None,
                     "outer_lr": rs[0]["outer_lr"], "outer_momentum": rs[0]["outer_momentum"],
                     "chunking": rs[0].get("chunking")})
     return out

@@ -185,3 +185,34 @@ def test_sweep_each_w_tunes_every_w_on_its_own_and_reuses_the_sweeps_seed0_runs(
 def test_sweep_each_w_needs_the_sweep():
     with pytest.raises(SystemExit, match="--sweep-each-w"):
         quality.main(["--sweep-each-w", "--workers", "2,8", "--steps", "30"])
+
+
+def test_sites_case_addresses_and_shaping():
+    """Workers are cut into contiguous sites by address; each side of a link sends the other sites' /24s
+    to the WAN class (by destination on the worker's egress, by source toward the worker), and the delay
+    is added only when asked, on the worker's egress."""
+    assert network.sites_addresses(8, 2) == [f"10.77.{w // 4}.{w % 4 + 1}" for w in range(8)]
+    for bad in (3, 1):
+        with pytest.raises(SystemExit, match="--sites"):
+            network.sites_addresses(8, bad)
+    out = network.sites_tc_commands("eth0", "10.77.1.2", 3, "1gbit", "20mbit", "25ms", toward_worker=False)
+    filters = [c for c in out if c[1] == "filter"]
+    assert [c[c.index("dst") + 1] for c in filters] == ["10.77.0.0/24", "10.77.2.0/24"]
+    assert all(c[-1] == "1:20" for c in filters)
+    classes = {c[c.index("classid") + 1]: c[c.index("rate") + 1] for c in out if c[1] == "class"}
+    assert classes == {"1:10": "1gbit", "1:20": "20mbit"}
+    assert ["netem", "delay", "25ms"] == [c for c in out if "netem" in c][0][-5:-2]
+    hub = network.sites_tc_commands("p5", "10.77.1.2", 3, "1gbit", "20mbit", "25ms", toward_worker=True)
+    assert not any("netem" in c for c in hub) and sum("src" in c for c in hub) == 2
+    assert not any("netem" in c for c in network.sites_tc_commands("eth0", "10.77.0.1", 2, "1gbit", "20mbit", "",
+                                                                    toward_worker=False))
+
+
+def test_sites_methods_carry_the_aggregation():
+    base = dict(H=15, steps=30)
+    ag, hier, rs = network.hetero_runs("sparseloco:64,sparseloco:64:hier:lr1.5,sparseloco:rs", base, sites=2)
+    assert (ag.aggregation, ag.aggregation_groups) == ("allgather", 0)
+    assert (hier.aggregation, hier.aggregation_groups, hier.outer_lr) == ("hierarchical", 2, 1.5)
+    assert (rs.aggregation, rs.k) == ("reduce-scatter", 64)
+    with pytest.raises(SystemExit, match="sites"):
+        network.hetero_runs("sparseloco:64:hier", base)
