@@ -67,6 +67,8 @@ def test_quality_quick_schema(tmp_path):
     for row in rows:
         if row["method"] == "sparseloco":
             assert row["bytes_sent_per_worker"] * 50 < dense, row
+            # W = 2, all-gather: each worker receives exactly what the other one sent
+            assert row["bytes_received_per_worker"] == row["bytes_sent_per_worker"], row
     assert (tmp_path / "quality_loss_vs_tokens_W2.png").stat().st_size > 0
     assert (tmp_path / "quality_loss_vs_bytes_W2.png").stat().st_size > 0
 
