@@ -216,3 +216,21 @@ def test_sites_methods_carry_the_aggregation():
     assert (rs.aggregation, rs.k) == ("reduce-scatter", 64)
     with pytest.raises(SystemExit, match="sites"):
         network.hetero_runs("sparseloco:64:hier", base)
+
+
+def test_support_frontier_rows():
+    import support_frontier
+
+    def row(label, k, recv, W=8):
+        return {"method": "sparseloco", "label": label, "k": k, "workers": W, "seed": 0, "steps": 450, "H": 15,
+                "held_out_loss": 2.0, "bytes_received_per_worker": recv, "bytes_sent_per_worker": 30}
+    ag, rs, rs128 = (row("sparseloco k=64 lr=1 H=15", 64, 300), row("sparseloco k=64 reduce-scatter lr=1 H=15", 64, 90),
+                     row("sparseloco k=64 reduce-scatter owner-k=128 lr=1 H=15", 64, 120))
+    out = {r["label"]: r for r in support_frontier.frontier_rows([ag, rs, rs128, {"method": "diloco"}])}
+    assert out[ag["label"]]["support_per_chunk"] == 8 * 64 and out[ag["label"]]["received_per_round"] == 10.0
+    assert out[rs["label"]]["support_per_chunk"] == 64 and out[rs["label"]]["aggregation"] == "reduce-scatter"
+    assert out[rs128["label"]]["support_per_chunk"] == 128 and out[rs128["label"]]["sent_per_round"] == 1.0
+    with pytest.raises(SystemExit, match="bytes_received"):
+        support_frontier.frontier_rows([dict(ag, bytes_received_per_worker=None)])
+    with pytest.raises(SystemExit, match="different"):
+        support_frontier.frontier_rows([ag, row("sparseloco k=64 lr=1 H=15", 64, 300, W=4)])
