@@ -50,10 +50,12 @@ METHODS_DEFAULT = "ddp,average,diloco,sparseloco:64,sparseloco:128,sparseloco:64
 #: The outer-lr sweep (every outer method tuned the same way, on the default corpus): the issue's grid
 #: (DiLoCo lr {0.5, 0.7, 1.0} × μ {0.9, 0.6}; SparseLoCo lr {0.8 … 1.5}), widened where a 900-step winner
 #: sat on its edge (DiLoCo 0.35, SparseLoCo 2.0 / 2.5), with k = 128 tuned on its own (its best lr differs
-#: from k = 64's at every W measured; docs/benchmarks.md).
+#: from k = 64's at every W measured; docs/benchmarks.md). DiLoCo's μ 0.8 at lr 0.5 was added when it beat
+#: both neighbours at W = 2, 4 and 8 (2026-12-03; SparseLoCo's second axis, β, is swept by method tag:
+#: --methods sparseloco:128:ef0.9).
 SWEEP_SPARSELOCO_LRS = (0.8, 1.0, 1.2, 1.5, 2.0, 2.5)
 SWEEP = {
-    "diloco": [(lr, mu) for lr in (0.35, 0.5, 0.7, 1.0) for mu in (0.9, 0.6)],
+    "diloco": [(lr, mu) for lr in (0.35, 0.5, 0.7, 1.0) for mu in (0.9, 0.6)] + [(0.5, 0.8)],
     "sparseloco": [(lr, None) for lr in SWEEP_SPARSELOCO_LRS],
     "sparseloco:128": [(lr, None) for lr in SWEEP_SPARSELOCO_LRS],
 }
