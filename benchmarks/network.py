@@ -578,7 +578,8 @@ def main(argv=None) -> int:
         out["sites"] = {"workers": Ws, "sites": G, "lan_rate": args.lan_rate, "wan_rate": args.wan_rate,
                         "wan_delay": args.wan_delay, "steps": ssteps,
                         "note": "one namespace per worker, veth to a hub bridge; htb per link and direction: own "
-                                "site at the LAN rate, other sites at the WAN rate plus the one-way netem delay"}
+                                "site at the LAN rate, other sites at the WAN rate"
+                                + (" plus the one-way netem delay" if args.wan_delay else " (no delay)")}
         print(f"[network] sites: W={Ws} in {G} sites, LAN {args.lan_rate}, WAN {args.wan_rate}"
               f"{' + ' + args.wan_delay if args.wan_delay else ''}, {ssteps} steps", flush=True)
         sres = run_namespaced(model, smethods, paths,
