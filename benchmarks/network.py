@@ -110,27 +110,34 @@ def uniform_netns(nss: Namespaces, rate: str) -> str:
     return ns
 
 
-def hetero_netns(nss: Namespaces, rates):
-    """Hub bridge + one namespace per worker; returns (worker namespaces, addresses)."""
+def star_netns(nss: Namespaces, addrs, prefix_len: int, shape):
+    """Hub bridge + one namespace per worker, joined to it by a veth pair (worker side ``eth0`` with
+    ``addrs[i]/prefix_len``, hub side ``p<i>``); ``shape(i, ns, peer, hub)`` then shapes worker i's link.
+    Returns (worker namespaces, addresses)."""
     pid = os.getpid()
     hub = nss.add(f"slb-hub-{pid}")
     sh("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
     sh("ip", "-n", hub, "link", "set", "br0", "up")
-    names, addrs = [], []
-    for i, rate in enumerate(rates):
+    names = []
+    for i, addr in enumerate(addrs):
         ns = nss.add(f"slb-w{i}-{pid}")
         peer = f"p{i}"
         sh("ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", peer, "netns", hub)
         sh("ip", "-n", hub, "link", "set", peer, "master", "br0")
         sh("ip", "-n", hub, "link", "set", peer, "up")
-        addr = f"10.77.0.{i + 1}"
-        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        sh("ip", "-n", ns, "addr", "add", f"{addr}/{prefix_len}", "dev", "eth0")
         sh("ip", "-n", ns, "link", "set", "eth0", "up")
-        sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate, *TBF)
-        sh("ip", "netns", "exec", hub, "tc", "qdisc", "replace", "dev", peer, "root", "tbf", "rate", rate, *TBF)
+        shape(i, ns, peer, hub)
         names.append(ns)
-        addrs.append(addr)
-    return names, addrs
+    return names, list(addrs)
+
+
+def hetero_netns(nss: Namespaces, rates):
+    """Worker i on 10.77.0.(i+1)/24, its link shaped by tbf at ``rates[i]`` in both directions."""
+    def shape(i, ns, peer, hub):
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rates[i], *TBF)
+        sh("ip", "netns", "exec", hub, "tc", "qdisc", "replace", "dev", peer, "root", "tbf", "rate", rates[i], *TBF)
+    return star_netns(nss, [f"10.77.0.{i + 1}" for i in range(len(rates))], 24, shape)
 
 
 def site_of(addr: str) -> int:
@@ -167,26 +174,14 @@ def sites_tc_commands(dev: str, addr: str, sites: int, lan_rate: str, wan_rate: 
 
 
 def sites_netns(nss: Namespaces, world: int, sites: int, lan_rate: str, wan_rate: str, wan_delay: str):
-    """Hub bridge + one namespace per worker in G sites (see the module docstring); returns (names, addrs)."""
-    pid = os.getpid()
-    hub = nss.add(f"slb-hub-{pid}")
-    sh("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
-    sh("ip", "-n", hub, "link", "set", "br0", "up")
-    names, addrs = [], sites_addresses(world, sites)
-    for i, addr in enumerate(addrs):
-        ns = nss.add(f"slb-w{i}-{pid}")
-        peer = f"p{i}"
-        sh("ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", peer, "netns", hub)
-        sh("ip", "-n", hub, "link", "set", peer, "master", "br0")
-        sh("ip", "-n", hub, "link", "set", peer, "up")
-        sh("ip", "-n", ns, "addr", "add", f"{addr}/16", "dev", "eth0")
-        sh("ip", "-n", ns, "link", "set", "eth0", "up")
-        for cmd in sites_tc_commands("eth0", addr, sites, lan_rate, wan_rate, wan_delay, toward_worker=False):
-            sh("ip", "netns", "exec", ns, *cmd)
-        for cmd in sites_tc_commands(peer, addr, sites, lan_rate, wan_rate, wan_delay, toward_worker=True):
-            sh("ip", "netns", "exec", hub, *cmd)
-        names.append(ns)
-    return names, addrs
+    """One namespace per worker in G sites on a /16 (see the module docstring); returns (names, addrs)."""
+    addrs = sites_addresses(world, sites)
+
+    def shape(i, ns, peer, hub):
+        for toward_worker, where, dev in ((False, ns, "eth0"), (True, hub, peer)):
+            for cmd in sites_tc_commands(dev, addrs[i], sites, lan_rate, wan_rate, wan_delay, toward_worker):
+                sh("ip", "netns", "exec", where, *cmd)
+    return star_netns(nss, addrs, 16, shape)
 
 
 # ---------------------------------------------------------------------------- jobs
