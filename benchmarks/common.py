@@ -364,7 +364,7 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
             last = outer.log.last
             rec = {k: last.get(k, 0.0) for k in ("time_compress_s", "time_communicate_s", "time_apply_s",
                                                  "bytes_sent", "time_exposed_s", "time_wait_s", "time_launch_s",
-                                                 "time_agree_s")}
+                                                 "time_agree_s", "time_owner_s")}
             # the wall time the loop spent in the outer step (delayed: launch + wait + apply + merge)
             rec["outer_step_s"] = (last.get("time_exposed_s", float("nan")) if run.overlap_steps
                                    else (outer_times[-1] if outer_times else float("nan")))

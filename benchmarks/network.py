@@ -242,18 +242,25 @@ def run_hetero(model, runs, paths, rates, timeout):
 
 
 def run_namespaced(model, runs, paths, build, timeout):
-    """One rank per worker namespace that ``build(nss)`` creates (it returns their names and addresses)."""
+    """One training rank per worker namespace that ``build(nss)`` creates (it returns their names and
+    addresses): ``common.rank_run_all`` of every run."""
+    return run_in_namespaces(build, lambda tmp: _write_spec(tmp, model, runs, paths), timeout)
+
+
+def run_in_namespaces(build, write_spec, timeout, script=HERE):
+    """``script --_worker SPEC --_rank r --_world W --_out OUT`` in each worker namespace that ``build(nss)``
+    creates, SPEC = ``write_spec(tmp)``; returns the ranks' JSON outputs (a failed rank raises, with its log)."""
     with Namespaces() as nss, tempfile.TemporaryDirectory(prefix="slb-net-") as tmp:
         names, addrs = build(nss)
         world = len(names)
-        spec = _write_spec(tmp, model, runs, paths)
+        spec = write_spec(tmp)
         procs, outs = [], []
         for rank, ns in enumerate(names):
             out = os.path.join(tmp, f"rank{rank}.json")
             env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR=addrs[0], MASTER_PORT="29511",
                        GLOO_SOCKET_IFNAME="eth0", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0")
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w")
-            procs.append((subprocess.Popen(["ip", "netns", "exec", ns, PY, HERE, "--_worker", spec, "--_rank",
+            procs.append((subprocess.Popen(["ip", "netns", "exec", ns, PY, script, "--_worker", spec, "--_rank",
                                             str(rank), "--_world", str(world), "--_out", out, "--_timeout",
                                             str(timeout)], env=env, stdout=log, stderr=subprocess.STDOUT), log))
             outs.append(out)
@@ -294,7 +301,8 @@ def summarise(res, world, case):
         n_sync = len(syncs[0])
         # per outer step, the slowest rank decides; drop the first sync (connection set-up, warm-up)
         def per_step(key):
-            vals = [max(s[j][key] for s in syncs) for j in range(n_sync)]
+            get = key if callable(key) else (lambda rec: rec[key])
+            vals = [max(get(s[j]) for s in syncs) for j in range(n_sync)]
             steady = vals[1:] if len(vals) > 1 else vals
             return (sum(steady) / len(steady)) if steady else None
         steps = curve[-1]["step"]
@@ -313,9 +321,14 @@ def summarise(res, world, case):
                # for the collective
                "sync_launch_s": per_step("time_launch_s") if n_sync and run.get("overlap_steps") else None,
                "sync_wait_s": per_step("time_wait_s") if n_sync and run.get("overlap_steps") else None,
-               # ... and the non-finite agreement on the comm thread (it waits for the slowest worker; hidden
-               # unless the wait shows it)
-               "sync_agree_s": per_step("time_agree_s") if n_sync and run.get("overlap_steps") else None,
+               # ... and the non-finite agreement (it waits for the slowest worker; τ runs: on the comm
+               # thread, hidden unless the wait shows it)
+               "sync_agree_s": per_step("time_agree_s") if n_sync and run["method"] not in ("ddp", "local") else None,
+               # reduce-scatter: the owners' compute inside the communicate clock (the rest is the wire)
+               "sync_owner_s": per_step("time_owner_s") if n_sync and run.get("aggregation") == "reduce-scatter" else None,
+               # ... per rank, communicate − owners = the collectives (waits for the slowest owner included)
+               "sync_wire_s": (per_step(lambda rec: rec["time_communicate_s"] - rec.get("time_owner_s", 0.0))
+                               if n_sync else None),
                "step_s": wall / max(1, steps), "wall_s": wall, "curve": curve}
         rows.append(row)
     return rows
@@ -584,6 +597,7 @@ def main(argv=None) -> int:
         out["results"] += srows
         for r in srows:
             print(f"  {label(r):40s} loss {r['held_out_loss']:.6f}  sync comm {r['sync_communicate_s']}  "
+                  f"(owners {r['sync_owner_s']}, wire {r['sync_wire_s']})  agree {r['sync_agree_s']}  "
                   f"outer step {r['sync_outer_step_s']}  step {r['step_s']:.3f}s", flush=True)
     out["total_wall_s"] = time.perf_counter() - t0
     if args.json:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
+import aggregation_wire  # noqa: E402
 import network  # noqa: E402
 import quality  # noqa: E402
 
@@ -216,6 +218,54 @@ def test_sites_methods_carry_the_aggregation():
     assert (rs.aggregation, rs.k) == ("reduce-scatter", 64)
     with pytest.raises(SystemExit, match="sites"):
         network.hetero_runs("sparseloco:64:hier", base)
+
+
+def test_summary_splits_the_owners_compute_from_the_wire():
+    """Per outer step the slowest rank decides each clock; the wire is communicate − owners per rank
+    (then the slowest), not the difference of the two maxima. The first sync is dropped."""
+    from dataclasses import asdict
+    run = asdict(network.hetero_runs("sparseloco:rs", dict(H=5, steps=10), sites=2)[0])
+
+    def rank(syncs):
+        keys = ("time_compress_s", "time_communicate_s", "time_apply_s", "time_agree_s", "time_owner_s",
+                "outer_step_s")
+        curve = [{"step": 10, "tokens": 0, "bytes_per_worker": 0, "held_out_loss": 3.0, "wall_s": 1.0}]
+        return [{"run": run, "curve": curve, "numel": 1, "bytes_sent": 8, "wall_s": 1.0,
+                 "sync": [dict(zip(keys, (0.1, c, 0.01, 0.2, o, 1.0))) for c, o in syncs]}]
+    res = [rank([(9.0, 9.0), (1.0, 0.7), (2.0, 0.5)]), rank([(9.0, 9.0), (1.2, 0.1), (1.5, 1.4)])]
+    (row,) = network.summarise(res, 2, "sites")
+    assert row["sync_communicate_s"] == pytest.approx((1.2 + 2.0) / 2)
+    assert row["sync_owner_s"] == pytest.approx((0.7 + 1.4) / 2)
+    assert row["sync_wire_s"] == pytest.approx((1.1 + 1.5) / 2)
+    assert row["sync_agree_s"] == pytest.approx(0.2)
+
+
+def test_aggregation_wire_shapes_are_the_network_model():
+    from common import ModelCfg
+    shapes = aggregation_wire.gpt_shapes(ModelCfg(layers=4, hidden=256, heads=4, seq=128))
+    assert sum(math.prod(s) for _, s in shapes) == 3_258_112   # network.py's numel for this model
+    assert len({n for n, _ in shapes}) == len(shapes) == 2 + 4 * 12 + 2
+
+
+def test_aggregation_wire_refuses_bad_arguments():
+    with pytest.raises(SystemExit, match="--modes"):
+        aggregation_wire.main(["--modes", "allgather,tree"])
+    with pytest.raises(SystemExit, match="--rounds"):
+        aggregation_wire.main(["--rounds", "0"])
+    with pytest.raises(SystemExit, match="--sites"):
+        aggregation_wire.main(["--workers", "4", "--sites", "3"])
+
+
+def test_aggregation_wire_summary_takes_the_slowest_rank_after_round_0():
+    def rank(wires, sha):
+        keys = ("time_compress_s", "time_communicate_s", "time_owner_s", "time_apply_s", "step_s",
+                "bytes_sent", "bytes_received", "wan_bytes_sent", "wan_bytes_received")
+        return {"allgather": {"numel": 10, "anchor_sha256": sha, "rounds": [
+            dict(dict.fromkeys(keys, 1.0), wire_s=w, collectives_timed=1) for w in wires]}}
+    (row,) = aggregation_wire.summarise([rank([9.0, 0.2, 0.4], "a"), rank([9.0, 0.3, 0.1], "a")], ["allgather"])
+    assert row["wire_s"] == pytest.approx((0.3 + 0.4) / 2) and row["anchor_identical_across_ranks"]
+    (row,) = aggregation_wire.summarise([rank([1.0], "a"), rank([1.0], "b")], ["allgather"])
+    assert row["wire_s"] == 1.0 and not row["anchor_identical_across_ranks"]
 
 
 def test_support_frontier_rows():

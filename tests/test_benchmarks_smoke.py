@@ -5,6 +5,8 @@ k ∈ {32, 64, 128}, the entropy-coded and flat-chunking rows, gasloc, torchft_d
 finite held-out loss and bytes > 0, one row per method × seed, a summary with mean and spread, and
 the JSON has the documented schema. network.py --smoke: runs inside a private network namespace with a
 shaped loopback; skipped (with the reason network.py prints) where root / netns / tc are missing.
+aggregation_wire.py --smoke: the three aggregations on 4 workers in 2 emulated sites (same skip rule):
+hierarchical ends on all-gather's θ_outer to the bit, the WAN bytes and received bytes are the modes'.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUALITY = os.path.join(REPO, "benchmarks", "quality.py")
 NETWORK = os.path.join(REPO, "benchmarks", "network.py")
+WIRE = os.path.join(REPO, "benchmarks", "aggregation_wire.py")
 
 ROW_KEYS = {"method", "k", "H", "held_out_loss", "bytes_sent_per_worker", "tokens", "wall_s", "curve"}
 
@@ -95,6 +98,25 @@ def test_network_smoke(tmp_path):
         assert math.isfinite(row["held_out_loss"]), row
         if row["method"] != "ddp":
             assert row["outer_steps"] >= 1 and row["sync_communicate_s"] is not None and row["sync_outer_step_s"] > 0
+            assert row["sync_agree_s"] >= 0 and row["sync_wire_s"] <= row["sync_communicate_s"] + 1e-12
     # the namespaces this run created are gone afterwards
     left = _slb_namespaces() - before
     assert not left, left
+
+
+def test_aggregation_wire_smoke(tmp_path):
+    out = tmp_path / "wire.json"
+    r = _run([sys.executable, WIRE, "--smoke", "--workers", "4", "--sites", "2", "--rounds", "2",
+              "--json", str(out)], timeout=300)
+    if r.returncode == 2 and "cannot run" in r.stderr:
+        pytest.skip(r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["results"]}
+    ag, hier, rs = rows["allgather"], rows["hierarchical"], rows["reduce-scatter"]
+    assert all(row["anchor_identical_across_ranks"] and row["wire_s"] > 0 for row in rows.values())
+    assert hier["anchor_sha256"] == ag["anchor_sha256"] != rs["anchor_sha256"]
+    payload = ag["bytes_sent"] - 4                       # all-gather hands over its payload (+ the 4-byte flag)
+    assert ag["bytes_received"] - 4 == 3 * payload       # W − 1 payloads
+    assert hier["wan_bytes_sent"] == payload             # G − 1 = one payload over the WAN
+    assert rs["bytes_received"] < 2 * payload and rs["time_owner_s"] > 0
+    assert (ag["collectives_per_round"], hier["collectives_per_round"], rs["collectives_per_round"]) == (1, 2, 2)

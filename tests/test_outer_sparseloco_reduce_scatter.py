@@ -236,6 +236,11 @@ def test_bytes_are_those_of_the_pieces_and_aggregates(runs, world):
             assert (st["bytes_sent"], st["bytes_received"]) == (sent, recv)
         ag = runs[world]["allgather"][r]["stats"][0]
         assert ag["bytes_received"] - 4 == (world - 1) * (ag["bytes_sent"] - 4)
+        # the clocks: the owners' compute is a part of the communicate phase; the agreement is timed apart
+        for st in res["stats"]:
+            assert 0.0 < st["time_owner_s"] < st["time_communicate_s"]
+            assert st["time_agree_s"] > 0.0
+        assert "time_owner_s" not in ag and ag["time_agree_s"] > 0.0
 
 
 @pytest.mark.multirank

@@ -454,6 +454,7 @@ class OuterLoopOptimizer:
         merged["skipped"] = float(any(s.skipped for s in stats))
         merged["time_wait_s"] = float(sum(s.extra.get("time_wait_s", 0.0) for s in stats))
         merged["time_agree_s"] = float(sum(s.extra.get("time_agree_s", 0.0) for s in stats))
+        merged["time_owner_s"] = float(sum(s.extra.get("time_owner_s", 0.0) for s in stats))
         merged["time_exposed_s"] = float(sum(s.time_exposed_s for s in stats))
         self.log.last = merged
 

@@ -299,7 +299,10 @@ class OuterStrategy(abc.ABC):
         bad_name = self.first_nonfinite_tensor()
         if not self.agrees_nonfinite_before_step:
             return True, bad_name
-        return self._all_workers_finite(stats, bad_name), None
+        t0 = time.perf_counter()
+        proceed = self._all_workers_finite(stats, bad_name)
+        stats.extra["time_agree_s"] = time.perf_counter() - t0   # includes waiting for the slowest worker
+        return proceed, None
 
     def _all_workers_finite(self, stats: OuterStepStats, bad_name: Optional[str]) -> bool:
         """True when every worker's params are finite (one all-reduce MAX of rank + 1 where not);

@@ -43,6 +43,7 @@ max_j |Q_j|``, received ``Σ_{w'≠w} |piece_w| + (W−1)·max_j |Q_j|``, both �
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -194,6 +195,14 @@ class SparseReduceScatter:
         self.sections = [_segment_sections(p) for p in plans]
         #: owner error feedback f (non-zero only on the ranges this rank owns)
         self.error = torch.zeros(numel, dtype=torch.float32, device=device)
+        #: seconds of ``aggregate`` spent outside its two collectives (pieces, the owner's decode,
+        #: mean, error feedback and re-encoding, the decode of the gathered aggregates), since the
+        #: last ``take_owner_seconds``: compute that all-gather does in its apply phase instead
+        self.owner_seconds = 0.0
+
+    def take_owner_seconds(self) -> float:
+        t, self.owner_seconds = self.owner_seconds, 0.0
+        return t
 
     def expected_sent_bytes(self) -> int:
         total = 0
@@ -283,11 +292,15 @@ class SparseReduceScatter:
                   residual: str = "owner") -> Tuple[int, int, torch.Tensor]:
         """Fill ``out`` (bucket-sized) with the update u of this bucket; returns (owned elements chosen
         by some worker, elements of u sent by the owners, their bucket positions)."""
+        t_start = time.perf_counter()
+        wire = 0.0
         ranges = self.ranges[b]
         pieces = {j: self.make_piece(b, plan, payload, j) for j in range(self.world)}
         mine = ranges[self.rank]
         recv_sizes = {w: mine.piece_nbytes for w in range(self.world) if w != self.rank}
+        t0 = time.perf_counter()
         got = exchange_pieces({j: p for j, p in pieces.items() if j != self.rank}, recv_sizes, group, counter)
+        wire += time.perf_counter() - t0
         got[self.rank] = pieces[self.rank]
         chosen = 0
         q = torch.zeros(0, dtype=torch.uint8, device=self.device)
@@ -323,7 +336,9 @@ class SparseReduceScatter:
         width = max(r.aggregate_nbytes for r in ranges)
         padded = torch.zeros(width, dtype=torch.uint8, device=self.device)
         padded[:q.numel()] = q
+        t0 = time.perf_counter()
         gathered = all_gather_payloads(padded, group, counter, equal_sizes=True)
+        wire += time.perf_counter() - t0
         out.zero_()
         positions = []
         for r in ranges:
@@ -336,4 +351,5 @@ class SparseReduceScatter:
             out[r.start + dec.indices] = dec.values
             positions.append(r.start + dec.indices)
         applied = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.owner_seconds += time.perf_counter() - t_start - wire
         return chosen, int(applied.numel()), applied

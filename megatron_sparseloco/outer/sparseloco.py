@@ -488,6 +488,13 @@ class SparseLoCo(OuterStrategy):
         tot.kept_union += union
         tot.upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
 
+    def _owner_time_into(self, stats: OuterStepStats) -> None:
+        """Reduce-scatter: the part of ``time_communicate_s`` that is the owners' compute (pieces,
+        decode, mean, re-encoding; all-gather decodes in ``time_apply_s`` instead), as
+        ``time_owner_s``: communicate − owner = the two collectives, waits included."""
+        if self.reduce_scatter is not None:
+            stats.extra["time_owner_s"] = self.reduce_scatter.take_owner_seconds()
+
     def _put_back(self, s: int, e: int, local: Decoded, positions: torch.Tensor) -> None:
         """Reduce-scatter, ``owner_residual="workers"``: what this worker sent at a position the owners
         did not send goes back into its error feedback, e[i] ← e[i] + v[i] (the EF step removed it)."""
@@ -513,6 +520,7 @@ class SparseLoCo(OuterStrategy):
             with self._timer(stats, "time_apply_s"):
                 self._apply_bucket(s, e, plan, got, local, work[:n], work[:n], counts[:n], tot, write=True)
         tot.into(stats, self.config, self.params.numel, self.reduce_scatter is not None)
+        self._owner_time_into(stats)
         if self.site_groups is not None:
             stats.extra.update(self.site_groups.take_wan_bytes())
 
@@ -558,6 +566,7 @@ class SparseLoCo(OuterStrategy):
                     self._apply_bucket(s, e, plan, got, local, rs_out[s:e] if rs else None,
                                        work[:n], counts[:n], tot, write=False)
             tot.into(stats, self.config, self.params.numel, rs)
+            self._owner_time_into(stats)
             if self.site_groups is not None:
                 stats.extra.update(self.site_groups.take_wan_bytes())
 

@@ -1,0 +1,236 @@
+"""Wire time of SparseLoCo's aggregations on emulated sites, with no training around them.
+
+    sudo python benchmarks/aggregation_wire.py --workers 4 --sites 2 --lan-rate 1gbit --wan-rate 5mbit \
+        [--rounds 6] [--modes allgather,hierarchical,reduce-scatter] [--json out.json]
+
+``network.py --sites`` times whole training runs. On a VM with fewer cores than ranks its clocks mix
+the network with CPU time: ranks reach each collective at different moments (the skew shows up in
+the non-finite agreement), and reduce-scatter's communicate clock holds its owners' decode and
+re-encode (``time_owner_s``). This benchmark takes the network out on its own. The same namespaces
+are used (``network.sites_netns``: per-worker links, an htb with a LAN class for the own site and
+a WAN class for the others; needs root, ``ip`` and ``tc``; exits 2 with the reason otherwise).
+
+Each rank builds a SparseLoCo strategy (``--k`` of 4096, 2-bit, tensor chunking, the plugin's
+defaults otherwise) over GPT-shaped fp32 tensors: the network model of docs/benchmarks.md, word and
+position embeddings, per layer the QKV / projection / two MLP weights and their biases and the two
+norms, then the final norm (3,258,112 elements for 4 layers, hidden 256, seq 128, vocab 257; seeded
+normal values). Before each round every worker adds its own seeded drift (the stand-in for H inner
+steps), then calls ``step()``. Every collective that the aggregation issues
+(``exchange_pieces``, ``all_gather_payloads``) is preceded by a barrier of the group and timed
+alone, so a rank's ``wire_s`` is the network time of its collectives, not the wait for a
+descheduled peer. Per mode and round the slowest rank counts; round 0 (connection set-up) is
+dropped. Reported per mode: wire_s, collectives per round, the strategy's compress / communicate /
+owner / apply clocks, the bytes each worker hands over and receives per round (hierarchical: the WAN
+share), and a checksum of θ_outer after the last round (all-gather and hierarchical must agree to
+the bit).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+import network  # noqa: E402
+from common import ModelCfg  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+MODES = ("allgather", "hierarchical", "reduce-scatter")
+
+
+def gpt_shapes(model: ModelCfg):
+    """(name, shape) of a Megatron GPT's parameters (untied output layer left out: it is tied here)."""
+    h, f = model.hidden, 4 * model.hidden
+    out = [("embedding.word", (model.vocab, h)), ("embedding.position", (model.seq, h))]
+    for i in range(model.layers):
+        p = f"layers.{i}."
+        out += [(p + "input_norm.weight", (h,)), (p + "input_norm.bias", (h,)),
+                (p + "qkv.weight", (3 * h, h)), (p + "qkv.bias", (3 * h,)),
+                (p + "proj.weight", (h, h)), (p + "proj.bias", (h,)),
+                (p + "mlp_norm.weight", (h,)), (p + "mlp_norm.bias", (h,)),
+                (p + "fc1.weight", (f, h)), (p + "fc1.bias", (f,)),
+                (p + "fc2.weight", (h, f)), (p + "fc2.bias", (h,))]
+    return out + [("final_norm.weight", (h,)), ("final_norm.bias", (h,))]
+
+
+class WireClock:
+    """Wraps the aggregation's collectives (by name, in the modules that call them): a barrier of the
+    group, then the collective timed alone; ``take()`` returns (seconds, collectives) since the last call."""
+
+    def __init__(self):
+        import megatron_sparseloco.outer.sparse_hierarchical as hier
+        import megatron_sparseloco.outer.sparse_reduce_scatter as rs
+        import megatron_sparseloco.outer.sparseloco as sl
+        self.seconds, self.calls = 0.0, 0
+        for mod in (sl, rs, hier):
+            for name in ("exchange_pieces", "all_gather_payloads"):
+                if hasattr(mod, name):
+                    setattr(mod, name, self._timed(getattr(mod, name)))
+
+    def _timed(self, fn):
+        import torch.distributed as dist
+
+        def run(payload, *args, **kwargs):
+            group = args[1] if fn.__name__ == "exchange_pieces" else args[0]
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            out = fn(payload, *args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+            return out
+        return run
+
+    def take(self):
+        out = (self.seconds, self.calls)
+        self.seconds, self.calls = 0.0, 0
+        return out
+
+
+def worker_main(spec_path, rank, world, out, timeout):
+    """One rank (``--_worker``) inside its namespace: every mode, ``rounds`` outer steps each."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_sparseloco.outer.registry import build_outer_strategy
+    torch.set_num_threads(1)
+    with open(spec_path) as f:
+        spec = json.load(f)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
+                           init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    clock = WireClock()
+    shapes = gpt_shapes(ModelCfg(**spec["model"]))
+    res = {}
+    for mode in spec["modes"]:
+        g = torch.Generator().manual_seed(0)
+        params = [torch.randn(*s, generator=g) for _, s in shapes]
+        fields = dict(k=spec["k"], aggregation=mode)
+        if mode == "hierarchical":
+            fields["aggregation_groups"] = spec["sites"]
+        strat = build_outer_strategy("sparseloco", params, None, names=[n for n, _ in shapes], **fields)
+        drift = torch.Generator().manual_seed(1000 + rank)
+        rounds = []
+        clock.take()
+        for _ in range(spec["rounds"]):
+            with torch.no_grad():
+                for p in params:
+                    p.add_(torch.randn(p.shape, generator=drift), alpha=1e-2)
+            dist.barrier()
+            t0 = time.perf_counter()
+            st = strat.step().as_dict()
+            step_s = time.perf_counter() - t0
+            wire_s, calls = clock.take()
+            rounds.append({"wire_s": wire_s, "collectives_timed": calls, "step_s": step_s,
+                           **{k: st.get(k, 0.0) for k in ("time_compress_s", "time_communicate_s", "time_apply_s",
+                                                          "time_owner_s", "time_agree_s", "bytes_sent",
+                                                          "bytes_received", "wan_bytes_sent", "wan_bytes_received")}})
+        res[mode] = {"rounds": rounds, "numel": strat.params.numel,
+                     "anchor_sum": float(strat.anchor.double().sum()),
+                     "anchor_sha256": hashlib.sha256(strat.anchor.numpy().tobytes()).hexdigest()}
+    dist.barrier()
+    with open(out, "w") as f:
+        json.dump(res, f)
+    os._exit(0)
+
+
+def summarise(per_rank, modes):
+    """One row per mode: per round the slowest rank's value of each clock (mean over rounds ≥ 1), the
+    bytes of rank 0 (every rank's are the same up to the owner ranges), θ_outer agreement across ranks."""
+    rows = []
+    for mode in modes:
+        ranks = [r[mode] for r in per_rank]
+        n = len(ranks[0]["rounds"])
+        steady = range(1, n) if n > 1 else range(n)
+
+        def slowest(key):
+            return sum(max(r["rounds"][j][key] for r in ranks) for j in steady) / len(steady)
+        row = {"mode": mode, "numel": ranks[0]["numel"], "rounds": n,
+               **{k: slowest(k) for k in ("wire_s", "time_compress_s", "time_communicate_s", "time_owner_s",
+                                          "time_apply_s", "step_s")},
+               "collectives_per_round": ranks[0]["rounds"][-1]["collectives_timed"],
+               **{k: int(max(r["rounds"][-1][k] for r in ranks))
+                  for k in ("bytes_sent", "bytes_received", "wan_bytes_sent", "wan_bytes_received")},
+               "anchor_identical_across_ranks": len({r["anchor_sha256"] for r in ranks}) == 1,
+               "anchor_sha256": ranks[0]["anchor_sha256"]}
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--sites", type=int, default=2)
+    ap.add_argument("--lan-rate", default="1gbit")
+    ap.add_argument("--wan-rate", default="5mbit")
+    ap.add_argument("--wan-delay", default="", help="one-way netem delay on the WAN class (needs sch_netem)")
+    ap.add_argument("--rounds", type=int, default=6, help="outer steps per mode (the first is dropped)")
+    ap.add_argument("--k", type=int, default=64)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--smoke", action="store_true", help="a 1-layer hidden-64 model: checks the plumbing only")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--_world", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--_out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_timeout", type=float, default=300, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._worker:
+        worker_main(args._worker, args._rank, args._world, args._out, args._timeout)
+        return 0
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise SystemExit(f"--modes: unknown {bad or modes}; choose from {', '.join(MODES)}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    network.sites_addresses(args.workers, args.sites)   # refuses a G that does not divide W
+    problem = network.capability_problem()
+    if problem:
+        print(f"[aggregation_wire] cannot run: {problem}", file=sys.stderr)
+        return 2
+    model = (ModelCfg(layers=1, hidden=64, heads=4, seq=32) if args.smoke
+             else ModelCfg(layers=4, hidden=256, heads=4, seq=128))
+    spec = {"model": asdict(model), "modes": modes, "rounds": args.rounds, "k": args.k, "sites": args.sites}
+
+    def write_spec(tmp):
+        path = os.path.join(tmp, "spec.json")
+        with open(path, "w") as f:
+            json.dump(spec, f)
+        return path
+    t0 = time.perf_counter()
+    res = network.run_in_namespaces(
+        lambda nss: network.sites_netns(nss, args.workers, args.sites, args.lan_rate, args.wan_rate, args.wan_delay),
+        write_spec, args.timeout, script=HERE)
+    rows = summarise(res, modes)
+    print(f"[aggregation_wire] W={args.workers} in {args.sites} sites, LAN {args.lan_rate}, WAN {args.wan_rate}"
+          f"{' + ' + args.wan_delay if args.wan_delay else ''}, k={args.k}, {args.rounds} rounds")
+    for r in rows:
+        print(f"  {r['mode']:15s} wire {r['wire_s']:.3f}s ({r['collectives_per_round']} collectives)  "
+              f"owners {r['time_owner_s']:.3f}s  compress {r['time_compress_s']:.3f}s  apply {r['time_apply_s']:.3f}s  "
+              f"sent {r['bytes_sent']} B  received {r['bytes_received']} B  WAN sent {r['wan_bytes_sent']} B  "
+              f"θ identical {r['anchor_identical_across_ranks']}", flush=True)
+    same = {r["mode"]: r["anchor_sha256"] for r in rows}
+    if "allgather" in same and "hierarchical" in same:
+        print(f"  hierarchical θ_outer == all-gather's: {same['allgather'] == same['hierarchical']}")
+    out = {"benchmark": "aggregation wire", "model": asdict(model), "machine": common.machine_info(),
+           "workers": args.workers, "sites": args.sites, "lan_rate": args.lan_rate, "wan_rate": args.wan_rate,
+           "wan_delay": args.wan_delay, "k": args.k, "rounds": args.rounds, "results": rows,
+           "total_wall_s": time.perf_counter() - t0}
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"[aggregation_wire] wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
