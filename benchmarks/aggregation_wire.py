@@ -19,10 +19,11 @@ steps), then calls ``step()``. Every collective that the aggregation issues
 (``exchange_pieces``, ``all_gather_payloads``) is preceded by a barrier of the group and timed
 alone, so a rank's ``wire_s`` is the network time of its collectives, not the wait for a
 descheduled peer. Per mode and round the slowest rank counts; round 0 (connection set-up) is
-dropped. Reported per mode: wire_s, collectives per round, the strategy's compress / communicate /
+dropped. Reported per mode: wire_s and each of its collectives (``wire_calls_s``), collectives per round, the strategy's compress / communicate /
 owner / apply clocks, the bytes each worker hands over and receives per round (hierarchical: the WAN
-share), and a checksum of θ_outer after the last round (all-gather and hierarchical must agree to
-the bit).
+share), a checksum of θ_outer after the last round (all-gather and hierarchical must agree to
+the bit), and the cost model's wire time and received bytes for the same shapes and rates
+(``model_wire_s``, ``model_bytes_received``: ``megatron_sparseloco.costmodel``, no latency).
 """
 from __future__ import annotations
 
@@ -61,13 +62,14 @@ def gpt_shapes(model: ModelCfg):
 
 class WireClock:
     """Wraps the aggregation's collectives (by name, in the modules that call them): a barrier of the
-    group, then the collective timed alone; ``take()`` returns (seconds, collectives) since the last call."""
+    group, then the collective timed alone; ``take()`` returns (seconds, the seconds of each collective in
+    call order) since the last call."""
 
     def __init__(self):
         import megatron_sparseloco.outer.sparse_hierarchical as hier
         import megatron_sparseloco.outer.sparse_reduce_scatter as rs
         import megatron_sparseloco.outer.sparseloco as sl
-        self.seconds, self.calls = 0.0, 0
+        self.calls = []
         for mod in (sl, rs, hier):
             for name in ("exchange_pieces", "all_gather_payloads"):
                 if hasattr(mod, name):
@@ -81,15 +83,13 @@ class WireClock:
             dist.barrier(group=group)
             t0 = time.perf_counter()
             out = fn(payload, *args, **kwargs)
-            self.seconds += time.perf_counter() - t0
-            self.calls += 1
+            self.calls.append(time.perf_counter() - t0)
             return out
         return run
 
     def take(self):
-        out = (self.seconds, self.calls)
-        self.seconds, self.calls = 0.0, 0
-        return out
+        calls, self.calls = self.calls, []
+        return sum(calls), calls
 
 
 def worker_main(spec_path, rank, world, out, timeout):
@@ -127,7 +127,7 @@ def worker_main(spec_path, rank, world, out, timeout):
             st = strat.step().as_dict()
             step_s = time.perf_counter() - t0
             wire_s, calls = clock.take()
-            rounds.append({"wire_s": wire_s, "collectives_timed": calls, "step_s": step_s,
+            rounds.append({"wire_s": wire_s, "collectives_timed": len(calls), "wire_calls_s": calls, "step_s": step_s,
                            **{k: st.get(k, 0.0) for k in ("time_compress_s", "time_communicate_s", "time_apply_s",
                                                           "time_owner_s", "time_agree_s", "bytes_sent",
                                                           "bytes_received", "wan_bytes_sent", "wan_bytes_received")}})
@@ -155,12 +155,39 @@ def summarise(per_rank, modes):
                **{k: slowest(k) for k in ("wire_s", "time_compress_s", "time_communicate_s", "time_owner_s",
                                           "time_apply_s", "step_s")},
                "collectives_per_round": ranks[0]["rounds"][-1]["collectives_timed"],
+               # per collective of a round, in call order (hierarchical, one bucket: the WAN rail exchange,
+               # then the LAN site gather; reduce-scatter: the piece exchange, then the owners' all-gather)
+               "wire_calls_s": [sum(max(r["rounds"][j]["wire_calls_s"][c] for r in ranks) for j in steady)
+                                / len(steady) for c in range(ranks[0]["rounds"][-1]["collectives_timed"])],
                **{k: int(max(r["rounds"][-1][k] for r in ranks))
                   for k in ("bytes_sent", "bytes_received", "wan_bytes_sent", "wan_bytes_received")},
                "anchor_identical_across_ranks": len({r["anchor_sha256"] for r in ranks}) == 1,
                "anchor_sha256": ranks[0]["anchor_sha256"]}
         rows.append(row)
     return rows
+
+
+def rate_bps(rate: str) -> float:
+    """A tc rate (``5mbit``, ``1gbit``, ``800kbit``; tc's units are powers of 10) in bit/s."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale
+    raise SystemExit(f"rate {rate!r}: expected a number with kbit, mbit or gbit")
+
+
+def add_cost_model(rows, model: ModelCfg, workers: int, sites: int, k: int, lan_rate: str, wan_rate: str):
+    """Each row gains ``model_wire_s`` / ``model_bytes_received``: the cost model's time on a link of the
+    WAN rate with no latency (the LAN rate for hierarchical's site gather) and its received bytes
+    (megatron_sparseloco.costmodel; the same GPT shapes as one worker of one rank)."""
+    from megatron_sparseloco import costmodel as cm
+    shapes = gpt_shapes(model)
+    ranks = cm.worker_ranks(cm.Model("network", tuple(cm.Param(n, s, None, 0) for n, s in shapes), 1), 1, 1, 1,
+                            cm.SparseSettings(k=k))
+    link = cm.Link(rate_bps(wan_rate), 0.0, lan_bandwidth_bps=rate_bps(lan_rate), lan_latency_s=0.0)
+    for r in rows:
+        c = cm.mode_cost(r["mode"], ranks, workers, link, 1.0, sites=sites)
+        r["model_wire_s"], r["model_bytes_received"] = c.time_s, c.bytes_received
 
 
 def main(argv=None) -> int:
@@ -210,10 +237,12 @@ def main(argv=None) -> int:
         lambda nss: network.sites_netns(nss, args.workers, args.sites, args.lan_rate, args.wan_rate, args.wan_delay),
         write_spec, args.timeout, script=HERE)
     rows = summarise(res, modes)
+    add_cost_model(rows, model, args.workers, args.sites, args.k, args.lan_rate, args.wan_rate)
     print(f"[aggregation_wire] W={args.workers} in {args.sites} sites, LAN {args.lan_rate}, WAN {args.wan_rate}"
           f"{' + ' + args.wan_delay if args.wan_delay else ''}, k={args.k}, {args.rounds} rounds")
     for r in rows:
-        print(f"  {r['mode']:15s} wire {r['wire_s']:.3f}s ({r['collectives_per_round']} collectives)  "
+        print(f"  {r['mode']:15s} wire {r['wire_s']:.3f}s ({' + '.join(f'{t:.3f}' for t in r['wire_calls_s'])}; "
+              f"cost model {r['model_wire_s']:.3f}s)  "
               f"owners {r['time_owner_s']:.3f}s  compress {r['time_compress_s']:.3f}s  apply {r['time_apply_s']:.3f}s  "
               f"sent {r['bytes_sent']} B  received {r['bytes_received']} B  WAN sent {r['wan_bytes_sent']} B  "
               f"θ identical {r['anchor_identical_across_ranks']}", flush=True)

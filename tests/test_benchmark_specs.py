@@ -247,6 +247,21 @@ def test_aggregation_wire_shapes_are_the_network_model():
     assert len({n for n, _ in shapes}) == len(shapes) == 2 + 4 * 12 + 2
 
 
+def test_aggregation_wire_cost_model_columns():
+    from common import ModelCfg
+    assert aggregation_wire.rate_bps("5mbit") == 5e6 and aggregation_wire.rate_bps("1gbit") == 1e9
+    with pytest.raises(SystemExit, match="rate"):
+        aggregation_wire.rate_bps("5MB")
+    rows = [{"mode": m} for m in aggregation_wire.MODES]
+    aggregation_wire.add_cost_model(rows, ModelCfg(layers=4, hidden=256, heads=4, seq=128), 8, 2, 64, "1gbit", "5mbit")
+    ag, hier, rs = rows
+    # measured on this model: 94,487-byte payload; all-gather's ring = 7 payloads on the WAN link
+    assert ag["model_bytes_received"] == 4 + 7 * 94_487 == hier["model_bytes_received"]
+    assert ag["model_wire_s"] == pytest.approx(8 * 7 * 94_487 / 5e6)
+    assert hier["model_wire_s"] == pytest.approx(8 * 94_487 / 5e6 + 8 * 3 * 2 * 94_487 / 1e9)
+    assert rs["model_wire_s"] < hier["model_wire_s"] * 2 < ag["model_wire_s"]
+
+
 def test_aggregation_wire_refuses_bad_arguments():
     with pytest.raises(SystemExit, match="--modes"):
         aggregation_wire.main(["--modes", "allgather,tree"])
@@ -261,9 +276,10 @@ def test_aggregation_wire_summary_takes_the_slowest_rank_after_round_0():
         keys = ("time_compress_s", "time_communicate_s", "time_owner_s", "time_apply_s", "step_s",
                 "bytes_sent", "bytes_received", "wan_bytes_sent", "wan_bytes_received")
         return {"allgather": {"numel": 10, "anchor_sha256": sha, "rounds": [
-            dict(dict.fromkeys(keys, 1.0), wire_s=w, collectives_timed=1) for w in wires]}}
+            dict(dict.fromkeys(keys, 1.0), wire_s=w, collectives_timed=1, wire_calls_s=[w]) for w in wires]}}
     (row,) = aggregation_wire.summarise([rank([9.0, 0.2, 0.4], "a"), rank([9.0, 0.3, 0.1], "a")], ["allgather"])
     assert row["wire_s"] == pytest.approx((0.3 + 0.4) / 2) and row["anchor_identical_across_ranks"]
+    assert row["wire_calls_s"] == [pytest.approx(0.35)]
     (row,) = aggregation_wire.summarise([rank([1.0], "a"), rank([1.0], "b")], ["allgather"])
     assert row["wire_s"] == 1.0 and not row["anchor_identical_across_ranks"]
 

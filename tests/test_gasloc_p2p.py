@@ -31,6 +31,16 @@ def _fn(rank: int, world_size: int) -> dict:
     c = CommCounter()
     got = exchange(torch.ones(2) * rank, [5 - rank] if rank >= 2 else [], None, c)
     out["idle"] = ({p: t.tolist() for p, t in got.items()}, c.collectives)
+    # the batch posts every irecv before the first isend (gloo starts a send only once the peer's
+    # recv is posted: docs/scaling.md "The wire alone"); spy on the ops, then run them for real
+    import megatron_sparseloco.comm.p2p as p2p
+    real, ops = dist.batch_isend_irecv, []
+    p2p.dist.batch_isend_irecv = lambda batch: ops.extend((o.op.__name__, o.group_peer) for o in batch) or real(batch)
+    try:
+        exchange(torch.ones(2), [(rank - 1) % world_size, (rank + 1) % world_size], None, CommCounter())
+    finally:
+        p2p.dist.batch_isend_irecv = real
+    out["order"] = ops
     with pytest.raises(ValueError, match="listed itself"):
         exchange(torch.ones(1), [rank], None, CommCounter())
     with pytest.raises(ValueError, match="not a rank of the group"):
@@ -60,6 +70,12 @@ def test_subgroup_peers_are_group_ranks(out):
 def test_idle_ranks_do_not_communicate(out):
     assert out[0]["idle"] == ({}, 0) and out[1]["idle"] == ({}, 0)
     assert out[2]["idle"] == ({3: [3.0, 3.0]}, 1) and out[3]["idle"] == ({2: [2.0, 2.0]}, 1)
+
+
+def test_all_recvs_are_posted_before_the_sends(out):
+    for r in range(4):
+        peers = sorted({(r - 1) % 4, (r + 1) % 4})
+        assert out[r]["order"] == [("irecv", p) for p in peers] + [("isend", p) for p in peers]
 
 
 def test_no_peers_needs_no_process_group():
