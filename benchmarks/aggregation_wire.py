@@ -94,17 +94,13 @@ class WireClock:
 
 def worker_main(spec_path, rank, world, out, timeout):
     """One rank (``--_worker``) inside its namespace: every mode, ``rounds`` outer steps each."""
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
 
     from megatron_sparseloco.outer.registry import build_outer_strategy
-    torch.set_num_threads(1)
     with open(spec_path) as f:
         spec = json.load(f)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
-                           init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    network.join_worker_group(rank, world, timeout)
     clock = WireClock()
     shapes = gpt_shapes(ModelCfg(**spec["model"]))
     res = {}
@@ -132,7 +128,6 @@ def worker_main(spec_path, rank, world, out, timeout):
                                                           "time_owner_s", "time_agree_s", "bytes_sent",
                                                           "bytes_received", "wan_bytes_sent", "wan_bytes_received")}})
         res[mode] = {"rounds": rounds, "numel": strat.params.numel,
-                     "anchor_sum": float(strat.anchor.double().sum()),
                      "anchor_sha256": hashlib.sha256(strat.anchor.numpy().tobytes()).hexdigest()}
     dist.barrier()
     with open(out, "w") as f:
@@ -203,11 +198,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="a 1-layer hidden-64 model: checks the plumbing only")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--_rank", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--_world", type=int, default=2, help=argparse.SUPPRESS)
-    ap.add_argument("--_out", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--_timeout", type=float, default=300, help=argparse.SUPPRESS)
+    network.add_worker_arguments(ap, timeout=300)
     args = ap.parse_args(argv)
     if args._worker:
         worker_main(args._worker, args._rank, args._world, args._out, args._timeout)
@@ -226,16 +217,10 @@ def main(argv=None) -> int:
     model = (ModelCfg(layers=1, hidden=64, heads=4, seq=32) if args.smoke
              else ModelCfg(layers=4, hidden=256, heads=4, seq=128))
     spec = {"model": asdict(model), "modes": modes, "rounds": args.rounds, "k": args.k, "sites": args.sites}
-
-    def write_spec(tmp):
-        path = os.path.join(tmp, "spec.json")
-        with open(path, "w") as f:
-            json.dump(spec, f)
-        return path
     t0 = time.perf_counter()
     res = network.run_in_namespaces(
         lambda nss: network.sites_netns(nss, args.workers, args.sites, args.lan_rate, args.wan_rate, args.wan_delay),
-        write_spec, args.timeout, script=HERE)
+        spec, args.timeout, script=HERE)
     rows = summarise(res, modes)
     add_cost_model(rows, model, args.workers, args.sites, args.k, args.lan_rate, args.wan_rate)
     print(f"[aggregation_wire] W={args.workers} in {args.sites} sites, LAN {args.lan_rate}, WAN {args.wan_rate}"

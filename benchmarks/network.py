@@ -185,11 +185,15 @@ def sites_netns(nss: Namespaces, world: int, sites: int, lan_rate: str, wan_rate
 
 
 # ---------------------------------------------------------------------------- jobs
-def _write_spec(tmp, model, runs, paths):
-    spec = os.path.join(tmp, "spec.json")
-    with open(spec, "w") as f:
-        json.dump({"model": asdict(model), "runs": [asdict(r) for r in runs], "paths": paths}, f)
-    return spec
+def _training_spec(model, runs, paths) -> dict:
+    return {"model": asdict(model), "runs": [asdict(r) for r in runs], "paths": paths}
+
+
+def _write_spec(tmp, spec: dict) -> str:
+    path = os.path.join(tmp, "spec.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    return path
 
 
 def _read_spec(path):
@@ -198,16 +202,31 @@ def _read_spec(path):
     return ModelCfg(**d["model"]), [RunCfg(**r) for r in d["runs"]], d["paths"]
 
 
-def worker_main(spec, rank, world, out, timeout):
-    """One rank (``--_worker``), launched inside a worker namespace; MASTER_ADDR/PORT from the env."""
+def add_worker_arguments(ap: argparse.ArgumentParser, timeout: float) -> None:
+    """The hidden arguments ``run_in_namespaces`` passes the script it starts in each namespace."""
+    ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)   # the spec file
+    ap.add_argument("--_rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--_world", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--_out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_timeout", type=float, default=timeout, help=argparse.SUPPRESS)
+
+
+def join_worker_group(rank: int, world: int, timeout: float) -> None:
+    """Inside a worker namespace: one intra-op thread, then the gloo group of the ranks that
+    ``run_in_namespaces`` started (MASTER_ADDR / MASTER_PORT from the env)."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    model, runs, paths = _read_spec(spec)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
                             init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+
+
+def worker_main(spec, rank, world, out, timeout):
+    """One training rank (``--_worker``), launched inside a worker namespace."""
+    model, runs, paths = _read_spec(spec)
+    join_worker_group(rank, world, timeout)
     res = common.rank_run_all(rank, world, model, runs, paths)
     with open(out, "w") as f:
         json.dump(res, f)
@@ -227,7 +246,7 @@ def uniform_main(spec, world, out, timeout):
 def run_uniform(model, runs, paths, world, rate, timeout):
     with Namespaces() as nss, tempfile.TemporaryDirectory(prefix="slb-net-") as tmp:
         ns = uniform_netns(nss, rate)
-        spec, out = _write_spec(tmp, model, runs, paths), os.path.join(tmp, "out.json")
+        spec, out = _write_spec(tmp, _training_spec(model, runs, paths)), os.path.join(tmp, "out.json")
         cmd = ["ip", "netns", "exec", ns, PY, HERE, "--_uniform", spec, "--_world", str(world), "--_out", out,
                "--_timeout", str(timeout)]
         r = subprocess.run(cmd, timeout=timeout + 60, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -244,16 +263,17 @@ def run_hetero(model, runs, paths, rates, timeout):
 def run_namespaced(model, runs, paths, build, timeout):
     """One training rank per worker namespace that ``build(nss)`` creates (it returns their names and
     addresses): ``common.rank_run_all`` of every run."""
-    return run_in_namespaces(build, lambda tmp: _write_spec(tmp, model, runs, paths), timeout)
+    return run_in_namespaces(build, _training_spec(model, runs, paths), timeout)
 
 
-def run_in_namespaces(build, write_spec, timeout, script=HERE):
-    """``script --_worker SPEC --_rank r --_world W --_out OUT`` in each worker namespace that ``build(nss)``
-    creates, SPEC = ``write_spec(tmp)``; returns the ranks' JSON outputs (a failed rank raises, with its log)."""
+def run_in_namespaces(build, spec: dict, timeout, script=HERE):
+    """``script --_worker SPEC --_rank r --_world W --_out OUT --_timeout T`` (``add_worker_arguments``) in
+    each worker namespace that ``build(nss)`` creates, SPEC = ``spec`` as a JSON file; returns the ranks'
+    JSON outputs (a failed rank raises, with its log)."""
     with Namespaces() as nss, tempfile.TemporaryDirectory(prefix="slb-net-") as tmp:
         names, addrs = build(nss)
         world = len(names)
-        spec = write_spec(tmp)
+        spec = _write_spec(tmp, spec)
         procs, outs = [], []
         for rank, ns in enumerate(names):
             out = os.path.join(tmp, f"rank{rank}.json")
@@ -484,12 +504,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=None)
     # internal entry points (run inside a namespace)
-    ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    add_worker_arguments(ap, timeout=600)
     ap.add_argument("--_uniform", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--_rank", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--_world", type=int, default=2, help=argparse.SUPPRESS)
-    ap.add_argument("--_out", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--_timeout", type=float, default=600, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._worker:
         worker_main(args._worker, args._rank, args._world, args._out, args._timeout)
