@@ -51,3 +51,33 @@ def test_bits_bytes_round_trip():
 def test_unpack_refuses_short_input():
     with pytest.raises(ValueError, match="needs 3 bytes"):
         unpack_bits(torch.zeros(2, dtype=torch.uint8), 12, 2)
+
+
+def _reference_pack(values: torch.Tensor, width: int) -> bytes:
+    """The documented layout, one bit at a time: value i's bit b is stream bit i·width + b."""
+    out = bytearray((values.numel() * width + 7) // 8)
+    for i, v in enumerate(values.tolist()):
+        for b in range(width):
+            if (v >> b) & 1:
+                j = i * width + b
+                out[j // 8] |= 1 << (j % 8)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("width", [3, 5, 7, 9, 12, 13, 16, 23, 31, 32, 40, 48, 55, 56, 57, 63])
+def test_byte_windows_and_bit_matrix_give_the_documented_bytes(width):
+    """Widths outside 1/2/4/8 use byte windows up to 56 bits and the bit matrix above: both must write
+    exactly the bit-by-bit layout, for counts that end mid-byte, and read it back."""
+    g = torch.Generator().manual_seed(width)
+    for count in (1, 2, 7, 8, 9, 33):
+        v = torch.randint(0, 2 ** min(width, 62), (count,), generator=g, dtype=torch.int64)
+        if width == 63:
+            v[0] = 2 ** 63 - 1  # the widest value: every bit set
+        packed = pack_bits(v, width)
+        assert bytes(packed.tolist()) == _reference_pack(v, width), (width, count)
+        assert torch.equal(unpack_bits(packed, width, count), v)
+
+
+def test_pack_drops_bits_above_the_width():
+    v = torch.tensor([0xFABC, 0x1123], dtype=torch.int64)  # 16-bit values packed at 12 bits
+    assert pack_bits(v, 12).tolist() == [0xBC, 0x3A, 0x12]

@@ -5,7 +5,16 @@ least significant bit first, and stream bit ``j`` is bit ``j mod 8`` of byte ``j
 sit four to a byte (code 0 in the low two bits) and two 12-bit indices fill three bytes.
 The trailing pad bits of the last byte are zero (``unpack_bits`` does not check them).
 
-Vectorised: values → ``[n, width]`` bit matrix → ``[-1, 8]`` → bytes by a weighted sum, and back.
+Vectorised. Widths 1, 2, 4 and 8 shift whole values into bytes. Other widths up to 56 (12-bit
+indices, the common case) work by byte windows: value ``i`` starts at bit ``s = i·width``, inside
+byte ``s >> 3`` at shift ``s & 7``, and spans at most ``m = ceil((width + 7) / 8)`` bytes, so
+
+    pack:    byte[(s >> 3) + j] += ((v << (s & 7)) >> 8j) & 0xFF      for j < m   (fields are disjoint: + is |)
+    unpack:  v = (Σ_j byte[(s >> 3) + j] << 8j  >> (s & 7)) & (2^width − 1)
+
+with ``m`` int64 gathers / scatter-adds instead of a ``[n, width]`` bit matrix (about ``width / m``
+times less work). Widths above 56 go through the bit matrix (values → ``[n, width]`` bits → bytes by a
+weighted sum, and back). Both give the same bytes (tests/test_compress_bitpack.py).
 """
 
 from __future__ import annotations
@@ -62,9 +71,9 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
             v = torch.cat([v, v.new_zeros(pad)])
         shifts = torch.arange(0, 8, width, dtype=torch.int64, device=v.device)
         return (v.view(-1, per_byte) << shifts).sum(dim=1).to(torch.uint8)
-    shifts = torch.arange(width, dtype=torch.int64, device=v.device)
-    bits = (v[:, None] >> shifts) & 1
-    return bits_to_bytes(bits.reshape(-1))
+    if width <= _WINDOW_MAX_WIDTH:
+        return _pack_windows(v, width)
+    return _pack_bit_matrix(v, width)
 
 
 def unpack_bits(data: torch.Tensor, width: int, count: int) -> torch.Tensor:
@@ -81,6 +90,47 @@ def unpack_bits(data: torch.Tensor, width: int, count: int) -> torch.Tensor:
         shifts = torch.arange(0, 8, width, dtype=torch.int64, device=d.device)
         v = (d.to(torch.int64)[:, None] >> shifts) & ((1 << width) - 1)
         return v.reshape(-1)[:count]
+    if width <= _WINDOW_MAX_WIDTH:
+        return _unpack_windows(d, width, count)
+    return _unpack_bit_matrix(d, width, count)
+
+
+#: the widest value whose byte window (shift ≤ 7 plus the value) fits an int64 without the sign bit
+_WINDOW_MAX_WIDTH = 56
+
+
+def _windows(count: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(first byte, bit shift) of each value, and the bytes ``m`` a window spans."""
+    start = torch.arange(count, dtype=torch.int64, device=device) * width
+    return start >> 3, start & 7, (width + 7 + 7) // 8
+
+
+def _pack_windows(v: torch.Tensor, width: int) -> torch.Tensor:
+    n = v.numel()
+    first, shift, m = _windows(n, width, v.device)
+    placed = (v & ((1 << width) - 1)) << shift
+    out = torch.zeros(packed_nbytes(n, width) + m, dtype=torch.int64, device=v.device)
+    for j in range(m):
+        out.index_add_(0, first + j, (placed >> (8 * j)) & 0xFF)
+    return out[:packed_nbytes(n, width)].to(torch.uint8)
+
+
+def _unpack_windows(d: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    first, shift, m = _windows(count, width, d.device)
+    padded = torch.cat([d.to(torch.int64), d.new_zeros(m, dtype=torch.int64)])
+    acc = padded[first]
+    for j in range(1, m):
+        acc |= padded[first + j] << (8 * j)
+    return (acc >> shift) & ((1 << width) - 1)
+
+
+def _pack_bit_matrix(v: torch.Tensor, width: int) -> torch.Tensor:
+    shifts = torch.arange(width, dtype=torch.int64, device=v.device)
+    bits = (v[:, None] >> shifts) & 1
+    return bits_to_bytes(bits.reshape(-1))
+
+
+def _unpack_bit_matrix(d: torch.Tensor, width: int, count: int) -> torch.Tensor:
     bits = bytes_to_bits(d, count * width).to(torch.int64).view(count, width)
     shifts = torch.arange(width, dtype=torch.int64, device=d.device)
     return (bits << shifts).sum(dim=1)
