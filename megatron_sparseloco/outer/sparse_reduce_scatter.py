@@ -212,7 +212,26 @@ class SparseReduceScatter:
         return total
 
     # ------------------------------------------------------------------ pieces
-    def make_piece(self, b: int, plan: BucketPlan, payload: torch.Tensor, owner: int) -> torch.Tensor:
+    def _unpacked(self, b: int, plan: BucketPlan, payload: torch.Tensor, parent: int,
+                  cache: Optional[Dict[int, tuple]]) -> tuple:
+        """(codes or None, compact indices or None) of parent segment ``parent``, all its kept values;
+        unpacked once per bucket when ``cache`` is given (a segment spans up to W owners' pieces)."""
+        if cache is not None and parent in cache:
+            return cache[parent]
+        seg = plan.segments[parent]
+        cfg = segment_config(plan.codec, seg.geometry)
+        lay = segment_layout(seg, plan.codec)
+        _, v_at, i_at, end = self.sections[b][parent]
+        codes = unpack_bits(payload[v_at:i_at], cfg.value_bits, lay.total_kept) if cfg.is_quantised else None
+        local = None if cfg.is_dense else unpack_bits(payload[i_at:end], packed_index_bits(lay), lay.total_kept)
+        if cache is not None:
+            cache[parent] = (codes, local)
+        return codes, local
+
+    def make_piece(self, b: int, plan: BucketPlan, payload: torch.Tensor, owner: int,
+                   cache: Optional[Dict[int, tuple]] = None) -> torch.Tensor:
+        """Owner ``owner``'s piece of this worker's payload (step 1). Pass the same ``cache`` dict for
+        every owner of one bucket so that each segment's codes and indices are unpacked once."""
         rng = self.ranges[b][owner]
         if not rng.subs:
             return torch.zeros(0, dtype=torch.uint8, device=payload.device)
@@ -222,17 +241,16 @@ class SparseReduceScatter:
             seg = plan.segments[sub.parent]
             cfg = segment_config(plan.codec, seg.geometry)
             lay = segment_layout(seg, plan.codec)
-            s_at, v_at, i_at, end = self.sections[b][sub.parent]
+            s_at, v_at, _, _ = self.sections[b][sub.parent]
             parts.append(payload[s_at:v_at])
+            codes, local = self._unpacked(b, plan, payload, sub.parent, cache)
             if cfg.is_quantised:
-                codes = unpack_bits(payload[v_at:i_at], cfg.value_bits, lay.total_kept)[sub.k_lo:sub.k_hi]
-                parts.append(pack_bits(codes, cfg.value_bits))
+                parts.append(pack_bits(codes[sub.k_lo:sub.k_hi], cfg.value_bits))
             else:
                 width = cfg.value_bits // 8
                 parts.append(payload[v_at + sub.k_lo * width:v_at + sub.k_hi * width])
             if not cfg.is_dense:
-                local = unpack_bits(payload[i_at:end], packed_index_bits(lay), lay.total_kept)[sub.k_lo:sub.k_hi]
-                parts.append(pack_bits(local, packed_index_bits(lay)))
+                parts.append(pack_bits(local[sub.k_lo:sub.k_hi], packed_index_bits(lay)))
         piece = torch.cat(parts)
         assert piece.numel() == rng.piece_nbytes, (piece.numel(), rng.piece_nbytes)
         return piece
@@ -295,7 +313,8 @@ class SparseReduceScatter:
         t_start = time.perf_counter()
         wire = 0.0
         ranges = self.ranges[b]
-        pieces = {j: self.make_piece(b, plan, payload, j) for j in range(self.world)}
+        unpacked: Dict[int, tuple] = {}
+        pieces = {j: self.make_piece(b, plan, payload, j, unpacked) for j in range(self.world)}
         mine = ranges[self.rank]
         recv_sizes = {w: mine.piece_nbytes for w in range(self.world) if w != self.rank}
         t0 = time.perf_counter()
