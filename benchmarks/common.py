@@ -490,9 +490,38 @@ def machine_info() -> Dict[str, str]:
     except OSError:
         lscpu = ""
     model = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name:")), "unknown")
-    import megatron.core
     return {"cpu": model, "cpus": str(os.cpu_count()), "torch": torch.__version__,
-            "megatron_core": getattr(megatron.core, "__version__", "?"), "python": sys.version.split()[0]}
+            "megatron_core": _distribution_version("megatron-core"), "plugin_commit": plugin_commit(),
+            "python": sys.version.split()[0]}
+
+
+def _distribution_version(name: str) -> str:
+    """The installed distribution's version. Not ``megatron.core.__version__``: that one appends the
+    ``git rev-parse HEAD`` of whatever repository holds site-packages — ours, when .venv sits in the
+    checkout — so results before 2026-12-04 show this repository's commit after the ``+``."""
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def plugin_commit() -> str:
+    """The commit of the megatron_sparseloco being benchmarked (``+dirty`` with uncommitted changes),
+    or ``unknown`` when it is not a git checkout (a copy under /var/tmp, say)."""
+    import megatron_sparseloco
+    where = os.path.dirname(os.path.dirname(os.path.abspath(megatron_sparseloco.__file__)))
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", where, *args], capture_output=True, text=True, check=False)
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode != 0 or os.path.realpath(top.stdout.strip()) != os.path.realpath(where):
+            return "unknown"
+        head = git("rev-parse", "--short", "HEAD").stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "megatron_sparseloco", "benchmarks").stdout.strip()
+    except OSError:
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def fmt_bytes(n: float) -> str:

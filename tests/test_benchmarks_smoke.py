@@ -120,3 +120,29 @@ def test_aggregation_wire_smoke(tmp_path):
     assert hier["wan_bytes_sent"] == payload             # G − 1 = one payload over the WAN
     assert rs["bytes_received"] < 2 * payload and rs["time_owner_s"] > 0
     assert (ag["collectives_per_round"], hier["collectives_per_round"], rs["collectives_per_round"]) == (1, 2, 2)
+
+
+def test_machine_info_names_the_installed_megatron_core_and_this_commit(tmp_path):
+    """megatron.core.__version__ appends the HEAD of whatever repository holds site-packages (ours, when
+    .venv is inside the checkout); the results must carry the real distribution version, and our commit
+    under its own name — "unknown" for a copy that is not a git checkout."""
+    from importlib import metadata
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import common
+    finally:
+        sys.path.pop(0)
+    info = common.machine_info()
+    assert info["megatron_core"] == metadata.version("megatron-core")
+    head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert info["plugin_commit"].split("+")[0] == head.stdout.strip()
+    copy = tmp_path / "copy"
+    import shutil
+    shutil.copytree(os.path.join(REPO, "megatron_sparseloco"), copy / "megatron_sparseloco")
+    out = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'benchmarks_dir');"
+                          "import megatron_sparseloco, common; print(common.plugin_commit())".replace(
+                              "benchmarks_dir", os.path.join(REPO, "benchmarks"))],
+                         capture_output=True, text=True, cwd=copy, env=dict(os.environ, PYTHONPATH=str(copy)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "unknown"
