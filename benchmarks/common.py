@@ -151,6 +151,7 @@ class RunCfg:
     aggregation_groups: int = 0             # hierarchical: site groups G (--sparseloco-aggregation-groups)
     reduce: str = "contributors"            # sparseloco: contributors | all (--sparseloco-reduce)
     ef_beta: float = 0.95                   # sparseloco: error-feedback decay β (--sparseloco-ef-decay)
+    value_bits: int = 2                     # sparseloco: bits per kept value (--sparseloco-value-bits)
     overlap_steps: int = 0                  # τ: delayed outer step (--sparseloco-overlap-steps), 0: blocking
     overlap_merge: str = "replay"           # replay | lerp (alpha 0.5)
     fragments: int = 1                      # P: Streaming-DiLoCo fragments (--sparseloco-fragments)
@@ -166,6 +167,7 @@ class RunCfg:
             tag += "" if self.owner_residual == "owner" else f" residual={self.owner_residual}"
             tag += "" if self.reduce == "contributors" else f" reduce={self.reduce}"
             tag += "" if self.ef_beta == 0.95 else f" beta={self.ef_beta:g}"
+            tag += "" if self.value_bits == 2 else f" bits={self.value_bits}"
         else:
             tag = self.method
         if self.outer_lr is not None:
@@ -198,7 +200,7 @@ def strategy_fields(run: RunCfg) -> Dict:
         return dict(lr=0.7 if run.outer_lr is None else run.outer_lr, momentum=momentum,
                     nesterov=momentum > 0)   # μ = 0: plain outer SGD (Nesterov needs a momentum)
     if run.method == "sparseloco":
-        return dict(k=run.k, chunk=4096, value_bits=2, ef_beta=run.ef_beta, lr=1.0 if run.outer_lr is None else run.outer_lr,
+        return dict(k=run.k, chunk=4096, value_bits=run.value_bits, ef_beta=run.ef_beta, lr=1.0 if run.outer_lr is None else run.outer_lr,
                     index_coding=run.index_coding, chunking=run.chunking,
                     aggregation=run.aggregation, **({"owner_k": run.owner_k} if run.owner_k else {}),
                     **({"owner_value_bits": run.owner_value_bits} if run.owner_value_bits else {}),

@@ -61,9 +61,12 @@ SWEEP = {
 }
 
 
+SPARSELOCO_TAG = re.compile(r"flat|entropy|all|ef\d*\.?\d+|vb\d+|h\d+|rs\d*(?:b\d+)?w?a?")
+
+
 def parse_methods(text: str):
     """'ddp,diloco,sparseloco:64,sparseloco:64:flat,sparseloco:64:entropy,sparseloco:64:rs' → [(method, k, extra)]
-    (``efX``: error-feedback decay β = X; ``all``: --sparseloco-reduce all; ``rs``: --sparseloco-aggregation reduce-scatter; ``rsN`` / ``rsNbB``: with the owners keeping N values
+    (``efX``: error-feedback decay β = X; ``vbN``: N bits per kept value; ``all``: --sparseloco-reduce all; ``rs``: --sparseloco-aggregation reduce-scatter; ``rsN`` / ``rsNbB``: with the owners keeping N values
     per chunk, quantised to B bits; ``hG``: --sparseloco-aggregation hierarchical in G site groups)."""
     out = []
     for item in text.split(","):
@@ -78,6 +81,11 @@ def parse_methods(text: str):
             raise SystemExit(f"--methods: unknown method {method!r}")
         if method == "sparseloco" and k is None:
             raise SystemExit("--methods: sparseloco needs its k, e.g. sparseloco:64")
+        if method == "sparseloco" and extra is not None and not SPARSELOCO_TAG.fullmatch(extra):
+            raise SystemExit(f"--methods: unknown sparseloco tag {extra!r} in {item.strip()!r} "
+                             "(one of flat, entropy, all, efX, vbN, hG, rs[N][bB][w][a])")
+        if method != "sparseloco" and extra is not None:
+            raise SystemExit(f"--methods: {method} takes no tag, got {item.strip()!r}")
         out.append((method, k, extra))
     return out
 
@@ -107,6 +115,8 @@ def make_run(method, k, extra, H, seed, base, tuned):
     if method == "sparseloco":
         if extra and re.fullmatch(r"ef\d*\.?\d+", extra):   # 'ef0.9': error-feedback decay β
             fields["ef_beta"] = float(extra[2:])
+        if extra and re.fullmatch(r"vb\d+", extra):   # 'vb4': --sparseloco-value-bits 4
+            fields["value_bits"] = int(extra[2:])
         if extra == "all":   # --sparseloco-reduce all: S / W, the paper's mean (default: over contributors)
             fields["reduce"] = "all"
         sites = re.fullmatch(r"h(\d+)", extra or "")   # 'h2': hierarchical in 2 site groups

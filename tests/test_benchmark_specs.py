@@ -300,3 +300,18 @@ def test_support_frontier_rows():
         support_frontier.frontier_rows([dict(ag, bytes_received_per_worker=None)])
     with pytest.raises(SystemExit, match="different"):
         support_frontier.frontier_rows([ag, row("sparseloco k=64 lr=1 H=15", 64, 300, W=4)])
+
+
+def test_quality_sparseloco_tags_reach_the_run_and_unknown_tags_are_refused():
+    import common
+
+    args = argparse.Namespace(methods="sparseloco:64:vb4,sparseloco:128:ef0.9,sparseloco:64:all", H=15,
+                              mbs=4, lr=1e-3, eval_windows=8, overlap_steps="", overlap_merges="replay", fragments="")
+    vb4, ef, mean_all = quality.build_runs(args, {"sparseloco": (2.0, None)}, [0], 30)[0]
+    assert common.strategy_fields(vb4)["value_bits"] == 4 and "bits=4" in vb4.label()
+    assert common.strategy_fields(ef)["value_bits"] == 2 and common.strategy_fields(ef)["ef_beta"] == 0.9
+    assert mean_all.reduce == "all" and vb4.outer_lr == 2.0
+    for bad, match in (("sparseloco:64:vb", "unknown sparseloco tag 'vb'"), ("sparseloco:64:bits4", "unknown sparseloco tag"),
+                       ("diloco:0:fast", "diloco takes no tag")):
+        with pytest.raises(SystemExit, match=match):
+            quality.parse_methods(bad)
