@@ -368,6 +368,9 @@ def main(argv=None) -> int:
                     help="also one run FACTOR x longer at the first W for diloco and sparseloco k=64 (seed 0)")
     ap.add_argument("--corpus", default=None, help="directory of text / source files (default: the Python stdlib)")
     ap.add_argument("--corpus-patterns", default="*.py", help="comma-separated file patterns for --corpus")
+    ap.add_argument("--layers", type=int, default=None, help="transformer layers (default 2): a scale check")
+    ap.add_argument("--hidden", type=int, default=None, help="hidden size (default 128; 64 with --quick)")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads (must divide --hidden)")
     ap.add_argument("--mbs", type=int, default=None)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-windows", type=int, default=None)
@@ -395,7 +398,12 @@ def main(argv=None) -> int:
         return 0
     args.mbs = args.mbs or 4
     args.eval_windows = args.eval_windows or (16 if args.quick else 64)
-    model = ModelCfg(layers=2, hidden=64 if args.quick else 128, heads=4, seq=64 if args.quick else 128)
+    model = ModelCfg(layers=2 if args.layers is None else args.layers,
+                     hidden=(64 if args.quick else 128) if args.hidden is None else args.hidden, heads=args.heads,
+                     seq=64 if args.quick else 128)
+    if model.layers < 1 or model.hidden < 1 or model.heads < 1 or model.hidden % model.heads:
+        raise SystemExit(f"--layers / --hidden / --heads: need positive values with --heads dividing --hidden, "
+                         f"got {model.layers} / {model.hidden} / {model.heads}")
     workers = [int(w) for w in args.workers.split(",")]
     if any(P > model.layers for P, _ in fragment_settings(args)):
         raise SystemExit(f"--fragments: at most the model's {model.layers} layers")

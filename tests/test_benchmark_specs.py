@@ -315,3 +315,9 @@ def test_quality_sparseloco_tags_reach_the_run_and_unknown_tags_are_refused():
                        ("diloco:0:fast", "diloco takes no tag")):
         with pytest.raises(SystemExit, match=match):
             quality.parse_methods(bad)
+
+
+@pytest.mark.parametrize("argv", [["--hidden", "100", "--heads", "3"], ["--layers", "0"]])
+def test_quality_model_shape_flags_are_checked_before_any_run(argv):
+    with pytest.raises(SystemExit, match="--layers / --hidden / --heads"):
+        quality.main(argv)
