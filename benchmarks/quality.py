@@ -61,7 +61,13 @@ SWEEP = {
 }
 
 
-SPARSELOCO_TAG = re.compile(r"flat|entropy|all|ef\d*\.?\d+|vb\d+|h\d+|rs\d*(?:b\d+)?w?a?")
+# the sparseloco tags with a value; parse_methods refuses any tag that is none of these nor flat / entropy / all
+EF_TAG = re.compile(r"ef(\d*\.?\d+)")                  # 'ef0.9': error-feedback decay β
+VALUE_BITS_TAG = re.compile(r"vb(\d+)")                 # 'vb4': --sparseloco-value-bits 4
+SITES_TAG = re.compile(r"h(\d+)")                       # 'h2': hierarchical in 2 site groups
+OWNER_TAG = re.compile(r"rs(\d*)(?:b(\d+))?(w?)(a?)")    # reduce-scatter and its owner codec, see owner_codec
+SPARSELOCO_TAG = re.compile("|".join(["flat", "entropy", "all"] + [t.pattern for t in (EF_TAG, VALUE_BITS_TAG,
+                                                                                   SITES_TAG, OWNER_TAG)]))
 
 
 def parse_methods(text: str):
@@ -93,7 +99,7 @@ def parse_methods(text: str):
 def owner_codec(extra):
     """'rs' → {}, 'rs256' → {owner_k: 256}, 'rs256b8' → {owner_k: 256, owner_value_bits: 8}; a trailing
     'w' ('rsw', 'rs128w') → owner_residual 'workers'; then 'a' → reduce 'all' (mean over all W)."""
-    m = re.fullmatch(r"rs(\d*)(?:b(\d+))?(w?)(a?)", extra or "")
+    m = OWNER_TAG.fullmatch(extra or "")
     if m is None:
         return {}
     return {**({"owner_k": int(m.group(1))} if m.group(1) else {}),
@@ -113,13 +119,14 @@ def make_run(method, k, extra, H, seed, base, tuned):
     lr, mu = tuned_setting(tuned, method, k)
     fields = dict(base, H=H, seed=1234 + seed, data_seed=seed)
     if method == "sparseloco":
-        if extra and re.fullmatch(r"ef\d*\.?\d+", extra):   # 'ef0.9': error-feedback decay β
-            fields["ef_beta"] = float(extra[2:])
-        if extra and re.fullmatch(r"vb\d+", extra):   # 'vb4': --sparseloco-value-bits 4
-            fields["value_bits"] = int(extra[2:])
+        ef, bits = EF_TAG.fullmatch(extra or ""), VALUE_BITS_TAG.fullmatch(extra or "")
+        if ef:
+            fields["ef_beta"] = float(ef.group(1))
+        if bits:
+            fields["value_bits"] = int(bits.group(1))
         if extra == "all":   # --sparseloco-reduce all: S / W, the paper's mean (default: over contributors)
             fields["reduce"] = "all"
-        sites = re.fullmatch(r"h(\d+)", extra or "")   # 'h2': hierarchical in 2 site groups
+        sites = SITES_TAG.fullmatch(extra or "")
         if sites:
             fields["aggregation_groups"] = int(sites.group(1))
         return RunCfg("sparseloco", k=k, outer_lr=lr, outer_momentum=mu, index_coding="entropy" if extra == "entropy" else "packed",
