@@ -13,10 +13,13 @@ all-gather uneven shapes). Padding is counted: those bytes do cross the wire.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_sparseloco.comm.interface import Pending
 
 
 @dataclass
@@ -99,11 +102,38 @@ def all_gather_payloads(payload: torch.Tensor, group: Optional[dist.ProcessGroup
     the same configuration and numel) and skips the size exchange; a mismatch is detected by the
     collective itself on most backends, so only promise it when the codec guarantees it.
     """
+    return start_all_gather_payloads(payload, group, counter, equal_sizes).wait()
+
+
+def start_all_reduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], counter: CommCounter,
+                      op: dist.ReduceOp = dist.ReduceOp.SUM) -> "Pending[torch.Tensor]":
+    """``all_reduce_`` issued asynchronously (c10d ``async_op=True``); ``wait()`` gives ``tensor``."""
+    from megatron_sparseloco.comm.interface import Pending
+    if _group_size(group) == 1:
+        return Pending.completed(tensor)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    counter.add("all_reduce", _nbytes(tensor), _nbytes(tensor))
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return tensor
+
+    return Pending(wait, work.is_completed)
+
+
+def start_all_gather_payloads(payload: torch.Tensor, group: Optional[dist.ProcessGroup], counter: CommCounter,
+                              equal_sizes: bool = False) -> "Pending[List[torch.Tensor]]":
+    """``all_gather_payloads`` with the data all-gather issued asynchronously (c10d ``async_op=True``).
+
+    Without ``equal_sizes`` the size exchange runs first and is waited for here: the data
+    collective's shape depends on its result, and c10d cannot chain a collective on another's
+    completion without a host thread."""
+    from megatron_sparseloco.comm.interface import Pending
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise ValueError(f"all_gather_payloads expects a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
     world = _group_size(group)
     if world == 1:
-        return [payload]
+        return Pending.completed([payload])
     if equal_sizes:
         sizes = [payload.numel()] * world
     else:
@@ -111,7 +141,7 @@ def all_gather_payloads(payload: torch.Tensor, group: Optional[dist.ProcessGroup
         all_sizes = [torch.empty_like(size_t) for _ in range(world)]
         dist.all_gather(all_sizes, size_t, group=group)
         counter.add("all_gather_sizes", _nbytes(size_t), _nbytes(size_t) * (world - 1))
-        sizes = [int(s.item()) for s in all_sizes]
+        sizes = [int(s) for s in torch.cat(all_sizes).tolist()]
     max_size = max(sizes)
     if payload.numel() < max_size:
         padded = torch.zeros(max_size, dtype=torch.uint8, device=payload.device)
@@ -119,6 +149,11 @@ def all_gather_payloads(payload: torch.Tensor, group: Optional[dist.ProcessGroup
     else:
         padded = payload.contiguous()
     gathered = [torch.empty(max_size, dtype=torch.uint8, device=payload.device) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
+    work = dist.all_gather(gathered, padded, group=group, async_op=True)
     counter.add("all_gather", max_size, max_size * (world - 1))
-    return [g[:s] for g, s in zip(gathered, sizes)]
+
+    def wait() -> List[torch.Tensor]:
+        work.wait()
+        return [g[:s] for g, s in zip(gathered, sizes)]
+
+    return Pending(wait, work.is_completed)
