@@ -112,8 +112,8 @@ def drive(rank: int, world: int, fields: dict, corrupt_rank=None):
     if rs is not None:
         orig = rs.aggregate
 
-        def capture(b, plan, payload, group, counter, out, counts, *rest):
-            res = orig(b, plan, payload, group, counter, out, counts, *rest)
+        def capture(b, plan, payload, comm, out, counts, *rest):
+            res = orig(b, plan, payload, comm, out, counts, *rest)
             updates[b] = out.clone()
             positions[b] = res[2] + plan.start
             return res

@@ -70,7 +70,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def all_reduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], counter: CommCounter,
-                op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of ``tensor``; a no-op (and nothing counted) for a group of one."""
     world = _group_size(group)
     if world == 1:
@@ -106,7 +106,7 @@ def all_gather_payloads(payload: torch.Tensor, group: Optional[dist.ProcessGroup
 
 
 def start_all_reduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], counter: CommCounter,
-                      op: dist.ReduceOp = dist.ReduceOp.SUM) -> "Pending[torch.Tensor]":
+                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> "Pending[torch.Tensor]":
     """``all_reduce_`` issued asynchronously (c10d ``async_op=True``); ``wait()`` gives ``tensor``."""
     from megatron_sparseloco.comm.interface import Pending
     if _group_size(group) == 1:

@@ -22,14 +22,16 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, ClassVar, Collection, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import (Any, ClassVar, Collection, Dict, Generic, Iterator, List, Mapping, Optional, Sequence, Tuple,
+                    Self, TypeVar, Union)
 
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.comm.collectives import CommCounter, all_reduce_
+from megatron_sparseloco.comm.interface import OuterComm, as_outer_comm
 from megatron_sparseloco.compress.segments import TensorSlice
 from megatron_sparseloco.outer.config_fields import ConfigError, check_fields, check_given, flag_field
+from megatron_sparseloco.outer.round import Capabilities, RoundPlan, WholeStepPlan, clock_of
 
 NONFINITE_POLICIES = ("skip", "abort")
 
@@ -62,11 +64,11 @@ class OuterConfig:
     #: words), for the flag reference and the start-up block
     default_rules: ClassVar[Mapping[str, Tuple[str, str]]] = {}
 
-    def validate(self) -> "OuterConfig":
+    def validate(self) -> Self:
         check_fields(self)
         return self
 
-    def validate_given(self, given: Collection[str]) -> "OuterConfig":
+    def validate_given(self, given: Collection[str]) -> Self:
         """``validate()``, then refuse any field in ``given`` (the fields set explicitly) that this
         config ignores in its current mode (a field declared with ``requires=``)."""
         self.validate()
@@ -86,42 +88,33 @@ class OuterConfig:
 class OuterStepStats:
     """What one outer step did on this rank."""
 
+    #: the step's number (1 for the first) and the elements of this rank's shard it covered
     step: int = 0
     numel: int = 0
+    #: bytes this rank handed to the step's collectives and got from them, and how many it issued
     bytes_sent: int = 0
     bytes_received: int = 0
     collectives: int = 0
+    #: seconds in each phase of the round (``round.PhaseClock``)
     time_compress_s: float = 0.0
     time_communicate_s: float = 0.0
     time_apply_s: float = 0.0
     #: wall time the training loop spent in this outer step (blocking: the whole step; delayed
     #: application, ``outer/overlap.py``: launch + the wait for the collective + apply + merge)
     time_exposed_s: float = 0.0
+    #: ‖Δ‖ of this rank, ‖e‖ after the step (error feedback), ‖lr·u‖ of the applied update
     delta_norm: float = 0.0
     error_norm: float = 0.0
     update_norm: float = 0.0
+    #: the round was skipped (a worker's Δ was not finite, policy skip): θ_outer unchanged
     skipped: bool = False
+    #: strategy-specific figures (density, waits, bytes per phase ...)
     extra: Dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
         d.update(self.extra)
         return d
-
-
-class _Timer:
-    def __init__(self, stats: OuterStepStats, attr: str, device: torch.device):
-        self.stats, self.attr, self.device = stats, attr, device
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        setattr(self.stats, self.attr, getattr(self.stats, self.attr) + time.perf_counter() - self.t0)
 
 
 class FlatShards:
@@ -139,7 +132,7 @@ class FlatShards:
             self.offsets.append(self.offsets[-1] + n)
         self.numel = self.offsets[-1]
 
-    def _segments(self, start: int, end: int) -> Iterator[Tuple[int, int, int]]:
+    def _segments(self, start: int, end: int) -> Iterator[Tuple[int, int, int, int]]:
         """(tensor index, offset in tensor, offset in range, length) for each overlap."""
         for i, (lo, n) in enumerate(zip(self.offsets, self.sizes)):
             hi = lo + n
@@ -165,31 +158,47 @@ class FlatShards:
         return names[-1]
 
 
-class OuterStrategy(abc.ABC):
+ConfigT = TypeVar("ConfigT", bound=OuterConfig)
+#: what a strategy is built on: an ``OuterComm``, or a c10d process group (None: the default group / no
+#: distributed), wrapped in a ``ProcessGroupComm``
+OuterGroup = Union[OuterComm, dist.ProcessGroup, None]
+
+
+class OuterStrategy(abc.ABC, Generic[ConfigT]):
     """Base of all outer strategies: anchor, buckets, guard, stats, state dict.
 
-    Subclasses implement ``_outer_step(stats, nonfinite_tensor)`` and declare their per-element
-    state in ``elementwise_buffers`` (state dict and checkpoint keys derive from it).
+    The extension contract (docs/design.md, "Adding an outer algorithm"): a subclass sets ``name``,
+    ``config_class`` (its ``OuterConfig``; the strategy is generic over it, so ``self.config`` has
+    that type), ``capabilities`` (one ``round.Capabilities`` block) and ``elementwise_buffers`` (its
+    per-element state: state dict and checkpoint keys derive from it), and describes its outer step
+    either
+
+    * in the simple form, ``_outer_step(stats, nonfinite_tensor)``: compute Δ (``pseudo_gradient``),
+      communicate through ``self.comm``, update ``self.anchor`` (θ_outer) — one call; or
+    * as a ``round.RoundPlan`` returned by ``begin_round`` (compress / exchange / apply per bucket),
+      which pipelines buckets and can overlap training (``Capabilities.supports_overlap``).
+
+    Every collective goes through ``self.comm`` (``comm.interface.OuterComm``), never through
+    ``torch.distributed``: the same strategy runs over a c10d group or an elastic (torchft) one.
     """
 
     #: a short name used in logs and checkpoints
-    name: str = "base"
+    name: ClassVar[str] = "base"
     #: the config dataclass (fields, flags, defaults, validation); every registered strategy sets it
-    config_class: type
-    #: after an outer step every worker holds the same θ_outer (False for gossip: workers differ,
-    #: so cross-worker consistency checks do not apply)
-    identical_across_workers: bool = True
-    #: the fewest workers the algorithm makes sense with (gossip needs a neighbour)
-    min_workers: int = 1
-    #: workers may run different numbers of inner steps per round (nothing assumes equal H_w)
-    per_worker_inner_steps: bool = False
-    #: keeps an error-feedback buffer (its norm is logged)
-    has_error_feedback: bool = False
+    config_class: ClassVar[type]
+    #: what the strategy can do (``round.Capabilities``): the loop and the flag checks read only this
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: the strategy's per-element buffers besides θ_outer (``anchor``, every strategy's), each a flat
+    #: fp32 vector over ``params``: attribute name = state-dict and checkpoint name; an attribute that
+    #: is None is not kept in this configuration (e.g. momentum with μ = 0)
+    elementwise_buffers: ClassVar[Tuple[str, ...]] = ()
+    #: checkpoint facts whose value must match on resume → the flag that sets it
+    checkpoint_fact_flags: ClassVar[Dict[str, str]] = {}
 
-    def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
-                 config: OuterConfig, names: Optional[Sequence[str]] = None,
+    def __init__(self, params: Sequence[torch.Tensor], group: OuterGroup, config: ConfigT,
+                 names: Optional[Sequence[str]] = None,
                  slices: Optional[Sequence[TensorSlice]] = None):
-        self.config = config.validate()
+        self.config: ConfigT = config.validate()
         if len(params) == 0:
             raise ConfigError("an outer strategy needs at least one parameter tensor")
         for i, p in enumerate(params):
@@ -202,11 +211,10 @@ class OuterStrategy(abc.ABC):
         self.slices = list(slices) if slices is not None else [TensorSlice.whole(p) for p in params]
         if len(self.slices) != len(params) or any(sl.numel != p.numel() for sl, p in zip(self.slices, params)):
             raise ConfigError("slices must describe each parameter tensor (one TensorSlice of the same numel each)")
-        self.group = group
+        #: the outer group: a c10d group (wrapped) or any ``OuterComm``
+        self.comm: OuterComm = as_outer_comm(group)
+        self.counter = self.comm.counter
         self.device = params[0].device
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.counter = CommCounter()
         self.outer_steps = 0
         self.anchor = torch.empty(self.params.numel, dtype=torch.float32, device=self.device)
         #: per-element buffers other components keep over ``params`` and want checkpointed with the
@@ -214,8 +222,24 @@ class OuterStrategy(abc.ABC):
         self.attached_state: Dict[str, torch.Tensor] = {}
         self.reset_anchor()
 
+    @property
+    def world_size(self) -> int:
+        """Workers in the outer group this round (``comm.size``; fixed over a c10d group, the round's
+        participants over an elastic one)."""
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        """This worker's index in the outer group this round (``comm.rank``)."""
+        return self.comm.rank
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        """The c10d process group under ``self.comm`` (None for other implementations or the default group)."""
+        return getattr(self.comm, "group", None)
+
     def check_group_layout(self) -> None:
-        """Fail early unless every rank of ``group`` owns the same number of elements.
+        """Fail early unless every rank of the outer group owns the same number of elements.
 
         The ranks of the outer group must hold the same shard (same parameters, same flat order)
         in their worker; a different element count means the shards do not line up and every
@@ -226,8 +250,9 @@ class OuterStrategy(abc.ABC):
             return
         n = self.params.numel
         t = torch.tensor([n, -n], dtype=torch.int64, device=self.device)
-        all_reduce_(t, self.group, self.counter, op=dist.ReduceOp.MAX)
-        hi, lo = int(t[0].item()), -int(t[1].item())
+        self.comm.all_reduce_(t, op="max")
+        hi, lo = (int(v) for v in t.tolist())
+        lo = -lo
         if hi != n or lo != n:
             raise ConfigError(
                 f"{self.name}: the ranks of the outer group own between {lo} and {hi} elements, this rank "
@@ -260,44 +285,69 @@ class OuterStrategy(abc.ABC):
             self.write_back(s, e)
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> OuterStepStats:
-        """One outer step, in place on the params. Every worker must call it together.
+    def new_stats(self) -> OuterStepStats:
+        """The stats of the next outer step (its number and this rank's element count)."""
+        return OuterStepStats(step=self.outer_steps + 1, numel=self.params.numel)
 
-        Phases: the non-finite verdict (``nonfinite_verdict``: this worker's check and, unless the
-        strategy carries it in its payloads, the agreement of all workers), then ``_outer_step``
-        with this worker's verdict, then the byte counts.
+    def step(self) -> OuterStepStats:
+        """One blocking outer step, in place on the params. Every worker must call it together.
+
+        The non-finite verdict (``nonfinite_verdict``: this worker's check and, unless the strategy
+        carries it in its exchange, the agreement of all workers), then the round's plan pipelined
+        (``RoundPlan.run_pipelined``: each bucket written back once applied), then the byte counts.
         """
-        stats = OuterStepStats(step=self.outer_steps + 1, numel=self.params.numel)
-        before = (self.counter.bytes_sent, self.counter.bytes_received, self.counter.collectives)
+        stats = self.new_stats()
+        before = self.counter_marks()
         proceed, nonfinite_tensor = self.nonfinite_verdict(stats)
         if proceed:
-            self._outer_step(stats, nonfinite_tensor)
+            self.begin_round(stats, nonfinite_tensor, held=False).run_pipelined(write_back=True)
+        self.end_round(stats, before)
+        return stats
+
+    def counter_marks(self) -> Tuple[int, int, int]:
+        """(bytes sent, bytes received, collectives) so far: ``end_round`` reports the difference."""
+        return self.counter.bytes_sent, self.counter.bytes_received, self.counter.collectives
+
+    def end_round(self, stats: OuterStepStats, before: Tuple[int, int, int]) -> None:
+        """Count the round (committed or skipped) and put its bytes and collectives into ``stats``."""
         self.outer_steps += 1
         stats.bytes_sent = self.counter.bytes_sent - before[0]
         stats.bytes_received = self.counter.bytes_received - before[1]
         stats.collectives = self.counter.collectives - before[2]
-        return stats
 
-    #: the workers agree on the non-finite verdict before the step (one all-reduce of a flag);
-    #: False where the step carries it itself (gossip: the flag rides on the proposals, and each
-    #: worker hears only its neighbours)
-    agrees_nonfinite_before_step: bool = True
+    def begin_round(self, stats: OuterStepStats, nonfinite_tensor: Optional[str], held: bool,
+                    snapshot: bool = False) -> RoundPlan:
+        """The round's plan (``round.RoundPlan``). ``held``: every bucket's buffers kept until commit
+        (delayed application, elastic rounds) instead of two at a time; ``snapshot``: the plan must be
+        able to ``cancel`` after its exchange ran (elastic rounds), not only after its compress.
+
+        Default: the simple form, ``WholeStepPlan`` over ``_outer_step``."""
+        return WholeStepPlan(self, stats, nonfinite_tensor, held, snapshot=snapshot)
+
+    def _outer_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
+        """The simple form of an outer step: compute Δ, communicate, update ``self.anchor`` (every
+        bucket). The params are written back by the caller. ``nonfinite_tensor``: this worker's
+        verdict (``nonfinite_verdict``), the name of its first tensor holding NaN / Inf, or None;
+        always None where the workers agreed before the step."""
+        raise NotImplementedError(f"outer strategy {self.name!r} defines neither begin_round nor _outer_step")
 
     def first_nonfinite_tensor(self) -> Optional[str]:
-        """The name of this worker's first tensor holding NaN or Inf, or None (a local check)."""
-        for i, t in enumerate(self.params.tensors):
-            if not torch.isfinite(t).all():
-                return self.names[i]
-        return None
+        """The name of this worker's first tensor holding NaN or Inf, or None (a local check; one
+        host read whatever the number of tensors, a second to find the name when one is bad)."""
+        finite = torch.stack([torch.isfinite(t).all() for t in self.params.tensors])
+        if bool(finite.all()):
+            return None
+        return self.names[int(torch.nonzero(~finite)[0])]
 
     def nonfinite_verdict(self, stats: OuterStepStats) -> Tuple[bool, Optional[str]]:
-        """(run ``_outer_step``?, this worker's first non-finite tensor or None).
+        """(run the round?, this worker's first non-finite tensor or None).
 
-        With the agreement (``agrees_nonfinite_before_step``): ``_all_workers_finite`` decides, and
-        the step only ever sees None. Without it the step always runs and gets the local verdict.
+        With the agreement (``capabilities.agrees_nonfinite_before_step``): ``_all_workers_finite``
+        decides, and the round only ever sees None. Without it the round always runs and gets the
+        local verdict.
         """
         bad_name = self.first_nonfinite_tensor()
-        if not self.agrees_nonfinite_before_step:
+        if not self.capabilities.agrees_nonfinite_before_step:
             return True, bad_name
         t0 = time.perf_counter()
         proceed = self._all_workers_finite(stats, bad_name)
@@ -319,9 +369,9 @@ class OuterStrategy(abc.ABC):
     def _nonfinite_culprit(self, bad_name: Optional[str]) -> Optional[int]:
         """The agreement itself: one all-reduce MAX of (rank + 1 where this worker's params are not
         finite, else 0). Returns the highest non-finite worker's rank, or None when all are finite."""
-        flag = torch.tensor([0.0 if bad_name is None else float(self.rank + 1)], device=self.device)
-        all_reduce_(flag, self.group, self.counter, op=dist.ReduceOp.MAX)
-        worst = int(flag.item())
+        if self.world_size == 1:
+            return None if bad_name is None else self.rank
+        worst = self.comm.agree_max(0 if bad_name is None else self.rank + 1)
         return None if worst == 0 else worst - 1
 
     def _nonfinite_error(self, culprit: int, bad_name: Optional[str]) -> NonFiniteError:
@@ -336,48 +386,14 @@ class OuterStrategy(abc.ABC):
         flag), or None when that depends on the round (gossip) or the data (entropy coding: a bound)."""
         return None
 
-    @abc.abstractmethod
-    def _outer_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
-        """Compute Δ, communicate, update ``self.anchor`` and write it back (all buckets).
-
-        ``nonfinite_tensor``: this worker's verdict (``nonfinite_verdict``), the name of its first
-        tensor holding NaN / Inf, or None; always None where the workers agreed before the step.
-        """
-
-    #: set by strategies that implement ``_launch_round`` (delayed application, ``outer/overlap.py``)
-    supports_overlap: bool = False
-
-    def _launch_round(self, stats: OuterStepStats) -> Tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
-        """The outer step split for delayed application: returns ``(communicate, finish, cancel)``.
-
-        Called on the main thread when this worker's params are finite, *before* the workers agree
-        on it (the agreement runs on the overlap thread, just before ``communicate``): computes Δ
-        for every bucket (and any state update that depends only on it, e.g. error feedback) and
-        fixes every payload's size. ``communicate()`` then runs every collective of the round (on
-        the overlap thread, touching only the buffers made here); ``finish()`` (main thread, after
-        it) updates θ_outer and the strategy state exactly as ``_outer_step`` does, but does *not*
-        write θ_outer back into the params (the overlap driver merges instead). ``cancel()`` (main
-        thread, instead of ``finish`` when another worker's Δ was not finite, so ``communicate``
-        never ran) undoes the launch's state updates bit for bit.
-        """
-        raise ConfigError(f"outer strategy {self.name!r} does not support delayed application "
-                          "(--sparseloco-overlap-steps); use 0")
-
-    def _timer(self, stats: OuterStepStats, attr: str) -> _Timer:
-        return _Timer(stats, attr, self.device)
+    def _timer(self, stats: OuterStepStats, attr: str):
+        """A phase of the round in ``stats.<attr>`` (``round.PhaseClock``: CUDA events read once a round)."""
+        return clock_of(stats, self.device).phase(attr)
 
     # ------------------------------------------------------------------ state
-    #: checkpoint facts whose value must match on resume → the flag that sets it
-    checkpoint_fact_flags: Dict[str, str] = {}
-
     def checkpoint_facts(self) -> Dict[str, object]:
         """Settings that change what the saved state means (a resume with others is refused)."""
         return {}
-
-    #: the strategy's per-element buffers besides θ_outer (``anchor``, every strategy's), each a flat
-    #: fp32 vector over ``params``: attribute name = state-dict and checkpoint name; an attribute that
-    #: is None is not kept in this configuration (e.g. momentum with μ = 0)
-    elementwise_buffers: ClassVar[Tuple[str, ...]] = ()
 
     def elementwise_state(self) -> Dict[str, torch.Tensor]:
         """The live per-element state, each a flat vector over ``self.params`` (not copies):
@@ -388,6 +404,29 @@ class OuterStrategy(abc.ABC):
             if buf is not None:
                 state[name] = buf
         return {**state, **self.attached_state}
+
+    @property
+    def numel(self) -> int:
+        """Elements of this rank's shard the strategy covers."""
+        return self.params.numel
+
+    def per_tensor_state(self) -> Dict[str, List[torch.Tensor]]:
+        """``elementwise_state`` as one live view per tensor of ``params`` (the member-state protocol
+        the checkpoint code and the tied-parameter sync read; ``megatron.fragments.MemberFragments``)."""
+        offsets = self.params.offsets
+        return {k: [v[offsets[i]:offsets[i + 1]] for i in range(len(self.params.tensors))]
+                for k, v in self.elementwise_state().items()}
+
+    def snapshot_state(self) -> Dict[str, Any]:
+        """A copy of everything a round may change (per-element state and the step count), for
+        ``restore_state`` when a round is rolled back."""
+        return {"outer_steps": self.outer_steps, **{k: v.clone() for k, v in self.elementwise_state().items()}}
+
+    def restore_state(self, saved: Dict[str, Any]) -> None:
+        """The state of ``snapshot_state``, bit for bit."""
+        self.outer_steps = int(saved["outer_steps"])
+        for k, v in self.elementwise_state().items():
+            v.copy_(saved[k])
 
     def state_dict(self) -> dict:
         sd = {"name": self.name, "outer_steps": self.outer_steps, "numel": self.params.numel}

@@ -42,7 +42,14 @@ class ConfigError(ValueError):
 
     def __init__(self, problem: str, field: Optional[str] = None, fix: Optional[str] = None):
         self.problem, self.field, self.fix = problem, field, fix
-        super().__init__(problem if fix is None else f"{problem}; fix: {fix}")
+        text = render_refs(problem, _in_words) if fix is None else \
+            f"{render_refs(problem, _in_words)}; fix: {render_refs(fix, _in_words)}"
+        super().__init__(text)
+
+
+def _in_words(name: str, value: Optional[str]) -> str:
+    """A backticked field reference as the Python layer shows it: ``inner steps``, ``momentum=0.9``."""
+    return name.replace("_", " ") if value is None else f"{name}={value}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ Per outer step, bucket by bucket:
 exactly ``torch.optim.SGD(lr, momentum=μ, dampening=0, nesterov=...)`` applied to θ_outer with
 gradient Δ̄ (see ``outer/sgd.py``). Defaults lr 0.7, μ 0.9, Nesterov (the paper's setting).
 State: the anchor and one shard-sized fp32 momentum buffer (none when μ = 0).
-The bucket loop is ``outer/dense_allreduce.py``'s (shared with model averaging). Bytes per step and
+The round is ``outer/dense_allreduce.py``'s ``DensePlan`` (shared with model averaging). Bytes per step and
 rank: 4·numel (fp32) or 2·numel (bf16) sent and received, plus the 4-byte
 non-finite flag.
 """
@@ -21,16 +21,15 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
-from megatron_sparseloco.outer.base import OuterConfig, OuterStepStats
-from megatron_sparseloco.outer.dense_allreduce import DenseAllReduceStrategy, comm_dtype_field
+from megatron_sparseloco.outer.base import OuterGroup, OuterStepStats
+from megatron_sparseloco.outer.dense_allreduce import DenseAllReduceStrategy, DenseConfig
 from megatron_sparseloco.outer.registry import register_outer_strategy
 from megatron_sparseloco.outer.sgd import check_outer_sgd, lr_field, momentum_field, nesterov_field
 
 
 @dataclass
-class DiLoCoConfig(OuterConfig):
+class DiLoCoConfig(DenseConfig):
     """The DiLoCo paper's outer optimiser: SGD, lr 0.7, Nesterov momentum 0.9."""
 
     lr: float = lr_field(0.7)
@@ -39,8 +38,6 @@ class DiLoCoConfig(OuterConfig):
     """Outer momentum μ in [0, 1); 0 disables it (no momentum buffer)."""
     nesterov: bool = nesterov_field(True)
     """Nesterov (u = Δ̄ + μ·m) or heavy ball (u = m); needs μ > 0."""
-    comm_dtype: str = comm_dtype_field()
-    """Wire format of the Δ all-reduce: "fp32" or "bf16"."""
 
     def validate(self) -> "DiLoCoConfig":
         super().validate()
@@ -49,14 +46,14 @@ class DiLoCoConfig(OuterConfig):
 
 
 @register_outer_strategy("diloco")
-class DiLoCo(DenseAllReduceStrategy):
+class DiLoCo(DenseAllReduceStrategy[DiLoCoConfig]):
     """Dense all-reduce of Δ, then Nesterov (or heavy-ball) SGD on θ_outer."""
 
     name = "diloco"
     config_class = DiLoCoConfig
     elementwise_buffers = ("momentum",)  # None when μ = 0
 
-    def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
+    def __init__(self, params: Sequence[torch.Tensor], group: OuterGroup,
                  config: Optional[DiLoCoConfig] = None, names: Optional[Sequence[str]] = None, slices=None):
         super().__init__(params, group, config if config is not None else DiLoCoConfig(), names, slices)
         if self.config.momentum != 0.0:
@@ -64,8 +61,7 @@ class DiLoCo(DenseAllReduceStrategy):
         self.check_group_layout()
 
     def sgd_settings(self) -> Tuple[float, float, bool]:
-        cfg: DiLoCoConfig = self.config
-        return cfg.lr, cfg.momentum, cfg.nesterov
+        return self.config.lr, self.config.momentum, self.config.nesterov
 
     def after_update(self, stats: OuterStepStats) -> None:
         if self.momentum is not None:

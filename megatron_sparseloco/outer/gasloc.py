@@ -106,18 +106,17 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
-from megatron_sparseloco.comm.p2p import exchange, exchange_per_peer
 from megatron_sparseloco.compress import CodecConfig, decode, encode, payload_nbytes
 from megatron_sparseloco.comm.topology import (MAX_DEGREE, TOPOLOGIES, check_topology, edges, neighbours_from_edges,
                                                symmetric_costs)
-from megatron_sparseloco.outer.base import (ConfigError, NonFiniteError, OuterConfig, OuterStepStats,
+from megatron_sparseloco.outer.base import (ConfigError, NonFiniteError, OuterConfig, OuterGroup, OuterStepStats,
                                             OuterStrategy)
 from megatron_sparseloco.outer.codec_fields import (check_bucket_holds_a_chunk, check_codec, codec_chunk_field,
                                                     codec_index_coding_field, codec_k_field, codec_value_bits_field)
 from megatron_sparseloco.outer.config_fields import config_field, flag_field
 from megatron_sparseloco.outer.registry import register_outer_strategy
+from megatron_sparseloco.outer.round import Capabilities
 from megatron_sparseloco.outer.sgd import momentum_field
 
 VALUE_BITS = (2, 4, 8, 32)
@@ -137,7 +136,8 @@ LAG_RULES = ("laplacian-momentum", "mixed-nesterov")
 class GASLoCConfig(OuterConfig):
     """Configuration of the GASLoC outer step (see the module docstring for the math).
 
-    topology       one of comm.topology.TOPOLOGIES: ring, exponential, random1, random2, complete
+    topology       one of comm.topology.TOPOLOGIES: ring, exponential, random1, random2, complete,
+                   bandwidth (one-peer matchings drawn from measured link costs)
     seed           shared by all workers; random matchings are drawn from (seed, round)
     proposal_lr    η, the step on Δ inside the proposal y = θ0 − ηΔ (outer lr of DiLoCo on K_W)
     momentum       γ, heavy-ball momentum on the mixed increment (0 disables it)
@@ -160,7 +160,8 @@ class GASLoCConfig(OuterConfig):
     """
 
     topology: str = flag_field("ring", flag="gossip-topology", choices=TOPOLOGIES,
-                               help="Gossip graph (exponential needs a power-of-two W; bandwidth: one-peer matchings that "
+                               help="Gossip graph (exponential needs a power-of-two W; bandwidth: one-peer matchings "
+                                    "that "
                                     "use slow links less, from measured link times).")
     seed: int = flag_field(0, flag="gossip-seed", low=0,
                            help="Seed shared by all workers for the random matchings.")
@@ -307,17 +308,18 @@ class _Round:
 
 
 @register_outer_strategy("gasloc")
-class GASLoC(OuterStrategy):
+class GASLoC(OuterStrategy[GASLoCConfig]):
     """Gossip outer step with momentum; see the module docstring. Extra state: ``momentum`` (d, rule
     "ours") or ``proposal_lag`` (v = y_prev − θ0, rules "laplacian-momentum" and "mixed-nesterov")."""
 
     name = "gasloc"
     config_class = GASLoCConfig
-    identical_across_workers = False   # each worker keeps its own anchor and momentum
-    min_workers = 2                    # gossip needs a neighbour
-    per_worker_inner_steps = True      # Δ_i is whatever worker i did since its last round
+    #: workers keep their own anchor and momentum (not identical); gossip needs a neighbour; Δ_i is
+    #: whatever worker i did since its last round (any H_i); the non-finite flag rides on the proposals
+    capabilities = Capabilities(identical_across_workers=False, min_workers=2, per_worker_inner_steps=True,
+                                agrees_nonfinite_before_step=False)
 
-    def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
+    def __init__(self, params: Sequence[torch.Tensor], group: OuterGroup,
                  config: GASLoCConfig, names: Optional[Sequence[str]] = None, slices=None):
         if not isinstance(config, GASLoCConfig):
             raise ConfigError(f"GASLoC needs a GASLoCConfig, got {type(config).__name__}")
@@ -342,12 +344,19 @@ class GASLoC(OuterStrategy):
         self.link_costs: Optional[List[List[float]]] = None
         self._cost_row: List[float] = [0.0] * self.world_size        # seconds per byte, 0: not measured
         self._measured: Dict[int, List[float]] = {}                   # peer → [seconds, bytes] since agreement
-        self._edges_cache: Optional[Tuple[int, list]] = None
+        #: (round, workers) → that round's edges (the workers change between rounds in elastic mode)
+        self._edges_cache: Optional[Tuple[Tuple[int, int], list]] = None
 
     def buckets(self):
         n, b = self.params.numel, self.config.effective_bucket_numel
         for s in range(0, n, b):
             yield s, min(n, s + b)
+
+    def _compressed_codec(self) -> CodecConfig:
+        """The proposals' codec (compressed mode only)."""
+        if self.codec is None:
+            raise RuntimeError(f"{self.name}: the codec is used only with compressed proposals")
+        return self.codec
 
     def copies_nbytes(self) -> int:
         """Memory held by the public copies (distinct tensors), in bytes."""
@@ -358,12 +367,12 @@ class GASLoC(OuterStrategy):
     def round_edges(self, round: Optional[int] = None) -> list:
         """All edges ``(i, j, w)`` of mixing round ``round`` (default: the next step's first), the same on
         every worker. With ``gossip_rounds`` R, outer step t mixes with rounds t·R, …, t·R + R − 1."""
-        r = self.outer_steps * self.config.gossip_rounds if round is None else round  # type: ignore[attr-defined]
-        c: GASLoCConfig = self.config  # type: ignore[assignment]
-        if self._edges_cache is not None and self._edges_cache[0] == r:
+        r = self.outer_steps * self.config.gossip_rounds if round is None else round
+        c = self.config
+        if self._edges_cache is not None and self._edges_cache[0] == (r, self.world_size):
             return self._edges_cache[1]
         out = edges(c.topology, self.world_size, r, c.seed, c.mixing_weight, self.link_costs)
-        self._edges_cache = (r, out)
+        self._edges_cache = ((r, self.world_size), out)
         return out
 
     def round_neighbours(self, round: Optional[int] = None) -> List[Tuple[int, float]]:
@@ -386,13 +395,13 @@ class GASLoC(OuterStrategy):
                 self._cost_row[p] = sec / nb
         self._measured.clear()
         row = torch.tensor(self._cost_row, dtype=torch.float64)
-        got = exchange(row, [p for p in range(W) if p != self.rank], self.group, self.counter, kind="p2p_costs")
+        got = self.comm.exchange(row, [p for p in range(W) if p != self.rank], kind="p2p_costs")
         table = [self._cost_row if i == self.rank else got[i].tolist() for i in range(W)]
         self.link_costs = symmetric_costs(table, W)
         self._edges_cache = None
 
     def _timed_exchange(self, fn, peers: List[int], nbytes: int):
-        if self.config.topology != "bandwidth" or not peers:  # type: ignore[attr-defined]
+        if self.config.topology != "bandwidth" or not peers:
             return fn()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -408,14 +417,10 @@ class GASLoC(OuterStrategy):
     def _begin_round(self, peers: List[int]) -> None:
         """Bandwidth topology: a 1-element handshake with this round's peer, so that the timed
         payload exchanges measure the link and not the partner's late arrival."""
-        if self.config.topology == "bandwidth" and peers:  # type: ignore[attr-defined]
-            exchange(torch.zeros(1, dtype=torch.float32, device=self.device), peers, self.group, self.counter,
-                     kind="p2p_sync")
+        if self.config.topology == "bandwidth" and peers:
+            self.comm.exchange(torch.zeros(1, dtype=torch.float32, device=self.device), peers, kind="p2p_sync")
 
     # ------------------------------------------------------------------ guard
-    #: local check only (no collective): the verdict travels with the proposals
-    agrees_nonfinite_before_step = False
-
     def _raise_nonfinite(self, bad_peers: List[int], nonfinite_tensor: Optional[str]) -> None:
         where = (f"tensor {nonfinite_tensor!r} on this worker (rank {self.rank})" if nonfinite_tensor is not None
                  else f"neighbour worker(s) {bad_peers}")
@@ -432,18 +437,21 @@ class GASLoC(OuterStrategy):
         laplacian-momentum:  θ ← m + γ(y − y_prev),  y − y_prev = (y − θ0) − v,  then v ← y − θ_new
         mixed-nesterov:      θ ← m (the look-ahead z = y + γ(y − y_prev) was mixed), then v ← y − θ_new
         """
-        c: GASLoCConfig = self.config  # type: ignore[assignment]
+        c = self.config
         theta0 = self.anchor[s:e]
         if self.mixed_nesterov:
+            assert self.proposal_lag is not None
             upd = torch.sub(mix, theta0)
             theta0.copy_(mix)
             torch.sub(y, theta0, out=self.proposal_lag[s:e])   # v ← y_t − θ_{t+1}
             return float(torch.dot(upd, upd))
         if not self.laplacian:
+            assert self.momentum is not None
             d = self.momentum[s:e]
             d.mul_(c.momentum).add_(mix.sub_(theta0))  # d ← γd + (m − θ0)
             theta0.add_(d)  # θ_outer ← θ0 + d (in place on the anchor)
             return float(torch.dot(d, d))
+        assert self.proposal_lag is not None
         v = self.proposal_lag[s:e]
         step = torch.sub(y, theta0).sub_(v)            # y_t − y_{t−1}
         new = mix.add_(step, alpha=c.momentum)         # θ_{t+1} = (I − αΛ)y_t + γ(y_t − y_{t−1})
@@ -458,7 +466,7 @@ class GASLoC(OuterStrategy):
     # ``_Round`` carries what a step accumulates over its buckets into the stats.
 
     def _outer_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
-        c: GASLoCConfig = self.config  # type: ignore[assignment]
+        c = self.config
         if c.topology == "bandwidth" and self.outer_steps > 0 and self.outer_steps % c.bandwidth_refresh == 0:
             self._agree_link_costs()
         rnd = self._start_round(nonfinite_tensor)
@@ -469,13 +477,13 @@ class GASLoC(OuterStrategy):
         rnd.into(stats, self.copies_nbytes() if self.codec is not None else None)
 
     def _start_round(self, nonfinite_tensor: Optional[str]) -> "_Round":
-        R = self.config.gossip_rounds  # type: ignore[attr-defined]
+        R = self.config.gossip_rounds
         steps = []
         for q in range(R):
             nbrs = self.round_neighbours(self.outer_steps * R + q)
             steps.append((nbrs, [p for p, _ in nbrs], 1.0 - sum(w for _, w in nbrs)))
         rnd = _Round(steps=steps, bad=nonfinite_tensor is not None, nonfinite_tensor=nonfinite_tensor,
-                     abort=self.config.nonfinite_policy == "abort")  # type: ignore[attr-defined]
+                     abort=self.config.nonfinite_policy == "abort")
         self._begin_round(rnd.peers)   # later mixing steps: at their first bucket (_dense_buckets)
         return rnd
 
@@ -489,14 +497,15 @@ class GASLoC(OuterStrategy):
             return out.copy_(self.anchor[s:e])
         self.pseudo_gradient(s, e, out=out)
         rnd.sq_delta += float(torch.dot(out, out))
-        return out.mul_(-self.config.proposal_lr).add_(self.anchor[s:e])  # type: ignore[attr-defined]
+        return out.mul_(-self.config.proposal_lr).add_(self.anchor[s:e])
 
     def _to_mix(self, s: int, e: int, y: torch.Tensor) -> torch.Tensor:
         """What is mixed: y, or for rule mixed-nesterov the look-ahead z = y + γ((y − θ0) − v) (new tensor)."""
         if not self.mixed_nesterov:
             return y
+        assert self.proposal_lag is not None
         step = torch.sub(y, self.anchor[s:e]).sub_(self.proposal_lag[s:e])   # y_t − y_{t−1}
-        return torch.add(y, step, alpha=self.config.momentum)  # type: ignore[attr-defined]
+        return torch.add(y, step, alpha=self.config.momentum)
 
     def _check_flags(self, rnd: "_Round", flags: Dict[int, bool]) -> None:
         """The peers' non-finite flags of one bucket (the same on every bucket): under "abort" any
@@ -520,8 +529,7 @@ class GASLoC(OuterStrategy):
                 if q > 0 and b == 0:   # step 0's handshake was the round's (_start_round)
                     self._begin_round(peers)
                 with self._timer(stats, "time_communicate_s"):
-                    received = self._timed_exchange(lambda: exchange(send, peers, self.group, self.counter),
-                                                    peers, 4 * (n + 1))
+                    received = self._timed_exchange(lambda: self.comm.exchange(send, peers), peers, 4 * (n + 1))
                 self._check_flags(rnd, {p: buf[n].item() != 0.0 for p, buf in received.items()})
                 with self._timer(stats, "time_apply_s"):
                     terms = sorted([(self.rank, self_weight, send[:n])] + [(p, w, received[p][:n]) for p, w in nbrs],
@@ -535,7 +543,6 @@ class GASLoC(OuterStrategy):
             with self._timer(stats, "time_apply_s"):
                 rnd.sq_shift += float(torch.sum((mix - y) ** 2))
                 rnd.sq_update += self._apply_rule(s, e, y, mix)
-                self.write_back(s, e)
 
     # ------------------------------------------------------------------ compressed step (CHOCO copies)
     def _plan_copies(self, peers: List[int]) -> List[int]:
@@ -551,7 +558,7 @@ class GASLoC(OuterStrategy):
         """
         me = self.rank
         if not self.static:
-            cap = self.config.max_copies  # type: ignore[attr-defined]
+            cap = self.config.max_copies
             if self._lru is None:
                 self._lru = [OrderedDict() for _ in range(self.world_size)]
             lru = self._lru
@@ -596,7 +603,6 @@ class GASLoC(OuterStrategy):
                 self._refresh_copies(s, e, bodies, {p: buf[:-1] for p, buf in received.items()}, rnd)
                 mix = self._choco_mix(s, e, x, rnd)
                 rnd.sq_update += self._apply_rule(s, e, y, mix)
-                self.write_back(s, e)
 
     def _encode_for_peers(self, s: int, e: int, y: torch.Tensor, rnd: "_Round") -> Dict[int, torch.Tensor]:
         """peer → the bytes it gets: y (dense refresh) or encode(y − x̂_{me→p}), once per distinct copy."""
@@ -610,7 +616,7 @@ class GASLoC(OuterStrategy):
                 else:
                     resid = y - self.own_copy[p][s:e]
                     rnd.sq_resid += float(torch.dot(resid, resid))
-                    by_copy[key] = encode(resid, self.codec, name=f"{self.name} residual to worker {p}")
+                    by_copy[key] = encode(resid, self._compressed_codec(), name=f"{self.name} residual to worker {p}")
             bodies[p] = by_copy[key]
         rnd.payload_bytes += sum(int(b.numel()) for b in bodies.values())
         return bodies
@@ -620,12 +626,11 @@ class GASLoC(OuterStrategy):
         """Each body with the flag byte appended, to its peer; peer → what it sent (flag last)."""
         payloads = {p: torch.cat([b, flag]) for p, b in bodies.items()}
         recv_nbytes: Optional[Dict[int, int]] = None
-        if self.config.index_coding == "packed":  # type: ignore[attr-defined]
-            comp_n = payload_nbytes(n, self.codec) + 1
+        if self.config.index_coding == "packed":
+            comp_n = payload_nbytes(n, self._compressed_codec()) + 1
             recv_nbytes = {p: (4 * n + 1 if p in rnd.fresh else comp_n) for p in rnd.peers}
         sent_bytes = max((int(b.numel()) for b in payloads.values()), default=0)
-        return self._timed_exchange(lambda: exchange_per_peer(payloads, recv_nbytes, self.group, self.counter),
-                                    rnd.peers, sent_bytes)
+        return self._timed_exchange(lambda: self.comm.exchange_per_peer(payloads, recv_nbytes), rnd.peers, sent_bytes)
 
     def _refresh_copies(self, s: int, e: int, bodies: Dict[int, torch.Tensor], received: Dict[int, torch.Tensor],
                         rnd: "_Round") -> None:
@@ -642,7 +647,7 @@ class GASLoC(OuterStrategy):
 
     def _choco_mix(self, s: int, e: int, y: torch.Tensor, rnd: "_Round") -> torch.Tensor:
         """m = y + ξ Σ_j M_ij (x̂_{j→me} − x̂_{me→j}), the neighbours in peer order."""
-        c: GASLoCConfig = self.config  # type: ignore[assignment]
+        c = self.config
         corr = torch.zeros(e - s, dtype=torch.float32, device=self.device)
         for p, w in rnd.nbrs:  # sorted by peer
             corr.add_(self.heard_copy[p][s:e] - self.own_copy[p][s:e], alpha=w)

@@ -24,13 +24,21 @@ covers all H inner steps since launch k — the τ replayed ones and the H − �
 every inner step's progress enters exactly one pseudo-gradient; with ``lerp`` it covers the H − τ
 steps after the merge plus α times the τ steps of the window (what the merge kept of them).
 
-Background execution: the collectives of a launched round run on one thread (``CommThread``,
+The round is the strategy's ``RoundPlan`` (``outer/round.py``) on the held schedule: its compress
+phase at launch, its exchange phase in the background, its apply phase (``commit``) or ``cancel``
+at completion; the merge replaces the blocking step's write-back.
+
+Background execution: the exchange of a launched round runs on one host thread (``CommThread``,
 shared by every strategy of the job so their collectives are issued in the same order on every
 rank), on the strategy's process group, which the caller must reserve for it (a group of its own
-over the same cross-worker ranks: ``build_outer_group``). On CUDA the thread runs on its own
-stream that waits for the launch's kernels first; the main stream waits for it at completion.
-Payload sizes are fixed at launch (entropy coding exchanges its sizes on the thread, first).
-One round per strategy is in flight at a time (τ < H).
+over the same cross-worker ranks: ``build_outer_group``). Inside it every bucket's collective is
+issued asynchronously (``async_op=True``) before the first is waited for. The thread is needed
+because the data collectives depend on the round's first collective, the non-finite agreement
+(they run only when every worker is finite; entropy coding's size exchange likewise decides the
+data all-gather's shape): c10d cannot chain a collective on another's completion without a host
+thread (``Future.then`` callbacks run on the backend's own thread, where issuing a collective is
+not allowed). On CUDA the thread runs on its own stream that waits for the launch's kernels first;
+the main stream waits for it at completion. One round per strategy is in flight at a time (τ < H).
 
 Non-finite guard, agreed off the main thread: at launch each worker checks only its own params
 (a local pass, no communication). A worker whose params are finite launches optimistically (Δ_k,
@@ -48,9 +56,9 @@ run only when every flag is 0, and the verdict is acted on at completion, on the
                      With policy ``abort`` every worker raises ``NonFiniteError`` here instead.
 
 So a skipped round discards, on every worker, the H inner steps before its launch and keeps the τ
-steps of the window (the blocking step keeps none of the round; it has no window). Before this the
-agreement was a main-thread all-reduce at launch, a sync point at which a worker waited for its
-slowest peer: 0.29 s of the 0.37 s of exposed outer time per round on the 100 Mbit/s benchmark
+steps of the window (the blocking step keeps none of the round; it has no window). The agreement
+runs off the main thread because it waits for the slowest worker: on the main thread at launch it
+was 0.29 s of the 0.37 s of exposed outer time per round on the 100 Mbit/s benchmark
 (docs/benchmarks.md, "Where the exposed time goes").
 
 Checkpoints: ``wait()`` completes the collective and computes θ_outer,k+1 early (the payloads were
@@ -61,15 +69,15 @@ the caller derives from its inner-step counter.
 """
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
 from megatron_sparseloco.outer.base import ConfigError, OuterStepStats, OuterStrategy
+from megatron_sparseloco.outer.round import RoundPlan
 
 MERGES = ("replay", "lerp")
 
@@ -83,14 +91,17 @@ class OverlapConfig:
     alpha: float = 0.5
 
     def validate(self, inner_steps: Optional[int] = None) -> "OverlapConfig":
+        """τ an integer >= 0 and < H (one round in flight at a time), a known merge rule, α in [0, 1]. The
+        errors name the outer loop's fields (``megatron.loop_config.OuterLoopConfig``), whose checks these are."""
         if not isinstance(self.steps, int) or self.steps < 0:
-            raise ConfigError(f"overlap steps must be an integer >= 0, got {self.steps!r}")
+            raise ConfigError(f"overlap steps must be an integer >= 0, got {self.steps!r}", "overlap_steps")
         if inner_steps is not None and self.steps >= inner_steps > 0 and self.steps > 0:
-            raise ConfigError(f"overlap steps τ={self.steps} must be < inner steps H={inner_steps}")
+            raise ConfigError(f"τ={self.steps} must be < `inner_steps` H={inner_steps} (one round in flight at a time)",
+                              "overlap_steps", f"use 1 <= τ <= {inner_steps - 1}, or raise `inner_steps`")
         if self.merge not in MERGES:
-            raise ConfigError(f"overlap merge must be one of {MERGES}, got {self.merge!r}")
+            raise ConfigError(f"overlap merge must be one of {MERGES}, got {self.merge!r}", "overlap_merge")
         if not (isinstance(self.alpha, (int, float)) and 0.0 <= self.alpha <= 1.0):
-            raise ConfigError(f"overlap alpha must be in [0, 1], got {self.alpha!r}")
+            raise ConfigError(f"overlap alpha must be in [0, 1], got {self.alpha!r}", "overlap_alpha")
         return self
 
 
@@ -105,12 +116,13 @@ class CommThread:
     def submit(self, fn: Callable[[], None]) -> Future:
         if self.stream is None:
             return self.executor.submit(fn)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the launch's kernels first
+        stream = self.stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the launch's kernels first
 
         def run():
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 fn()
-            self.stream.synchronize()  # done means the data is there (blocks this thread only)
+            stream.synchronize()  # done means the data is there (blocks this thread only)
 
         return self.executor.submit(run)
 
@@ -135,8 +147,9 @@ class DelayedOuter:
         self.config = config.validate()
         if config.steps < 1:
             raise ConfigError("DelayedOuter needs overlap steps τ >= 1 (τ = 0 is the blocking OuterStrategy.step)")
-        if not strategy.supports_overlap:
-            strategy._launch_round(OuterStepStats())  # raises the strategy's ConfigError
+        if not strategy.capabilities.supports_overlap:
+            raise ConfigError(f"outer strategy {strategy.name!r} does not support delayed application "
+                              "(--sparseloco-overlap-steps); use 0")
         self.strategy = strategy
         self.comm = comm if comm is not None else CommThread(strategy.device)
         self._own_comm = comm is None
@@ -146,8 +159,8 @@ class DelayedOuter:
             self.launch_params = torch.zeros(strategy.params.numel, dtype=torch.float32, device=strategy.device)
             strategy.attached_state["overlap_launch"] = self.launch_params
         self._future: Optional[Future] = None
-        self._finish: Optional[Callable[[], None]] = None
-        self._cancel: Optional[Callable[[], None]] = None
+        #: the launched round's plan (None: nothing in flight, or this worker's params were not finite)
+        self._plan: Optional[RoundPlan] = None
         #: this worker's first non-finite tensor at launch (None: finite), and the agreed culprit
         #: (set on the comm thread; None: every worker was finite)
         self._bad_name: Optional[str] = None
@@ -157,7 +170,7 @@ class DelayedOuter:
         self._stats: Optional[OuterStepStats] = None
         #: between ``agree()`` and ``start()``: the agreed verdict (run the round?)
         self._proceed: Optional[bool] = None
-        self._before = (0, 0, 0)
+        self._before: Tuple[int, int, int] = (0, 0, 0)
         #: a launched round whose θ_outer,k+1 was computed (``wait``) but not yet merged
         self.merge_due = False
         self.comm_started_at: Optional[float] = None
@@ -187,8 +200,8 @@ class DelayedOuter:
                                "launch (overlap steps τ must be < inner steps H)")
         s = self.strategy
         t0 = time.perf_counter()
-        stats = OuterStepStats(step=s.outer_steps + 1, numel=s.params.numel)
-        self._before = (s.counter.bytes_sent, s.counter.bytes_received, s.counter.collectives)
+        stats = s.new_stats()
+        self._before = s.counter_marks()
         self._stats = stats
         self._bad_name = s.first_nonfinite_tensor()
         self._proceed = self._bad_name is None
@@ -203,12 +216,15 @@ class DelayedOuter:
         if self._proceed is None:
             raise RuntimeError(f"{self.strategy.name}: start() before agree()")
         s, stats, proceed = self.strategy, self._stats, self._proceed
+        assert stats is not None
         self._proceed = None
         t0 = time.perf_counter()
         communicate: Optional[Callable[[], None]] = None
-        self._finish = self._cancel = None
+        self._plan = None
         if proceed:
-            communicate, self._finish, self._cancel = s._launch_round(stats)
+            self._plan = s.begin_round(stats, None, held=True)
+            self._plan.compress_all()
+            communicate = self._plan.exchange_all
         if self.launch_params is not None:
             s.params.read(0, s.params.numel, self.launch_params)
         self._culprit = None
@@ -222,7 +238,7 @@ class DelayedOuter:
             t0 = time.perf_counter()
             self._culprit = self.strategy._nonfinite_culprit(self._bad_name)
             stats.extra["time_agree_s"] = time.perf_counter() - t0   # includes waiting for the slowest worker
-            if self._culprit is None:
+            if self._culprit is None and communicate is not None:
                 communicate()
         return run
 
@@ -257,21 +273,19 @@ class DelayedOuter:
             finally:
                 stats.extra["time_wait_s"] = time.perf_counter() - w0
             self.comm.join()
-            finish, cancel, self._finish, self._cancel = self._finish, self._cancel, None, None
+            plan, self._plan = self._plan, None
             if self._culprit is None:
-                finish()
+                assert plan is not None
+                plan.commit(write_back=False)
             else:  # a worker's Δ_k was not finite: nothing was exchanged, θ_outer,k+1 = θ_outer,k
-                if cancel is not None:
-                    cancel()
+                if plan is not None:
+                    plan.cancel()
                 if s.config.nonfinite_policy == "abort":
                     self._stats = None
                     self.merge_due = False
                     raise s._nonfinite_error(self._culprit, self._bad_name)
                 stats.skipped = True
-        s.outer_steps += 1
-        stats.bytes_sent = s.counter.bytes_sent - self._before[0]
-        stats.bytes_received = s.counter.bytes_received - self._before[1]
-        stats.collectives = s.counter.collectives - self._before[2]
+        s.end_round(stats, self._before)
         stats.time_exposed_s += time.perf_counter() - t0
         self._stats = None
         return stats
@@ -289,7 +303,7 @@ class DelayedOuter:
         for lo in range(0, n, b):
             hi = min(n, lo + b)
             cur = s.params.read(lo, hi, buf[:hi - lo])
-            if self.config.merge == "replay":
+            if self.launch_params is not None:   # replay
                 cur.sub_(self.launch_params[lo:hi]).add_(s.anchor[lo:hi])   # (θ_now − θ_launch) + θ_outer,k+1
             else:
                 cur.copy_(torch.lerp(s.anchor[lo:hi], cur, self.config.alpha))

@@ -36,10 +36,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
-from megatron_sparseloco.comm.collectives import CommCounter
-from megatron_sparseloco.comm.p2p import exchange_pieces
+from megatron_sparseloco.comm.interface import OuterComm
 
 
 class SiteGroups:
@@ -67,25 +65,24 @@ class SiteGroups:
         self.wan_sent = self.wan_received = 0
         return out
 
-    def all_gather(self, payload: torch.Tensor, group: Optional[dist.ProcessGroup],
-                   counter: CommCounter) -> List[torch.Tensor]:
+    def all_gather(self, payload: torch.Tensor, comm: OuterComm) -> List[torch.Tensor]:
         """The W payloads in worker order (every worker's has ``payload.numel()`` bytes: packed indices)."""
         if self.world == 1:
             return [payload]
         n, g, G = payload.numel(), self.size, self.groups
         remote = [w for w in self.rail if w != self.rank]
-        got = exchange_pieces({w: payload for w in remote}, {w: n for w in remote}, group, counter,
-                              kind="site_exchange")
+        got = comm.exchange_pieces({w: payload for w in remote}, {w: n for w in remote}, kind="site_exchange")
         self.wan_sent += n * len(remote)
         self.wan_received += n * len(remote)
         got[self.rank] = payload
         rail_set = torch.cat([got[w] for w in self.rail])           # R_i, in site order
         others = [m for m in self.members if m != self.rank]
-        sets = exchange_pieces({m: rail_set for m in others}, {m: G * n for m in others}, group, counter,
-                               kind="group_gather")
+        sets = comm.exchange_pieces({m: rail_set for m in others}, {m: G * n for m in others}, kind="group_gather")
         sets[self.rank] = rail_set
         out: List[Optional[torch.Tensor]] = [None] * self.world
         for j, m in enumerate(self.members):
             for b in range(G):
                 out[b * g + j] = sets[m][b * n:(b + 1) * n]
-        return out
+        gathered = [t for t in out if t is not None]
+        assert len(gathered) == self.world, "every worker's payload arrives through exactly one rail"
+        return gathered

@@ -49,8 +49,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_sparseloco.comm.collectives import CommCounter, all_gather_payloads
-from megatron_sparseloco.comm.p2p import exchange_pieces
+from megatron_sparseloco.comm.interface import OuterComm
 from megatron_sparseloco.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
 from megatron_sparseloco.compress.codec import _check_strictly_increasing
 from megatron_sparseloco.compress.config import CodecConfig
@@ -145,7 +144,8 @@ def owner_ranges(plan: BucketPlan, world: int, owner_codec: CodecConfig) -> List
             seg = plan.segments[sub.parent]
             u, cpu = _unit(seg, plan.codec), _chunk_units(seg, plan.codec)
             c_lo = (sub.segment.offset - seg.offset) // u * cpu
-            c_hi = min(-(-(sub.segment.offset + sub.segment.numel - seg.offset) // u) * cpu, len(kept_cum[sub.parent]) - 1)
+            end = sub.segment.offset + sub.segment.numel - seg.offset
+            c_hi = min(-(-end // u) * cpu, len(kept_cum[sub.parent]) - 1)
             fixed.append(SubSegment(sub.parent, sub.segment, kept_cum[sub.parent][c_lo], kept_cum[sub.parent][c_hi]))
         if not fixed:
             out.append(OwnerRange(j, lo, lo, (), None, 0, 0))
@@ -255,7 +255,8 @@ class SparseReduceScatter:
         assert piece.numel() == rng.piece_nbytes, (piece.numel(), rng.piece_nbytes)
         return piece
 
-    def decode_piece(self, b: int, plan: BucketPlan, piece: torch.Tensor, owner: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def decode_piece(self, b: int, plan: BucketPlan, piece: torch.Tensor,
+                     owner: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(positions relative to the owner range's start, fp32 values); PayloadError on any defect."""
         rng = self.ranges[b][owner]
         if piece.dtype != torch.uint8 or piece.dim() != 1 or piece.numel() != rng.piece_nbytes:
@@ -305,7 +306,7 @@ class SparseReduceScatter:
         return torch.cat(idx_all), torch.cat(val_all)
 
     # ------------------------------------------------------------------ the step of one bucket
-    def aggregate(self, b: int, plan: BucketPlan, payload: torch.Tensor, group, counter: CommCounter,
+    def aggregate(self, b: int, plan: BucketPlan, payload: torch.Tensor, comm: OuterComm,
                   out: torch.Tensor, counts: torch.Tensor, reduce: str, name: str,
                   residual: str = "owner") -> Tuple[int, int, torch.Tensor]:
         """Fill ``out`` (bucket-sized) with the update u of this bucket; returns (owned elements chosen
@@ -318,45 +319,17 @@ class SparseReduceScatter:
         mine = ranges[self.rank]
         recv_sizes = {w: mine.piece_nbytes for w in range(self.world) if w != self.rank}
         t0 = time.perf_counter()
-        got = exchange_pieces({j: p for j, p in pieces.items() if j != self.rank}, recv_sizes, group, counter)
+        got = comm.exchange_pieces({j: p for j, p in pieces.items() if j != self.rank}, recv_sizes)
         wire += time.perf_counter() - t0
         got[self.rank] = pieces[self.rank]
-        chosen = 0
-        q = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        chosen, q = 0, torch.zeros(0, dtype=torch.uint8, device=self.device)
         if mine.plan is not None:
-            n = mine.end - mine.start
-            agg, cnt = out[:n], counts[:n]
-            agg.zero_()
-            cnt.zero_()
-            for w in range(self.world):
-                try:
-                    idx, val = self.decode_piece(b, plan, got[w], self.rank)
-                except PayloadError as exc:
-                    raise PayloadError(f"{name}: piece of worker {w} for owner {self.rank}: {exc}") from exc
-                agg.index_add_(0, idx, val)
-                cnt.index_add_(0, idx, torch.ones_like(idx, dtype=cnt.dtype))
-            chosen = int(torch.count_nonzero(cnt).item())
-            if reduce == "contributors":
-                agg.div_(cnt.clamp_min(1))
-            elif self.world > 1:
-                agg.div_(self.world)
-            s0 = plan.start + mine.start
-            f = self.error[s0:s0 + n]
-            if residual == "owner":      # f ← f + A, encode f, f ← f − decode(sent)
-                f.add_(agg)
-                q = encode_bucket(f, mine.plan, f"{name} owner {self.rank}")
-                sent = decode_bucket(q, mine.plan, device=self.device)
-                f.index_put_((sent.indices,), f[sent.indices] - sent.values)
-            else:                        # "workers": g = f + A is encoded; f keeps g − decode(sent) at the
-                agg.add_(f)              # positions sent and its old value elsewhere (A there goes back
-                q = encode_bucket(agg, mine.plan, f"{name} owner {self.rank}")  # to the workers' e)
-                sent = decode_bucket(q, mine.plan, device=self.device)
-                f.index_put_((sent.indices,), agg[sent.indices] - sent.values)
+            chosen, q = self._owner_encode(b, plan, got, out, counts, reduce, name, residual)
         width = max(r.aggregate_nbytes for r in ranges)
         padded = torch.zeros(width, dtype=torch.uint8, device=self.device)
         padded[:q.numel()] = q
         t0 = time.perf_counter()
-        gathered = all_gather_payloads(padded, group, counter, equal_sizes=True)
+        gathered = comm.all_gather_payloads(padded, equal_sizes=True)
         wire += time.perf_counter() - t0
         out.zero_()
         positions = []
@@ -372,3 +345,39 @@ class SparseReduceScatter:
         applied = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64, device=self.device)
         self.owner_seconds += time.perf_counter() - t_start - wire
         return chosen, int(applied.numel()), applied
+
+    def _owner_encode(self, b: int, plan: BucketPlan, got: Dict[int, torch.Tensor], out: torch.Tensor,
+                      counts: torch.Tensor, reduce: str, name: str, residual: str) -> Tuple[int, torch.Tensor]:
+        """The owner's part: decode the W pieces of its range, mean A into ``out``, error feedback f and
+        re-encoding; returns (elements chosen by some worker, the re-encoded aggregate q)."""
+        mine = self.ranges[b][self.rank]
+        assert mine.plan is not None
+        n = mine.end - mine.start
+        agg, cnt = out[:n], counts[:n]
+        agg.zero_()
+        cnt.zero_()
+        for w in range(self.world):
+            try:
+                idx, val = self.decode_piece(b, plan, got[w], self.rank)
+            except PayloadError as exc:
+                raise PayloadError(f"{name}: piece of worker {w} for owner {self.rank}: {exc}") from exc
+            agg.index_add_(0, idx, val)
+            cnt.index_add_(0, idx, torch.ones_like(idx, dtype=cnt.dtype))
+        chosen = int(torch.count_nonzero(cnt).item())
+        if reduce == "contributors":
+            agg.div_(cnt.clamp_min(1))
+        elif self.world > 1:
+            agg.div_(self.world)
+        s0 = plan.start + mine.start
+        f = self.error[s0:s0 + n]
+        if residual == "owner":      # f ← f + A, encode f, f ← f − decode(sent)
+            f.add_(agg)
+            q = encode_bucket(f, mine.plan, f"{name} owner {self.rank}")
+            sent = decode_bucket(q, mine.plan, device=self.device)
+            f.index_put_((sent.indices,), f[sent.indices] - sent.values)
+        else:                        # "workers": g = f + A is encoded; f keeps g − decode(sent) at the
+            agg.add_(f)              # positions sent and its old value elsewhere (A there goes back
+            q = encode_bucket(agg, mine.plan, f"{name} owner {self.rank}")  # to the workers' e)
+            sent = decode_bucket(q, mine.plan, device=self.device)
+            f.index_put_((sent.indices,), agg[sent.indices] - sent.values)
+        return chosen, q

@@ -78,12 +78,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Collection, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Collection, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 
-from megatron_sparseloco.comm.collectives import all_gather_payloads
+from megatron_sparseloco.comm.interface import Pending
 from megatron_sparseloco.compress import (
     CodecConfig,
     CodecConfigError,
@@ -96,11 +95,12 @@ from megatron_sparseloco.compress.fast_segments import decode_scatter_add_bucket
 # Triton kernels on CUDA for the configurations they cover; the torch codec (identical bytes) otherwise.
 from megatron_sparseloco.compress.fast_path import error_feedback_step_fast as error_feedback_step
 from megatron_sparseloco.compress.segments import BucketPlan, bucket_payload_nbytes, decode_bucket, plan_buckets
-from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterStepStats, OuterStrategy
+from megatron_sparseloco.outer.base import ConfigError, OuterConfig, OuterGroup, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.codec_fields import (check_bucket_holds_a_chunk, check_codec, codec_chunk_field,
                                                     codec_index_coding_field, codec_k_field, codec_value_bits_field)
 from megatron_sparseloco.outer.config_fields import config_field, flag_field
 from megatron_sparseloco.outer.registry import register_outer_strategy
+from megatron_sparseloco.outer.round import BucketBuffers, Capabilities, RoundPlan
 from megatron_sparseloco.outer.sparse_hierarchical import SiteGroups
 from megatron_sparseloco.outer.sparse_reduce_scatter import SparseReduceScatter
 from megatron_sparseloco.outer.sgd import check_outer_sgd, lr_field, momentum_field, nesterov_field, outer_sgd_
@@ -214,7 +214,8 @@ class SparseLoCoConfig(OuterConfig):
 
     def owner_codec(self) -> CodecConfig:
         """The codec owners re-encode their range's aggregate with (reduce-scatter)."""
-        return CodecConfig(chunk=self.chunk, k=self.owner_k or self.k, value_bits=self.owner_value_bits or self.value_bits,
+        return CodecConfig(chunk=self.chunk, k=self.owner_k or self.k,
+                           value_bits=self.owner_value_bits or self.value_bits,
                            index_coding=self.index_coding, chunk_mode="flat")
 
     def validate(self) -> "SparseLoCoConfig":
@@ -234,7 +235,8 @@ class SparseLoCoConfig(OuterConfig):
                 raise ConfigError("aggregation='hierarchical' needs the number of site groups", "aggregation_groups",
                                   "give `aggregation_groups=G` (W/G consecutive workers per site)")
             if self.index_coding != "packed":
-                raise ConfigError("aggregation='hierarchical' needs index_coding='packed' (exchanged payload sizes known "
+                raise ConfigError("aggregation='hierarchical' needs index_coding='packed' (exchanged payload sizes "
+                                  "known "
                                   "up front)", "aggregation", "use `index_coding=packed`, or `aggregation=allgather`")
         if self.aggregation == "reduce-scatter":
             self._check_reduce_scatter()
@@ -245,7 +247,8 @@ class SparseLoCoConfig(OuterConfig):
         return self
 
     def _check_reduce_scatter(self) -> None:
-        for bad, why, fix in ((self.chunking != "tensor", "chunking='tensor' (per-tensor segments)", "`chunking=tensor`"),
+        for bad, why, fix in ((self.chunking != "tensor", "chunking='tensor' (per-tensor segments)",
+                               "`chunking=tensor`"),
                               (self.index_coding != "packed", "index_coding='packed' (piece sizes known up front)",
                                "`index_coding=packed`"),
                               (self.peer_norm_clip, "peer_norm_clip=False", "`peer_norm_clip=False`")):
@@ -272,14 +275,16 @@ class _RoundTotals:
     error_sq: torch.Tensor
     upd_sq: torch.Tensor
     kept_local: int = 0
-    kept_union: int = 0
+    kept_union: Union[int, torch.Tensor] = 0
     payload_bytes: int = 0
     applied: int = 0
     clip_min: float = 1.0
 
     @classmethod
     def zeros(cls, device) -> "_RoundTotals":
-        return cls(*(torch.zeros((), dtype=torch.float64, device=device) for _ in range(3)))
+        def zero() -> torch.Tensor:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return cls(delta_sq=zero(), error_sq=zero(), upd_sq=zero())
 
     def into(self, stats: OuterStepStats, cfg: "SparseLoCoConfig", numel: int, reduce_scatter: bool) -> None:
         stats.delta_norm = float(self.delta_sq.sqrt().item())
@@ -287,7 +292,7 @@ class _RoundTotals:
         stats.update_norm = cfg.lr * float(self.upd_sq.sqrt().item())
         stats.extra.update({
             "density": self.kept_local / numel,              # share of this rank's elements it sent
-            "aggregate_density": self.kept_union / numel,    # chosen by at least one worker (rs: of owned ranges)
+            "aggregate_density": int(self.kept_union) / numel,    # chosen by at least one worker (rs: of owned ranges)
             "payload_bytes": float(self.payload_bytes),      # this rank's encoded bytes (all buckets)
             "bits_per_param": 8.0 * self.payload_bytes / numel,
         })
@@ -297,19 +302,78 @@ class _RoundTotals:
             stats.extra["update_density"] = self.applied / numel  # elements the owners' re-encoding sent
 
 
+class SparseLoCoPlan(RoundPlan):
+    """The SparseLoCo round (module docstring), per bucket: compress (Δ, e ← βe + Δ, payload,
+    e ← e − decode(payload)), exchange (``SparseLoCo._exchange_bucket``), apply (decode, mean, outer
+    SGD). Memory: one compress buffer and one apply buffer of the largest bucket, the buckets'
+    payloads and this rank's decoded (index, value) lists while they wait for their apply; with
+    reduce-scatter the owners' output per bucket in flight (``depth``). Cancel restores the error
+    feedback from a copy made at the start of a held round (and, with ``snapshot``, the owners'
+    error feedback, which the reduce-scatter exchange updates)."""
+
+    def __init__(self, strategy: "SparseLoCo", stats: OuterStepStats, held: bool, snapshot: bool):
+        plans = list(strategy._bucket_plans())
+        super().__init__(strategy, stats, [(s, e) for s, e, _ in plans], held)
+        self.sl, self.plans = strategy, [p for _, _, p in plans]
+        largest = max(e - s for s, e in self.ranges)
+        dev = strategy.device
+        self.scratch = torch.empty(largest, dtype=torch.float32, device=dev)       # Δ of the bucket compressed
+        self.work = torch.empty(largest, dtype=torch.float32, device=dev)          # the mean of the bucket applied
+        self.counts = torch.empty(largest, dtype=strategy.count_dtype, device=dev)
+        rs = strategy.reduce_scatter is not None
+        self.rs_out: Optional[BucketBuffers] = self.buffers() if rs else None
+        self.rs_counts: Optional[BucketBuffers] = self.buffers(strategy.count_dtype) if rs else None
+        self.tot = _RoundTotals.zeros(dev)
+        self.sent: Dict[int, Tuple[torch.Tensor, Decoded]] = {}
+        self.error_before = strategy.error_feedback.clone() if held else None
+        owner = strategy.owner_error_feedback
+        self.owner_before = owner.clone() if snapshot and owner is not None else None
+
+    def compress(self, b: int) -> None:
+        (s, e), plan = self.ranges[b], self.plans[b]
+        self.sent[b] = self.sl._compress_bucket(s, e, plan, self.scratch[:e - s], self.tot)
+
+    def start_exchange(self, b: int) -> Pending:
+        (s, e), plan = self.ranges[b], self.plans[b]
+        rs_out = None if self.rs_out is None else self.rs_out[b]
+        rs_counts = None if self.rs_counts is None else self.rs_counts[b]
+        return self.sl._exchange_bucket(b, s, e, plan, self.sent[b][0], rs_out, rs_counts)
+
+    def apply(self, b: int, received: Any) -> None:
+        (s, e), plan = self.ranges[b], self.plans[b]
+        _, local = self.sent.pop(b)
+        n = e - s
+        rs_out = None if self.rs_out is None else self.rs_out[b]
+        self.sl._apply_bucket(s, e, plan, received, local, rs_out, self.work[:n], self.counts[:n], self.tot)
+
+    def finish(self) -> None:
+        self.tot.into(self.stats, self.sl.config, self.sl.params.numel, self.sl.reduce_scatter is not None)
+        self.sl._owner_time_into(self.stats)
+        if self.sl.site_groups is not None:
+            self.stats.extra.update(self.sl.site_groups.take_wan_bytes())
+
+    def cancel(self) -> None:
+        """The round never happened: e (and the owners' e) as before it."""
+        if self.error_before is None:
+            raise RuntimeError("SparseLoCo: only a held round can be cancelled (its error feedback was not copied)")
+        self.sl.error_feedback.copy_(self.error_before)
+        owner = self.sl.owner_error_feedback
+        if self.owner_before is not None and owner is not None:
+            owner.copy_(self.owner_before)
+
+
 @register_outer_strategy("sparseloco")
-class SparseLoCo(OuterStrategy):
+class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
     """Error-feedback Top-k compression, all-gather of packed payloads, sparse mean, outer SGD."""
 
     name = "sparseloco"
     config_class = SparseLoCoConfig
-    has_error_feedback = True
 
-    def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
+    def __init__(self, params: Sequence[torch.Tensor], group: OuterGroup,
                  config: Optional[SparseLoCoConfig] = None, names: Optional[Sequence[str]] = None,
                  slices=None):
         super().__init__(params, group, config if config is not None else SparseLoCoConfig(), names, slices)
-        cfg: SparseLoCoConfig = self.config
+        cfg = self.config
         self.codec = cfg.codec()
         #: tensor chunking: the buckets and their segments (None in flat chunking)
         self.plans: Optional[List[BucketPlan]] = None
@@ -319,9 +383,9 @@ class SparseLoCo(OuterStrategy):
         self.momentum: Optional[torch.Tensor] = None
         if cfg.momentum != 0.0:
             self.momentum = torch.zeros(self.params.numel, dtype=torch.float32, device=self.device)
-        self.count_dtype = torch.uint8 if self.world_size <= 255 else torch.int32
         self.reduce_scatter: Optional[SparseReduceScatter] = None
         if cfg.aggregation == "reduce-scatter":
+            assert self.plans is not None, "reduce-scatter needs tensor chunking (checked by the config)"
             self.reduce_scatter = SparseReduceScatter(self.plans, cfg.owner_codec(), self.world_size, self.rank,
                                                       self.params.numel, self.device)
         self.site_groups: Optional[SiteGroups] = None
@@ -332,6 +396,11 @@ class SparseLoCo(OuterStrategy):
                 raise ConfigError(str(exc), "aggregation_groups",
                                   f"give a divisor of the {self.world_size} workers") from None
         self.check_group_layout()
+
+    @property
+    def count_dtype(self) -> torch.dtype:
+        """The contributor counts' dtype: uint8 up to 255 workers."""
+        return torch.uint8 if self.world_size <= 255 else torch.int32
 
     def buckets(self) -> Iterator[Tuple[int, int]]:
         if self.plans is not None:
@@ -383,9 +452,10 @@ class SparseLoCo(OuterStrategy):
         return sum(sizes)
 
     # ------------------------------------------------------------------ the three phases
-    def _compress(self, s: int, e: int, plan: Optional[BucketPlan], delta: torch.Tensor) -> Tuple[torch.Tensor, Decoded]:
+    def _compress(self, s: int, e: int, plan: Optional[BucketPlan],
+                  delta: torch.Tensor) -> Tuple[torch.Tensor, Decoded]:
         """Δ into ``delta``, e ← βe + Δ, encode e, e ← e − decode(sent). Returns (payload, what was sent)."""
-        cfg: SparseLoCoConfig = self.config
+        cfg = self.config
         err, name = self.error_feedback[s:e], self._bucket_name(s, e)
         if plan is None:
             payload, local = error_feedback_step(err, delta, cfg.ef_beta, self.codec, name)
@@ -403,7 +473,7 @@ class SparseLoCo(OuterStrategy):
 
         Returns (elements chosen by at least one worker, smallest peer-clip scale, the update u).
         """
-        cfg: SparseLoCoConfig = self.config
+        cfg = self.config
         agg.zero_()
         counts.zero_()
         clip_min, scales = 1.0, None
@@ -412,9 +482,10 @@ class SparseLoCo(OuterStrategy):
                 decode_scatter_add_bucket_fast(payloads, plan, agg, counts, skip=self.rank, skip_decoded=local)
             except ValueError as exc:
                 raise type(exc)(f"{self._bucket_name(s, e)}: {exc}") from exc
-            return self._finish_bucket(s, e, agg, counts, clip_min, write=write)
+            return self._finish_bucket(s, e, agg, counts, clip_min)
         # our own payload was decoded by the EF step already (decode is deterministic)
-        decoded = (local if w == self.rank else self._decode(p, plan, w, s, e) for w, p in enumerate(payloads))
+        decoded: Iterable[Decoded] = (local if w == self.rank else self._decode(p, plan, w, s, e)
+                                      for w, p in enumerate(payloads))
         if cfg.peer_norm_clip:
             decoded = list(decoded)
             norms = torch.stack([torch.linalg.vector_norm(d.values) for d in decoded])
@@ -424,30 +495,28 @@ class SparseLoCo(OuterStrategy):
             values = d.values if scales is None else d.values * scales[w]
             agg.index_add_(0, d.indices, values)
             counts.index_add_(0, d.indices, torch.ones_like(d.indices, dtype=self.count_dtype))
-        return self._finish_bucket(s, e, agg, counts, clip_min, write=write)
+        return self._finish_bucket(s, e, agg, counts, clip_min)
 
-    def _finish_bucket(self, s: int, e: int, agg: torch.Tensor, counts: Optional[torch.Tensor], clip_min: float,
-                       kept_union: int = 0, write: bool = True):
-        """Mean (contributors or all; ``counts=None``: ``agg`` is the update already), outer SGD,
-        write back (unless ``write=False``: delayed application merges instead); returns
-        (union, clip_min, update)."""
-        cfg: SparseLoCoConfig = self.config
+    def _finish_bucket(self, s: int, e: int, agg: torch.Tensor, counts: Optional[torch.Tensor], clip_min: float):
+        """Mean (contributors or all; ``counts=None``: ``agg`` is the update already), outer SGD on
+        θ_outer; returns (elements chosen by some worker, as a 0-dim tensor: no host sync; 0 without
+        counts), clip_min, update)."""
+        cfg = self.config
+        kept_union: Union[int, torch.Tensor] = 0
         if counts is not None:
-            kept_union = int(torch.count_nonzero(counts).item())
+            kept_union = torch.count_nonzero(counts)
             if cfg.reduce == "contributors":
                 agg.div_(counts.clamp_min(1))
             elif self.world_size > 1:
                 agg.div_(self.world_size)
         mom = None if self.momentum is None else self.momentum[s:e]
         update = outer_sgd_(self.anchor[s:e], agg, mom, cfg.lr, cfg.momentum, cfg.nesterov)
-        if write:
-            self.write_back(s, e)
         return kept_union, clip_min, update
 
-    # Both the blocking step and the delayed one (``_launch_round``) run each bucket through the
-    # same three phases: ``_compress_bucket`` (Δ, EF, encode), the exchange
-    # (``_exchange_bucket``: all-gather, or reduce-scatter to owners with their re-encoding) and
-    # ``_apply_bucket`` (decode, mean, outer SGD). ``_RoundTotals`` adds up what the stats report.
+    # The round (``SparseLoCoPlan``) runs each bucket through three phases: ``_compress_bucket``
+    # (Δ, EF, encode), the exchange (``_exchange_bucket``: all-gather, or reduce-scatter to owners with
+    # their re-encoding, or the hierarchical relay) and ``_apply_bucket`` (decode, mean, outer SGD).
+    # ``_RoundTotals`` adds up what the stats report.
 
     def _compress_bucket(self, s: int, e: int, plan: Optional[BucketPlan], work: torch.Tensor,
                          tot: "_RoundTotals") -> Tuple[torch.Tensor, Decoded]:
@@ -460,30 +529,36 @@ class SparseLoCo(OuterStrategy):
         return payload, local
 
     def _exchange_bucket(self, b: int, s: int, e: int, plan: Optional[BucketPlan], payload: torch.Tensor,
-                         rs_out: Optional[torch.Tensor], rs_counts: Optional[torch.Tensor]):
-        """All-gather: every worker's payload. Reduce-scatter: (union, applied), the bucket's update
-        written into ``rs_out`` (``rs_counts`` is the owners' scratch)."""
-        cfg: SparseLoCoConfig = self.config
+                         rs_out: Optional[torch.Tensor], rs_counts: Optional[torch.Tensor]) -> Pending:
+        """All-gather: every worker's payload (asynchronous where the payload sizes are fixed).
+        Reduce-scatter: (union, applied, positions), the bucket's update written into ``rs_out``
+        (``rs_counts`` is the owners' scratch). Hierarchical: every worker's payload. The last two
+        are several dependent exchanges with the owners' / relays' compute between them: they run
+        at once (a completed ``Pending``)."""
+        cfg = self.config
         if self.site_groups is not None:
-            return self.site_groups.all_gather(payload, self.group, self.counter)
+            return Pending.completed(self.site_groups.all_gather(payload, self.comm))
         if self.reduce_scatter is None:
-            return all_gather_payloads(payload, self.group, self.counter, equal_sizes=cfg.index_coding == "packed")
-        return self.reduce_scatter.aggregate(b, plan, payload, self.group, self.counter, rs_out, rs_counts,
-                                             cfg.reduce, self._bucket_name(s, e), cfg.owner_residual)
+            return self.comm.start_all_gather_payloads(payload, equal_sizes=cfg.index_coding == "packed")
+        assert plan is not None and rs_out is not None and rs_counts is not None
+        return Pending.completed(self.reduce_scatter.aggregate(b, plan, payload, self.comm, rs_out, rs_counts,
+                                                               cfg.reduce, self._bucket_name(s, e),
+                                                               cfg.owner_residual))
 
     def _apply_bucket(self, s: int, e: int, plan: Optional[BucketPlan], got, local: Decoded,
                       rs_out: Optional[torch.Tensor], work: torch.Tensor, counts: torch.Tensor,
-                      tot: "_RoundTotals", write: bool) -> None:
+                      tot: "_RoundTotals") -> None:
         """Reduce-scatter: outer SGD with the owners' update in ``rs_out``. All-gather: decode
-        ``got`` (every worker's payload), mean into ``work``, outer SGD. Write-back unless delayed."""
+        ``got`` (every worker's payload), mean into ``work``, outer SGD."""
         if self.reduce_scatter is not None:
             union, applied, positions = got
             if self.config.owner_residual == "workers":
                 self._put_back(s, e, local, positions)
-            _, _, update = self._finish_bucket(s, e, rs_out, None, 1.0, write=write)
+            assert rs_out is not None
+            _, _, update = self._finish_bucket(s, e, rs_out, None, 1.0)
             tot.applied += applied
         else:
-            union, clip, update = self._apply(s, e, plan, got, local, work, counts, write=write)
+            union, clip, update = self._apply(s, e, plan, got, local, work, counts)
             tot.clip_min = min(tot.clip_min, clip)
         tot.kept_union += union
         tot.upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
@@ -505,75 +580,12 @@ class SparseLoCo(OuterStrategy):
         idx = local.indices[back]
         err.index_put_((idx,), err[idx] + local.values[back])
 
-    def _outer_step(self, stats: OuterStepStats, nonfinite_tensor: Optional[str]) -> None:
-        """Bucket by bucket: compress, exchange, apply (one work buffer of the largest bucket)."""
-        largest = max(e - s for s, e in self.buckets())
-        work = torch.empty(largest, dtype=torch.float32, device=self.device)
-        counts = torch.empty(largest, dtype=self.count_dtype, device=self.device)
-        tot = _RoundTotals.zeros(self.device)
-        for b, (s, e, plan) in enumerate(self._bucket_plans()):
-            n = e - s
-            with self._timer(stats, "time_compress_s"):
-                payload, local = self._compress_bucket(s, e, plan, work[:n], tot)
-            with self._timer(stats, "time_communicate_s"):
-                got = self._exchange_bucket(b, s, e, plan, payload, work[:n], counts[:n])
-            with self._timer(stats, "time_apply_s"):
-                self._apply_bucket(s, e, plan, got, local, work[:n], work[:n], counts[:n], tot, write=True)
-        tot.into(stats, self.config, self.params.numel, self.reduce_scatter is not None)
-        self._owner_time_into(stats)
-        if self.site_groups is not None:
-            stats.extra.update(self.site_groups.take_wan_bytes())
+    # ------------------------------------------------------------------ the round
+    capabilities = Capabilities(has_error_feedback=True, supports_overlap=True)
 
-    # ------------------------------------------------------------------ delayed application
-    supports_overlap = True
-
-    def _launch_round(self, stats: OuterStepStats):
-        """``_outer_step`` split for delayed application (``outer/overlap.py``), on the same phases.
-
-        Launch (main thread): every bucket's compress phase — the EF update belongs to the round
-        that is launched, the payload sizes are fixed by it. ``communicate`` (overlap thread):
-        every bucket's exchange (entropy coding: its size exchange first, in the same thread; the
-        reduce-scatter's owner re-encoding touches only the owner error feedback and its own
-        output buffers). ``finish`` (main thread): every bucket's apply phase, as the blocking
-        step does, without the write-back. ``cancel`` (a peer's Δ was not finite, so nothing was
-        exchanged; ``outer/overlap.py``) restores the error feedback from a copy made at launch.
-        Extra memory while in flight: that copy (one shard of fp32), the payloads and this rank's
-        decoded (index, value) lists (reduce-scatter: one more shard of fp32 for the updates, and
-        a count buffer per bucket).
-        """
-        largest = max(e - s for s, e in self.buckets())
-        work = torch.empty(largest, dtype=torch.float32, device=self.device)
-        tot = _RoundTotals.zeros(self.device)
-        launched = []  # (b, s, e, plan, payload, local)
-        error_before = self.error_feedback.clone()   # for ``cancel`` (a peer's Δ was not finite)
-        with self._timer(stats, "time_compress_s"):
-            for b, (s, e, plan) in enumerate(self._bucket_plans()):
-                launched.append((b, s, e, plan) + self._compress_bucket(s, e, plan, work[:e - s], tot))
-        received: List[object] = [None] * len(launched)
-        rs = self.reduce_scatter is not None
-        rs_out = torch.empty(self.params.numel, dtype=torch.float32, device=self.device) if rs else None
-
-        def communicate() -> None:
-            for i, (b, s, e, plan, payload, _) in enumerate(launched):
-                rs_counts = torch.empty(e - s, dtype=self.count_dtype, device=self.device) if rs else None
-                received[i] = self._exchange_bucket(b, s, e, plan, payload, rs_out[s:e] if rs else None, rs_counts)
-
-        def finish() -> None:
-            counts = torch.empty(largest, dtype=self.count_dtype, device=self.device)
-            with self._timer(stats, "time_apply_s"):
-                for (b, s, e, plan, payload, local), got in zip(launched, received):
-                    n = e - s
-                    self._apply_bucket(s, e, plan, got, local, rs_out[s:e] if rs else None,
-                                       work[:n], counts[:n], tot, write=False)
-            tot.into(stats, self.config, self.params.numel, rs)
-            self._owner_time_into(stats)
-            if self.site_groups is not None:
-                stats.extra.update(self.site_groups.take_wan_bytes())
-
-        def cancel() -> None:
-            self.error_feedback.copy_(error_before)   # the round never happened: e as before the launch
-
-        return communicate, finish, cancel
+    def begin_round(self, stats: OuterStepStats, nonfinite_tensor: Optional[str], held: bool,
+                    snapshot: bool = False) -> RoundPlan:
+        return SparseLoCoPlan(self, stats, held, snapshot)
 
     def _decode(self, payload: torch.Tensor, plan: Optional[BucketPlan], worker: int, s: int, e: int) -> Decoded:
         if plan is not None:
