@@ -324,7 +324,7 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
 
         outer = OuterLoopOptimizer(opt, ddp, factory, OuterLoopConfig(
             inner_steps=run.steps + 1 if run.method == "local" else run.H,
-            identical_across_workers=(run.method != "gasloc"), auto_inner_steps=run.auto_h,
+            identical_across_workers=(run.method != "gasloc"), inner_steps_per_worker="auto" if run.auto_h else None,
             overlap_steps=run.overlap_steps, overlap_merge=run.overlap_merge, fragments=run.fragments))
     stepper = outer if outer is not None else opt
     outer_times: List[float] = []

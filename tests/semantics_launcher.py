@@ -10,7 +10,7 @@ cross workers). After ``train`` returns, each rank writes ``<dir>/rank<r>.json``
 - ``worker_of``: global rank -> worker index (gathered from every rank);
 - ``inner_calls``: [name, ranks, caller] of every call outside outer steps; ``outer_calls``: how many
   inside, ``outer_groups``: the distinct rank groups of those, except the in-worker param all-gather
-  that ends the step (``_publish_main_params``);
+  that ends the step (``OuterLoopOptimizer.publish``);
 - ``outer_steps``: outer steps done;
 - ``params``: {model param name: sha256 of its bytes} of this rank's model chunks, and
   ``tied``: {"embedding"/"output": sha256} of the first stage's ``word_embeddings.weight`` and the
@@ -100,7 +100,7 @@ def _install():
     def outer_step(self, *args, **kwargs):   # (a fragment's index with --sparseloco-fragments)
         spy = state["spy"]
         n0 = len(spy.calls) if spy is not None else 0
-        publish = type(self)._publish_main_params
+        publish = type(self).publish
         in_worker = []  # [start, end) of the in-worker param all-gather that ends the step
 
         def publish_spied():
@@ -108,14 +108,14 @@ def _install():
             publish(self)
             in_worker.append((a, len(spy.calls) if spy is not None else 0))
 
-        self._publish_main_params = publish_spied
+        self.publish = publish_spied
         try:
             out = orig_outer(self, *args, **kwargs)
             if DUMP:
                 _dump(self.model_chunks, f"outer{self.outer_steps}")
             return out
         finally:
-            del self._publish_main_params
+            del self.publish
             if spy is not None:
                 state["outer_calls"] += len(spy.calls) - n0
                 skip = {i for a, b in in_worker for i in range(a, b)}

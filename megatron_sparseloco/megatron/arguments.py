@@ -3,18 +3,20 @@
 Usage with megatron.training (what ``python -m megatron_sparseloco.run`` does for an unmodified
 pretrain script)::
 
-    args = parse_and_validate_args(extra_args_provider=add_sparseloco_args)
-    validate_sparseloco_args(args)           # after Megatron's validate_args (needs world size)
+    args = parse_args(extra_args_provider=add_sparseloco_args)
+    validate_sparseloco_args(args)           # before Megatron's validate_args (world size from the launcher)
 
 One source per setting: every field of a registered strategy's config declared with
 ``outer.config_fields.flag_field`` is the flag ``--sparseloco-<flag>`` (its type, choices and help
 from the field); several algorithms may share a flag, each with its own default (``--sparseloco-
 outer-lr``: DiLoCo 0.7, SparseLoCo a rule of W and k). The loop-level flags (workers, inner steps, timeout,
-consistency checks) are the fields of ``LoopFlags`` here. Every flag is None on the parser, so a
-flag given can be told from one left unset.
+consistency checks, overlap, fragments) are the flagged fields of ``loop_config.OuterLoopConfig``,
+whose ``validate`` holds the loop's cross-field rules. Every flag is None on the parser, so a flag
+given can be told from one left unset.
 
-``validate_sparseloco_args`` runs before any model is built: the Megatron-layout checks (world
-size, data-parallel divisibility, Megatron options we cannot combine with, checkpoint format),
+``validate_sparseloco_args`` runs before any model is built (the plugin calls it before Megatron's
+own ``validate_args``): the Megatron-layout checks (world size, data-parallel divisibility, Megatron
+options we cannot combine with, checkpoint format),
 then the selected algorithm's config is built from the flags given and runs its own
 ``validate_given``; a ``ConfigError`` becomes a ``SparseLoCoArgumentError`` that names the flag
 and the fix. A flag the algorithm's config has no field for is refused, naming the algorithms
@@ -25,68 +27,20 @@ a DiLoCo worker *is* a distributed-optimizer instance (see ``megatron_sparseloco
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from typing import Collection, Dict, List, Optional, Sequence, Set, Type
 
+from megatron_sparseloco.megatron.loop_config import AUTO, OuterLoopConfig
 from megatron_sparseloco.outer.base import OuterStrategy
-from megatron_sparseloco.outer.config_fields import (ConfigError, FieldSpec, check_fields, field_specs, flag_field,
-                                                     flagged_fields, render_refs)
+from megatron_sparseloco.outer.config_fields import (ConfigError, FieldSpec, field_specs, flagged_fields,
+                                                     render_refs)
 from megatron_sparseloco.outer.registry import available_outer_strategies, outer_strategy_class, outer_strategy_classes
 
 #: owner of the loop-level flags in ``flag_table`` (the other owners are algorithm names)
 LOOP = "loop"
 
 
-@dataclass
-class LoopFlags:
-    """The outer loop's settings, shared by every algorithm (``OuterLoopConfig`` is built from them)."""
-
-    workers: Optional[int] = flag_field(
-        None, type=int, flag="workers", low=1,
-        help="Number of workers W; a worker is one distributed-optimizer instance "
-             "(sets --num-distributed-optimizer-instances) and must divide the data-parallel size.")
-    """W; unset: Megatron's --num-distributed-optimizer-instances (``resolve_workers``)."""
-    inner_steps: int = flag_field(15, flag="inner-steps", low=1,
-                                  help="Inner optimizer steps H between outer steps (reference code 15; "
-                                       "Covenant-72B 30).")
-    """H, iterations per outer round (the reference code's 15)."""
-    inner_steps_per_worker: Optional[str] = flag_field(
-        None, type=str, flag="inner-steps-per-worker",
-        help="Comma-separated inner steps H_w per worker: a round lasts max(H_w) iterations, worker w steps on the "
-             "first H_w (a slower worker does fewer steps instead of stalling the others); 'auto': H_w from measured "
-             "step times, re-agreed at every outer step.")
-    """H_w per worker, for strategies with ``per_worker_inner_steps`` (parsed to a list of ints)."""
-    consistency_check_interval: int = flag_field(0, flag="consistency-check-interval", low=0,
-                                                 help="Every N outer steps compare a hash of θ_outer across workers "
-                                                      "(0: off).")
-    """Outer steps between θ_outer hash checks; only for strategies ``identical_across_workers``."""
-    outer_timeout: float = flag_field(600.0, flag="outer-timeout", low=0.0, low_open=True,
-                                      help="Seconds an outer step may wait for the other workers before failing.")
-    """Timeout of the cross-worker group the outer step runs on."""
-    overlap_steps: int = flag_field(
-        0, flag="overlap-steps", low=0,
-        help="Delayed application τ (0: blocking outer step). 1 <= τ < H: the outer collective is launched at the "
-             "end of a round and runs while the next τ inner steps compute; its result is merged τ steps later "
-             "(see --sparseloco-overlap-merge; outer/overlap.py).")
-    """τ, inner steps the outer collective overlaps (``outer.overlap``); only for strategies ``supports_overlap``."""
-    overlap_merge: str = flag_field(
-        "replay", flag="overlap-merge", choices=("replay", "lerp"),
-        help="With --sparseloco-overlap-steps: 'replay' (default) puts the τ steps of local progress on the new "
-             "global point, θ ← θ_outer + (θ_now − θ_launch); 'lerp' is torchft's Streaming DiLoCo "
-             "θ ← lerp(θ_outer, θ_now, α).")
-    """How the τ local steps are merged with θ_outer,k+1 (``outer.overlap.OverlapConfig.merge``)."""
-    overlap_alpha: float = flag_field(
-        0.5, flag="overlap-alpha", low=0.0, high=1.0,
-        help="With --sparseloco-overlap-merge lerp: the weight α in [0, 1] of the local params (0: discard the τ "
-             "local steps, 1: keep them and ignore the global point). Default 0.5.")
-    """α of the lerp merge."""
-    fragments: int = flag_field(
-        1, flag="fragments", low=1,
-        help="Streaming-DiLoCo fragments P (1: the whole model syncs at once). The layers are split into P "
-             "contiguous groups (embedding with the first, output layer with the last), each with its own outer "
-             "state; fragment p syncs every H steps at offset floor(p*H/P), so each sync moves about 1/P of the "
-             "bytes. With --sparseloco-overlap-steps τ: τ < H/P.")
-    """P, layer groups synced at staggered offsets (``megatron.fragments``); 1 ≤ P ≤ layers, P ≤ H."""
+#: the loop-level flags are the flagged fields of the outer loop's one config (``loop_config``)
+LoopFlags = OuterLoopConfig
 
 
 class SparseLoCoArgumentError(ValueError):
@@ -111,7 +65,7 @@ def dest_of(flag: str) -> str:
 
 
 def _loop_specs() -> Dict[str, FieldSpec]:
-    return flagged_fields(LoopFlags)
+    return flagged_fields(OuterLoopConfig)
 
 
 def flag_table() -> Dict[str, Dict[str, FieldSpec]]:
@@ -125,7 +79,7 @@ def flag_table() -> Dict[str, Dict[str, FieldSpec]]:
     return table
 
 
-#: loop flags that only some strategies take: flag → the strategy class attribute that allows it
+#: loop flags that only some strategies take: flag → the ``Capabilities`` field that allows it
 LOOP_FLAG_NEEDS = {"inner-steps-per-worker": "per_worker_inner_steps",
                    "consistency-check-interval": "identical_across_workers",
                    "overlap-steps": "supports_overlap", "overlap-merge": "supports_overlap",
@@ -139,7 +93,7 @@ def takers(flag: str, table: Optional[Dict[str, Dict[str, FieldSpec]]] = None) -
     owners = (table or flag_table()).get(flag, {})
     if LOOP in owners:
         needs = LOOP_FLAG_NEEDS.get(flag)
-        return [a for a, c in outer_strategy_classes().items() if needs is None or getattr(c, needs)]
+        return [a for a, c in outer_strategy_classes().items() if needs is None or getattr(c.capabilities, needs)]
     return list(owners)
 
 
@@ -165,7 +119,7 @@ def _argparse_kwargs(flag: str, specs: Sequence[FieldSpec]) -> dict:
 def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--sparseloco-*`` group to a Megatron argument parser (an ``extra_args_provider``).
 
-    The flags are the union of ``LoopFlags`` and every registered config's flagged fields, read
+    The flags are the union of ``OuterLoopConfig``'s and every registered config's flagged fields, read
     when called (a strategy registered later shows up on the next parser). Idempotent: a parser
     that already has the group (the installed plugin adds it) is returned as is.
     """
@@ -247,7 +201,8 @@ def parse_per_worker_steps(text: str, workers: int) -> List[int]:
     try:
         steps = [int(x) for x in text.split(",") if x.strip() != ""]
     except ValueError:
-        _fail(flag, f"{text!r} is not a comma-separated list of integers", "give one integer per worker, e.g. 30,30,15,30")
+        _fail(flag, f"{text!r} is not a comma-separated list of integers",
+              "give one integer per worker, e.g. 30,30,15,30")
     if len(steps) != workers:
         _fail(flag, f"has {len(steps)} entries for {workers} workers", f"give exactly {workers} comma-separated values")
     if any(s < 1 for s in steps):
@@ -293,9 +248,10 @@ def _check_world_layout(args: argparse.Namespace, world_size: Optional[int], str
     if W > 1 and not getattr(args, "use_distributed_optimizer", False):
         _fail("workers", f"{W} workers need Megatron's distributed optimizer (a worker is a "
               "distributed-optimizer instance)", "add --use-distributed-optimizer")
-    if W < strategy.min_workers:
-        _fail("workers", f"{strategy.name} needs W >= {strategy.min_workers}, got {W}",
-              f"use --sparseloco-workers {strategy.min_workers} or more, or another --sparseloco-algorithm")
+    least = strategy.capabilities.min_workers
+    if W < least:
+        _fail("workers", f"{strategy.name} needs W >= {least}, got {W}",
+              f"use --sparseloco-workers {least} or more, or another --sparseloco-algorithm")
 
 
 #: Megatron options the outer loop cannot be combined with, and why
@@ -332,45 +288,49 @@ def _from_args(args: argparse.Namespace, config_class: type, given: Collection[s
             if flag in given}
 
 
-def loop_flags_from_args(args: argparse.Namespace, given: Collection[str], strategy: Type[OuterStrategy]) -> LoopFlags:
-    """The validated ``LoopFlags``; per-worker steps and consistency checks only where the strategy allows them."""
-    loop = LoopFlags(**_from_args(args, LoopFlags, given))
-    try:
-        check_fields(loop)
-    except ConfigError as exc:
-        raise argument_error(exc, LoopFlags, strategy.name) from None
+def loop_flags_from_args(args: argparse.Namespace, given: Collection[str],
+                         strategy: Type[OuterStrategy]) -> OuterLoopConfig:
+    """The validated ``OuterLoopConfig``: its own ``validate`` (the loop's rules, errors in flag terms),
+    then what depends on the strategy and on which flags were given."""
+    loop = OuterLoopConfig(**_from_args(args, OuterLoopConfig, given))
     algo, W = strategy.name, args.sparseloco_workers
-    if loop.inner_steps_per_worker is not None:
-        able = takers("inner-steps-per-worker")
-        if algo not in able:
-            _fail("inner-steps-per-worker", f"only {', '.join(able)} {'supports' if len(able) == 1 else 'support'} per-worker step counts, not {algo}",
-                  f"drop the flag or use --sparseloco-algorithm {' / '.join(able)}")
-        if loop.inner_steps_per_worker.strip() == "auto":  # H = --sparseloco-inner-steps, H_w measured
-            loop.inner_steps_per_worker = "auto"
-            if loop.overlap_steps > 0:
-                _fail("inner-steps-per-worker", "'auto' re-agrees H_w at blocking outer steps only",
-                      "use --sparseloco-overlap-steps 0, or give fixed per-worker steps")
-        else:
-            if "inner-steps" in given:
-                _fail("inner-steps", "is replaced by --sparseloco-inner-steps-per-worker when that is given",
-                      "give only one of them")
-            loop.inner_steps_per_worker = parse_per_worker_steps(loop.inner_steps_per_worker, W)
-            loop.inner_steps = max(loop.inner_steps_per_worker)
+    loop.workers = W
+    _check_per_worker_steps(loop, given, algo, W)
+    try:
+        loop.validate()
+    except ConfigError as exc:
+        raise argument_error(exc, OuterLoopConfig, algo) from None
     if loop.consistency_check_interval > 0 and algo not in takers("consistency-check-interval"):
         _fail("consistency-check-interval", f"{algo} workers legitimately differ between rounds, "
               "so θ_outer hashes never agree", f"use 0 with {algo}")
     _check_overlap(loop, given, algo)
     _check_fragments(loop, algo, getattr(args, "num_layers", None))
-    loop.workers = W
     return loop
 
 
-def _check_overlap(loop: LoopFlags, given: Collection[str], algo: str) -> None:
-    """``--sparseloco-overlap-*``: τ < H, a strategy that can delay its step, merge / α only where they act."""
-    tau, H = loop.overlap_steps, loop.inner_steps
-    if tau > 0 and tau >= H:
-        _fail("overlap-steps", f"τ={tau} must be < --sparseloco-inner-steps H={H} (one round in flight at a time)",
-              f"use 1 <= τ <= {H - 1}, or raise --sparseloco-inner-steps")
+def _check_per_worker_steps(loop: OuterLoopConfig, given: Collection[str], algo: str, W: int) -> None:
+    """``--sparseloco-inner-steps-per-worker``: only where the strategy allows it; a list sets H = max(H_w)."""
+    text = loop.inner_steps_per_worker
+    if text is None:
+        return
+    able = takers("inner-steps-per-worker")
+    if algo not in able:
+        _fail("inner-steps-per-worker", f"only {', '.join(able)} {'supports' if len(able) == 1 else 'support'} "
+              f"per-worker step counts, not {algo}", f"drop the flag or use --sparseloco-algorithm {' / '.join(able)}")
+    if isinstance(text, str) and text.strip() == AUTO:   # H = --sparseloco-inner-steps, H_w measured
+        loop.inner_steps_per_worker = AUTO
+        return
+    if "inner-steps" in given:
+        _fail("inner-steps", "is replaced by --sparseloco-inner-steps-per-worker when that is given",
+              "give only one of them")
+    steps = parse_per_worker_steps(str(text), W)
+    loop.inner_steps_per_worker = steps
+    loop.inner_steps = max(steps)
+
+
+def _check_overlap(loop: OuterLoopConfig, given: Collection[str], algo: str) -> None:
+    """``--sparseloco-overlap-*``: a strategy that can delay its step, merge / α only where they act."""
+    tau = loop.overlap_steps
     able = takers("overlap-steps")
     if tau > 0 and algo not in able:
         _fail("overlap-steps", f"{algo} cannot delay its outer step (its gossip rounds are not split into launch / "
@@ -386,9 +346,10 @@ def _check_overlap(loop: LoopFlags, given: Collection[str], algo: str) -> None:
               "add --sparseloco-overlap-merge lerp or drop it")
 
 
-def _check_fragments(loop: LoopFlags, algo: str, num_layers: Optional[int]) -> None:
-    """``--sparseloco-fragments P``: P ≤ layers, P ≤ H, τ < H/P, an algorithm with one shared θ_outer."""
-    P, H, tau = loop.fragments, loop.inner_steps, loop.overlap_steps
+def _check_fragments(loop: OuterLoopConfig, algo: str, num_layers: Optional[int]) -> None:
+    """``--sparseloco-fragments P``: an algorithm with one shared θ_outer, P <= the model's layers
+    (P <= H and τ·P < H are the loop config's own rules)."""
+    P = loop.fragments
     if P == 1:
         return
     able = takers("fragments")
@@ -399,14 +360,6 @@ def _check_fragments(loop: LoopFlags, algo: str, num_layers: Optional[int]) -> N
     if num_layers is not None and P > num_layers:
         _fail("fragments", f"P={P} is more than the model's --num-layers {num_layers} (a fragment is a group of "
               "whole layers)", f"use 1 <= P <= {num_layers}")
-    if P > H:
-        _fail("fragments", f"P={P} is more than --sparseloco-inner-steps H={H} (each fragment syncs at its own "
-              "inner step of the round)", f"use 1 <= P <= {H}, or raise --sparseloco-inner-steps")
-    if tau > 0 and tau * P >= H:
-        _fail("fragments", f"with --sparseloco-overlap-steps τ={tau}, τ must be < H/P = {H}/{P} (one fragment in "
-              f"flight at a time; fragments sync every {H // P} or {-(-H // P)} steps)",
-              f"lower --sparseloco-overlap-steps to at most {(H - 1) // P}, lower --sparseloco-fragments to at most "
-              f"{max(1, (H - 1) // tau)}, or raise --sparseloco-inner-steps")
 
 
 def outer_config_from_args(args: argparse.Namespace, algo: str, given: Optional[Collection[str]] = None):
@@ -434,7 +387,7 @@ def outer_config_from_args(args: argparse.Namespace, algo: str, given: Optional[
     return config
 
 
-def _store_resolved(args: argparse.Namespace, loop: LoopFlags, config) -> None:
+def _store_resolved(args: argparse.Namespace, loop: OuterLoopConfig, config) -> None:
     """Every flag the algorithm uses set to its resolved value (implied ones too); the others stay None."""
     for flag, spec in _loop_specs().items():
         setattr(args, dest_of(flag), getattr(loop, spec.name))

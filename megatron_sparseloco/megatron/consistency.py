@@ -12,6 +12,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_sparseloco.comm.interface import as_outer_comm
+from megatron_sparseloco.outer.base import OuterGroup
+
 _CHUNK = 1 << 22
 
 
@@ -35,24 +38,28 @@ def fingerprint(tensors: Sequence[torch.Tensor]) -> int:
     return int(total.item())
 
 
-def check_identical_across_workers(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
+def check_identical_across_workers(tensors: Sequence[torch.Tensor], group: OuterGroup,
                                    what: str, fix: str) -> Optional[int]:
-    """All-gather the fingerprint over ``group``; raise ``DivergenceError`` naming the odd workers.
+    """All-gather the fingerprint over the outer group (a c10d group or any ``OuterComm``); raise
+    ``DivergenceError`` naming the odd workers (and, on a c10d group, their global ranks).
 
     Returns the fingerprint every worker agreed on (None for a group of one: nothing compared).
+    A c10d group is wrapped with a counter of its own: the check's bytes are not the outer step's.
     """
-    if group is None or dist.get_world_size(group) == 1:
+    if group is None:
         return None
-    device = tensors[0].device if tensors else torch.device("cpu")
-    mine = torch.tensor([fingerprint(tensors), sum(t.numel() for t in tensors)], dtype=torch.int64, device=device)
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    values = [tuple(int(v) for v in g.tolist()) for g in gathered]
+    comm = as_outer_comm(group)
+    if comm.size == 1:
+        return None
+    mine = torch.tensor([fingerprint(tensors), sum(t.numel() for t in tensors)], dtype=torch.int64)
+    gathered = comm.all_gather_payloads(mine.to(comm.device).view(torch.uint8), equal_sizes=True)
+    values = [tuple(int(v) for v in g.cpu().view(torch.int64).tolist()) for g in gathered]
     if len(set(values)) == 1:
         return values[0][0]
     counts = {v: values.count(v) for v in values}
-    majority = max(counts, key=counts.get)
+    majority = max(counts, key=lambda v: counts[v])
     odd = [w for w, v in enumerate(values) if v != majority]
+    c10d = getattr(comm, "group", None)
+    ranks = f"; global ranks {[dist.get_global_rank(c10d, w) for w in odd]}" if c10d is not None else ""
     raise DivergenceError(f"{what} differ across workers: worker(s) {odd} disagree with the majority "
-                          f"(fingerprints {values}); global ranks {[dist.get_global_rank(group, w) for w in odd]}. Fix: {fix}")
+                          f"(fingerprints {values}){ranks}. Fix: {fix}")

@@ -63,6 +63,8 @@ def default_text(dest: str) -> str:
         return "--num-distributed-optimizer-instances"
     if flag == "inner-steps-per-worker":
         return "unset (all workers H)"
+    if flag == "outer-timeout":
+        return "Megatron's --distributed-timeout-minutes"
     loop = A.flag_table().get(flag, {}).get(A.LOOP)
     if loop is not None:
         return _fmt(loop.default)

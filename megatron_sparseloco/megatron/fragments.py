@@ -30,41 +30,25 @@ State: per member optimizer (dense, expert) the main-param shards are split by f
 kept, and each non-empty fragment gets its own strategy over its shards — its own θ_outer, error
 feedback, outer momentum. A round of fragment p on worker r is the strategy's ordinary step on
 those shards:  Δ_p = θ_outer,p − θ_r,p ; communicate ; θ_outer,p ← U(θ_outer,p, agg_p) ;
-θ_r,p ← θ_outer,p (or the overlap merge). With P = 1 the member's single strategy is used as
-before (bitwise today's path). ``MemberFragments`` presents a member's fragment strategies with
-per-tensor state in the member's tensor order, so the checkpoint layout (per member, per model
-parameter) is the same for every P.
+θ_r,p ← θ_outer,p (or the overlap merge). ``MemberFragments`` presents a member's fragment
+strategies (one, with P = 1) with per-tensor state in the member's tensor order, so the checkpoint
+layout (per member, per model parameter) is the same for every P.
 """
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
+
+from megatron_sparseloco.megatron.schedule import fragment_offsets, round_in_flight, syncs_at
+from megatron_sparseloco.outer.base import OuterStrategy
 
 _LAYER = re.compile(r"(?:^|.*\.)decoder\.layers\.(\d+)$")
 
 
 class FragmentError(ValueError):
     """A parameter cannot be placed in a fragment, or P does not fit the model."""
-
-
-def fragment_offsets(inner_steps: int, fragments: int) -> List[int]:
-    """o_p = ⌊p·H/P⌋ for p = 0 .. P−1."""
-    return [p * inner_steps // fragments for p in range(fragments)]
-
-
-def syncs_at(calls: int, offset: int, inner_steps: int) -> bool:
-    """Does a fragment with offset ``offset`` sync (blocking step or launch) after inner step ``calls``?"""
-    return calls > 0 and (calls - offset) % inner_steps == 0
-
-
-def round_in_flight(calls: int, offset: int, inner_steps: int, tau: int) -> bool:
-    """After inner step ``calls``: was this fragment launched in the last τ steps (merge still due)?"""
-    if tau <= 0:
-        return False
-    phase = (calls - offset) % inner_steps
-    return phase < tau and calls - phase > 0
 
 
 def layer_fragment(layer: int, num_layers: int, fragments: int) -> int:
@@ -97,6 +81,7 @@ def param_fragments(model_chunks: Sequence, fragments: int) -> Dict[int, int]:
         raise FragmentError(f"--sparseloco-fragments {fragments} is more than the model's {num_layers} layers. Fix: "
                             f"use at most {num_layers} fragments")
     for module, layer in layers:
+        assert num_layers is not None
         f = layer_fragment(layer, num_layers, fragments)
         for p in module.parameters():
             out[id(p)] = f
@@ -114,18 +99,21 @@ def param_fragments(model_chunks: Sequence, fragments: int) -> Dict[int, int]:
                 raise FragmentError(
                     f"--sparseloco-fragments {fragments}: cannot place parameter {name!r} in a fragment (it is not in "
                     "a transformer layer decoder.layers.<i>, the embedding, the output layer or the final norm). "
-                    "Fix: use --sparseloco-fragments 1, or teach megatron_sparseloco/megatron/fragments.py where it goes")
+                    "Fix: use --sparseloco-fragments 1, or teach megatron_sparseloco/megatron/fragments.py where "
+                    "it goes")
     return out
 
 
 class MemberFragments:
-    """One member optimizer's shards split by fragment: a strategy per non-empty fragment.
+    """One member optimizer's outer state: its shards split by fragment, a strategy per non-empty fragment.
 
     ``fragment_of[i]``: the fragment of the member's shard tensor i; ``strategies[p]``: the
-    strategy over the tensors of fragment p, in the member's order.
+    strategy over the tensors of fragment p, in the member's order. With P = 1 it holds the one
+    strategy over all of the member's shards, so the loop, the checkpoint code and the
+    tied-parameter sync handle every member the same way.
     """
 
-    def __init__(self, fragment_of: Sequence[int], strategies: Dict[int, object]):
+    def __init__(self, fragment_of: Sequence[int], strategies: Dict[int, OuterStrategy]):
         self.fragment_of = list(fragment_of)
         self.strategies = dict(strategies)
         self.position: List[int] = []          # index of tensor i inside its fragment's strategy
@@ -144,8 +132,8 @@ class MemberFragments:
 
     def per_tensor_state(self) -> Dict[str, List[torch.Tensor]]:
         """``{state name: [live view of tensor i's elements]}`` in the member's tensor order."""
-        by_fragment = {f: per_tensor_state(s) for f, s in self.strategies.items()}
-        names = None
+        by_fragment = {f: s.per_tensor_state() for f, s in self.strategies.items()}
+        names: Optional[List[str]] = None
         for f, state in by_fragment.items():
             if names is None:
                 names = sorted(state)
@@ -154,23 +142,51 @@ class MemberFragments:
         return {k: [by_fragment[f][k][j] for f, j in zip(self.fragment_of, self.position)] for k in names or []}
 
 
-def per_tensor_state(strategy) -> Dict[str, List[torch.Tensor]]:
-    """A member's per-element state, one live view per shard tensor (``{}`` without a strategy).
+class MemberState(Protocol):
+    """What the checkpoint code and the tied-parameter sync read of a member's outer state: a
+    ``MemberFragments``, or a single ``OuterStrategy`` over all of the member's shards."""
 
-    ``strategy``: an ``OuterStrategy`` over the member's shards or a ``MemberFragments``.
-    """
-    if strategy is None:
-        return {}
-    if isinstance(strategy, MemberFragments):
-        return strategy.per_tensor_state()
-    offsets = strategy.params.offsets
-    return {k: [v[offsets[i]:offsets[i + 1]] for i in range(len(strategy.params.tensors))]
-            for k, v in strategy.elementwise_state().items()}
+    @property
+    def numel(self) -> int: ...
+
+    def per_tensor_state(self) -> Dict[str, List[torch.Tensor]]: ...
 
 
-def state_numel(strategy) -> int:
-    return strategy.numel if isinstance(strategy, MemberFragments) else strategy.params.numel
+def per_tensor_state(member: Optional[MemberState]) -> Dict[str, List[torch.Tensor]]:
+    """A member's per-element state, one live view per shard tensor (``{}`` where this rank holds none)."""
+    return {} if member is None else member.per_tensor_state()
 
 
-__all__ = ["FragmentError", "MemberFragments", "fragment_offsets", "layer_fragment", "param_fragments",
+def state_numel(member: MemberState) -> int:
+    return member.numel
+
+
+__all__ = ["FragmentError", "MemberFragments", "MemberState", "build_member_strategies", "fragment_offsets",
+           "layer_fragment", "param_fragments",
            "per_tensor_state", "round_in_flight", "state_numel", "syncs_at"]
+
+
+def build_member_strategies(shards_list: Sequence, model_chunks: Sequence, factory, group,
+                            fragments: int) -> Tuple[List[Optional[MemberFragments]], List[List[OuterStrategy]]]:
+    """Per member optimizer its outer state (None where this rank holds none of its params), and per
+    fragment its strategies (one per member holding params of it here).
+
+    ``factory(tensors, group, names, slices)`` builds one strategy; with P = 1 each member gets one
+    over all its shards, with P > 1 one per fragment over that fragment's shards (member order kept)."""
+    by_fragment: List[List[OuterStrategy]] = [[] for _ in range(fragments)]
+    where = param_fragments(model_chunks, fragments) if fragments > 1 else {}
+    members: List[Optional[MemberFragments]] = []
+    for sh in shards_list:
+        if not sh.tensors:
+            members.append(None)
+            continue
+        frag = [where[id(p)] if fragments > 1 else 0 for p in sh.model_params]
+        slices = sh.slices()
+        built: Dict[int, OuterStrategy] = {}
+        for f in sorted(set(frag)):
+            idx = [i for i, g in enumerate(frag) if g == f]
+            built[f] = factory([sh.tensors[i] for i in idx], group, [sh.names[i] for i in idx],
+                               [slices[i] for i in idx])
+            by_fragment[f].append(built[f])
+        members.append(MemberFragments(frag, built))
+    return members, by_fragment

@@ -64,7 +64,7 @@ def format_mb(n: Optional[float]) -> str:
 
 def _error_feedback_algorithms():
     from megatron_sparseloco.outer.registry import outer_strategy_classes
-    return tuple(name for name, cls in outer_strategy_classes().items() if cls.has_error_feedback)
+    return tuple(name for name, cls in outer_strategy_classes().items() if cls.capabilities.has_error_feedback)
 
 
 #: algorithms whose strategy keeps an error-feedback buffer (|e| means something)

@@ -8,7 +8,8 @@
   ``--sparseloco-workers`` onto ``--num-distributed-optimizer-instances``) *before* Megatron's own
   checks; a bad flag ends the job with one message on rank 0 (``check_sparseloco_args_or_exit``);
 - ``megatron.training.training.get_megatron_optimizer``: wraps the optimizer in
-  ``OuterLoopOptimizer`` when ``--sparseloco-algorithm`` is set;
+  ``OuterLoopOptimizer`` when ``--sparseloco-algorithm`` is set (its ``close`` runs at exit:
+  ``atexit``, so a delayed round in flight is waited for and the comm thread ends);
 - ``megatron.training.training.training_log``: after Megatron's own line, a ``sparseloco |`` line
   and ``sparseloco/*`` TensorBoard / W&B scalars at every ``--log-interval``;
 - ``megatron.training.training.save_checkpoint`` (and ``megatron.training.checkpointing``'s): the
@@ -88,29 +89,16 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
         return optimizer
     import torch.distributed as dist
 
-    from megatron_sparseloco.megatron.optimizer import OuterLoopConfig, OuterLoopOptimizer
-    from megatron_sparseloco.megatron.strategy_from_args import inner_steps_for_worker, strategy_factory_from_args
+    from megatron_sparseloco.megatron.optimizer import OuterLoopOptimizer
+    from megatron_sparseloco.megatron.strategy_from_args import loop_config_from_args, strategy_factory_from_args
     from megatron_sparseloco.megatron.worker_isolation import cross_worker_group
-    from megatron_sparseloco.outer.registry import outer_strategy_class
 
     group = cross_worker_group(model_chunks)
-    worker = dist.get_rank(group) if group is not None else 0
-    per_worker = args.sparseloco_inner_steps_per_worker
-    auto = per_worker == "auto"
-    config = OuterLoopConfig(
-        inner_steps=max(per_worker) if per_worker and not auto else args.sparseloco_inner_steps,
-        active_inner_steps=None if auto else inner_steps_for_worker(args, worker),
-        auto_inner_steps=auto,
-        consistency_check_interval=args.sparseloco_consistency_check_interval,
-        identical_across_workers=outer_strategy_class(args.sparseloco_algorithm).identical_across_workers,
-        outer_timeout_s=args.sparseloco_outer_timeout,
-        overlap_steps=args.sparseloco_overlap_steps,      # resolved by validate_sparseloco_args
-        overlap_merge=args.sparseloco_overlap_merge,
-        overlap_alpha=args.sparseloco_overlap_alpha,
-        fragments=args.sparseloco_fragments,
-    )
+    config = loop_config_from_args(args, dist.get_rank(group) if group is not None else 0)
     global ACTIVE
     ACTIVE = OuterLoopOptimizer(optimizer, model_chunks, strategy_factory_from_args(args), config, group=group)
+    import atexit
+    atexit.register(ACTIVE.close)
     from megatron_sparseloco.megatron.startup import log_startup, warn_if_outer_state_not_loaded
     log_startup(ACTIVE, args)               # rank 0: resolved settings, worker map, expected bytes
     warn_if_outer_state_not_loaded(args)
@@ -199,54 +187,48 @@ def log_outer_metrics(iteration: int) -> None:
     write_scalars(totals, iteration, get_tensorboard_writer(), get_wandb_writer())
 
 
-def install() -> None:
-    """Idempotently patch megatron.training (see module docstring)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    import megatron.training.arguments as margs
-    import megatron.training.training as mtrain
-
-    from megatron_sparseloco.megatron.arguments import add_sparseloco_args
-
-    orig_add = margs.add_megatron_arguments
-
+def _with_sparseloco_args(orig_add):
     @functools.wraps(orig_add)
     def add_megatron_arguments(parser):
         parser = orig_add(parser)
+        from megatron_sparseloco.megatron.arguments import add_sparseloco_args
         if not any(a.dest == "sparseloco_algorithm" for a in parser._actions):
             parser = add_sparseloco_args(parser)
         if "-h" in sys.argv or "--help" in sys.argv:
             from megatron_sparseloco.megatron.flag_help import repair_help_strings
             repair_help_strings(parser)   # megatron-core 0.19.2's --help trips over a stray '%'
         return parser
+    return add_megatron_arguments
 
-    orig_validate = margs.validate_args
 
+def _checking_sparseloco_args_first(orig_validate):
     @functools.wraps(orig_validate)
     def validate_args(args, defaults={}):
         check_sparseloco_args_or_exit(args)   # before Megatron's own checks, so ours name the flag
         return orig_validate(args, defaults)
+    return validate_args
 
-    orig_get_opt = mtrain.get_megatron_optimizer
 
+def _wrapping_the_optimizer(orig_get_opt):
     @functools.wraps(orig_get_opt)
     def get_megatron_optimizer(config, model_chunks, *a, **kw):
         optimizer = orig_get_opt(config, model_chunks, *a, **kw)
         from megatron.training.global_vars import get_args
         return wrap_optimizer_from_args(optimizer, model_chunks, get_args())
+    return get_megatron_optimizer
 
-    orig_training_log = mtrain.training_log
 
+def _logging_outer_metrics(orig_training_log):
     @functools.wraps(orig_training_log)
     def training_log(*a, **kw):
         out = orig_training_log(*a, **kw)
         iteration = kw["iteration"] if "iteration" in kw else a[3]
         log_outer_metrics(iteration)
         return out
+    return training_log
 
-    orig_load = mtrain.load_checkpoint
 
+def _explaining_resume_errors(orig_load):
     @functools.wraps(orig_load)
     def load_checkpoint(*a, **kw):
         try:
@@ -256,27 +238,36 @@ def install() -> None:
             if better is None:
                 raise
             raise RuntimeError(better) from exc
+    return load_checkpoint
 
-    mtrain.load_checkpoint = load_checkpoint
 
-    import megatron.training.checkpointing as mckpt
-    orig_save = mckpt.save_checkpoint
-
+def _saving_outer_params(orig_save):
     @functools.wraps(orig_save)
     def save_checkpoint(*a, **kw):
         if ACTIVE is None:
             return orig_save(*a, **kw)
         with ACTIVE.model_holds_outer_params():   # re-entrant: an inner call finds it active
             return orig_save(*a, **kw)
+    return save_checkpoint
 
-    mckpt.save_checkpoint = save_checkpoint
-    mtrain.save_checkpoint = save_checkpoint
+
+def install() -> None:
+    """Idempotently patch megatron.training (see module docstring)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    import megatron.training.arguments as margs
+    import megatron.training.checkpointing as mckpt
+    import megatron.training.training as mtrain
+
     from megatron_sparseloco.megatron.auto_steps import skip_inactive_iterations
     from megatron_sparseloco.megatron.worker_local import wrap_train_step
 
-    margs.add_megatron_arguments = add_megatron_arguments
+    margs.add_megatron_arguments = _with_sparseloco_args(margs.add_megatron_arguments)
+    margs.validate_args = _checking_sparseloco_args_first(margs.validate_args)
+    mtrain.get_megatron_optimizer = _wrapping_the_optimizer(mtrain.get_megatron_optimizer)
+    mtrain.training_log = _logging_outer_metrics(mtrain.training_log)
+    mtrain.load_checkpoint = _explaining_resume_errors(mtrain.load_checkpoint)
+    mckpt.save_checkpoint = mtrain.save_checkpoint = _saving_outer_params(mckpt.save_checkpoint)
     mtrain.train_step = skip_inactive_iterations(wrap_train_step(mtrain.train_step, _active_workers))
-    mtrain.training_log = training_log
-    margs.validate_args = validate_args
-    mtrain.get_megatron_optimizer = get_megatron_optimizer
     _INSTALLED = True

@@ -38,7 +38,9 @@ def resolved_settings(args) -> Dict[str, object]:
         out["topk"] = f"{values['k']} of {values['chunk']} ({100.0 * values['k'] / values['chunk']:.2f} % density)"
     out["consistency check"] = (f"every {args.sparseloco_consistency_check_interval} outer steps"
                                 if args.sparseloco_consistency_check_interval else "off")
-    out["outer timeout"] = f"{args.sparseloco_outer_timeout:g} s"
+    timeout = args.sparseloco_outer_timeout
+    out["outer timeout"] = (f"{timeout:g} s" if timeout is not None else
+                            f"{getattr(args, 'distributed_timeout_minutes', 10):g} min (Megatron's --distributed-timeout-minutes)")
     P = getattr(args, "sparseloco_fragments", None) or 1
     if P > 1:  # (the per-outer-step numbers below are per round: the sum of the P fragment syncs)
         H = args.sparseloco_inner_steps

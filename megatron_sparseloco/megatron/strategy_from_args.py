@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparseloco.megatron.arguments import dest_of
+from megatron_sparseloco.megatron.loop_config import OuterLoopConfig
 from megatron_sparseloco.outer.config_fields import flagged_fields
 from megatron_sparseloco.outer.registry import build_outer_strategy, outer_strategy_class
 
@@ -33,6 +34,16 @@ def inner_steps_for_worker(args: argparse.Namespace, worker_index: int) -> int:
     if per_worker == "auto":  # measured at run time (megatron/auto_steps.py); H until the first agreement
         return args.sparseloco_inner_steps
     return per_worker[worker_index] if per_worker else args.sparseloco_inner_steps
+
+
+def loop_config_from_args(args: argparse.Namespace, worker_index: int) -> OuterLoopConfig:
+    """The loop config from validated args: every flagged field from its (resolved) flag, and this
+    worker's H_w (None with 'auto': measured at run time)."""
+    fields = {spec.name: getattr(args, dest_of(flag)) for flag, spec in flagged_fields(OuterLoopConfig).items()}
+    config = OuterLoopConfig(**fields)
+    if not config.auto_inner_steps:
+        config.active_inner_steps = inner_steps_for_worker(args, worker_index)
+    return config
 
 
 def strategy_factory_from_args(args: argparse.Namespace):

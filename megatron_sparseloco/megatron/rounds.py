@@ -1,0 +1,273 @@
+"""The outer rounds of one rank: per fragment, begin → communicate → commit | rollback → close.
+
+``OuterRounds`` is what ``OuterLoopOptimizer.step`` hands the inner-step counter to. It asks the
+``RoundSchedule`` what runs after this step and drives, per fragment p, its ``FragmentRound``:
+the strategies of every member optimizer holding parameters of p on this rank, each running its
+``outer.round.RoundPlan``:
+
+    blocking (τ = 0)   begin + communicate + commit in one go, buckets pipelined
+                       (``OuterStrategy.step``)
+    delayed (τ ≥ 1)    begin at the launch (local check, compress), communicate on the comm
+                       thread, commit (apply) and merge τ inner steps later (``outer/overlap.py``)
+
+Whatever the schedule, a round that committed ends in one place, ``OuterRounds._committed``:
+the round's stats are recorded (bytes, times, norms: ``OuterLog``), the tied parameters are
+copied from the first pipeline stage (fragment 0 holds them), the fp32 main params are published
+to the model (main → model copy and the in-worker param all-gather), Megatron's
+``sparseloco-outer-sync`` timer stops, and every ``consistency_check_interval`` rounds θ_outer is
+compared across workers. ``close`` waits for every round in flight and ends the comm thread.
+
+Counting: ``fragment_syncs[p]`` counts the rounds of fragment p begun (blocking steps and
+launches); ``OuterLog.outer_steps`` the rounds completed, over all fragments (with P > 1 each
+fragment's round counts once; a delayed round counts when it is waited for). Both are the same on
+every rank of the job; they are what checkpoints store.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence
+
+import torch.distributed as dist
+
+from megatron_sparseloco.megatron.schedule import RoundSchedule
+from megatron_sparseloco.outer.base import NonFiniteError, OuterStepStats, OuterStrategy
+from megatron_sparseloco.outer.overlap import CommThread, DelayedOuter, OverlapConfig
+
+
+@dataclass
+class OuterLog:
+    """Cumulative counters for logging (per rank): rounds completed, bytes, and the last round's stats."""
+
+    #: rounds completed, over all fragments
+    outer_steps: int = 0
+    #: bytes this rank handed to the outer collectives, and got from them, summed over the rounds
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    #: dense-equivalent elements of one round on this rank (the fragment's share with P > 1)
+    numel: float = 0
+    #: the last round's figures: ``OuterStepStats`` summed over the strategies (norms in quadrature)
+    last: Dict[str, float] = field(default_factory=dict)
+
+    def record(self, stats: Sequence[OuterStepStats], numel: float) -> None:
+        """Add one round's stats (of every strategy that took part); ``numel``: dense-equivalent elements
+        of a round (with fragments: the whole model's / P, so dense bytes stay per round)."""
+        self.bytes_sent += sum(s.bytes_sent for s in stats)
+        self.bytes_received += sum(s.bytes_received for s in stats)
+        self.numel = numel
+        merged: Dict[str, float] = {}
+        for key in ("bytes_sent", "bytes_received", "time_compress_s", "time_communicate_s", "time_apply_s",
+                    "time_exposed_s"):
+            merged[key] = float(sum(getattr(s, key) for s in stats))
+        for key in ("delta_norm", "error_norm", "update_norm"):
+            merged[key] = float(sum(getattr(s, key) ** 2 for s in stats) ** 0.5)
+        merged["skipped"] = float(any(s.skipped for s in stats))
+        for key in ("time_wait_s", "time_agree_s", "time_owner_s"):
+            merged[key] = float(sum(s.extra.get(key, 0.0) for s in stats))
+        self.last = merged
+
+
+class RoundHooks(Protocol):
+    """What a committed round needs from the Megatron side (``OuterLoopOptimizer`` provides it)."""
+
+    def sync_tied(self) -> None: ...
+    def publish(self) -> None: ...
+    def check_consistency(self) -> None: ...
+    def any_reset_in_worker(self, reset: bool) -> bool: ...
+    def megatron_timer(self): ...
+    def lost_worker_named(self, step_no: int, arrive: bool = False) -> contextlib.AbstractContextManager: ...
+
+
+class FragmentRound:
+    """The strategies of one fragment on this rank and, with τ ≥ 1, their delayed-application drivers."""
+
+    def __init__(self, index: int, strategies: List[OuterStrategy], overlap: OverlapConfig,
+                 comm: Optional[CommThread]):
+        self.index = index
+        self.strategies = strategies
+        self.delayed = [DelayedOuter(s, overlap, comm) for s in strategies] if comm is not None else []
+        #: a launched round not yet waited for (on every rank, with or without strategies)
+        self.unwaited = False
+
+    def step(self) -> List[OuterStepStats]:
+        """The blocking round of every strategy."""
+        return [s.step() for s in self.strategies]
+
+    def launch(self) -> bool:
+        """Begin the delayed round of every strategy (each in turn: local check, compress, start on the
+        comm thread); returns whether a launch reset this rank's params (non-finite, policy skip)."""
+        self.unwaited = True
+        for d in self.delayed:
+            d.launch()
+        return any(d.reset_at_launch for d in self.delayed)
+
+    def wait(self) -> Optional[List[OuterStepStats]]:
+        """Wait for the delayed round and commit it (θ_outer,k+1; no merge). None when nothing was
+        unwaited; else the stats of the strategies that took part (possibly none on this rank)."""
+        if not self.unwaited:
+            return None
+        self.unwaited = False
+        stats = [d.wait() for d in self.delayed]
+        return [s for s in stats if s is not None]
+
+    def merge(self) -> None:
+        for d in self.delayed:
+            d.merge()
+
+    @property
+    def in_flight(self) -> bool:
+        return any(d.in_flight for d in self.delayed)
+
+    def close(self) -> None:
+        """Wait for a round in flight (committed, not merged)."""
+        for d in self.delayed:
+            if d.in_flight:
+                d.wait()
+
+
+class OuterRounds:
+    """Every fragment's rounds on this rank, driven by the schedule (module docstring)."""
+
+    def __init__(self, fragment_strategies: List[List[OuterStrategy]], schedule: RoundSchedule,
+                 overlap: OverlapConfig, consistency_interval: int, identical: bool, hooks: RoundHooks):
+        self.schedule, self.hooks = schedule, hooks
+        self.consistency_interval = consistency_interval if identical else 0
+        strategies = [s for ss in fragment_strategies for s in ss]
+        self.comm = CommThread(strategies[0].device) if overlap.steps > 0 and strategies else None
+        self.fragments = [FragmentRound(p, ss, overlap, self.comm) for p, ss in enumerate(fragment_strategies)]
+        self.fragment_syncs: List[int] = [0] * len(self.fragments)
+        self.log = OuterLog()
+        #: dense-equivalent elements of one round (the fragment's share with P > 1)
+        self.round_numel = sum(s.params.numel for s in strategies) / len(self.fragments)
+        self._exposed_at_launch = 0.0
+
+    @property
+    def delayed(self) -> List[DelayedOuter]:
+        return [d for f in self.fragments for d in f.delayed]
+
+    # ------------------------------------------------------------------ schedule
+    def begin(self, fragment: int) -> None:
+        """A round of ``fragment`` begins (blocking step or launch): counted here, once."""
+        self.fragment_syncs[fragment] += 1
+
+    def step(self, fragment: int) -> List[OuterStepStats]:
+        """The blocking round of ``fragment``; ends in ``_committed``."""
+        t0 = self._start_timer()
+        step_no = self.log.outer_steps + 1
+        with self.hooks.lost_worker_named(step_no, arrive=True):
+            stats = self.fragments[fragment].step()
+        self._committed(fragment, stats, t0, time.perf_counter)
+        return stats
+
+    def launch(self, fragment: int) -> None:
+        """End of a round with τ ≥ 1: every strategy's launch; publishes the params where a launch reset them."""
+        t0 = self._start_timer()
+        with self.hooks.lost_worker_named(self.log.outer_steps + 1, arrive=True):
+            reset = self.fragments[fragment].launch()
+        if self.hooks.any_reset_in_worker(reset):   # some shard of this worker reset θ_local ← θ_outer,k
+            if fragment == 0:
+                self.hooks.sync_tied()
+            self.hooks.publish()
+        self._exposed_at_launch = time.perf_counter() - t0
+        timer = self.hooks.megatron_timer()
+        if timer is not None:
+            timer.stop()
+
+    def wait(self, fragment: int) -> None:
+        """Wait for ``fragment``'s round in flight and commit it (no merge); records it. Idempotent."""
+        frag = self.fragments[fragment]
+        with self.hooks.lost_worker_named(self.log.outer_steps + 1):
+            stats = frag.wait()
+        if stats is None:
+            return
+        self.log.outer_steps += 1
+        if stats:
+            self.log.record(stats, self.round_numel)
+
+    def wait_all(self) -> None:
+        for p in range(len(self.fragments)):
+            self.wait(p)
+
+    def complete(self, fragment: int) -> None:
+        """τ inner steps after the launch: wait, commit, merge; then ``_committed``."""
+        t0 = self._start_timer()
+        waited = self.fragments[fragment].in_flight
+        self.wait(fragment)
+        self.fragments[fragment].merge()
+        self._committed(fragment, None, t0, time.perf_counter, launch_s=self._exposed_at_launch if waited else None)
+
+    def _start_timer(self) -> float:
+        timer = self.hooks.megatron_timer()
+        if timer is not None:
+            timer.start()
+        return time.perf_counter()
+
+    def _committed(self, fragment: int, stats: Optional[List[OuterStepStats]], t0: float,
+                   clock: Callable[[], float], launch_s: Optional[float] = None) -> None:
+        """The one place a round ends (module docstring): record (blocking), tied params, publish, timer,
+        exposed time, consistency check."""
+        if fragment == 0:  # tied params are in fragment 0
+            self.hooks.sync_tied()
+        self.hooks.publish()
+        timer = self.hooks.megatron_timer()
+        if timer is not None:
+            timer.stop()
+        if stats is not None:
+            self.log.outer_steps += 1
+            if stats or len(self.fragments) == 1:
+                self.log.record(stats, self.round_numel)
+            self.log.last["time_exposed_s"] = clock() - t0
+        elif launch_s is not None:   # the delayed round's exposed time: launch + wait + apply + merge + publish
+            self.log.last["time_exposed_s"] = launch_s + clock() - t0
+            self.log.last["time_launch_s"] = launch_s
+        interval = self.consistency_interval
+        if interval and self.log.outer_steps % interval == 0:
+            self.hooks.check_consistency()
+
+    def after_inner_step(self, calls: int, run_step: Callable[[int], None]) -> None:
+        """Run the schedule's events for inner step ``calls``; blocking rounds go through ``run_step(p)``
+        (the optimizer's ``outer_step``, so that it can be observed and patched)."""
+        for kind, p in self.schedule.events(calls):
+            if kind == "complete":
+                self.complete(p)
+                continue
+            self.begin(p)
+            if kind == "step":
+                run_step(p)
+            else:
+                self.launch(p)
+
+    def merge_due_from_counter(self, calls: int) -> None:
+        """After a checkpoint load: each driver's merge is due iff its fragment launched in the last τ steps."""
+        for p, frag in enumerate(self.fragments):
+            due = self.schedule.merge_due(calls, p)
+            for d in frag.delayed:
+                d.merge_due = due
+
+    def close(self) -> None:
+        """Wait for every round in flight and end the comm thread (idempotent)."""
+        for frag in self.fragments:
+            frag.close()
+        if self.comm is not None:
+            self.comm.shutdown()
+            self.comm = None
+
+
+@contextlib.contextmanager
+def lost_worker_named(num_workers: int, watch, timeout_s: float, step_no: int, arrive: bool) -> Iterator[None]:
+    """A collective failure inside the block (timeout, closed peer) becomes the watch's
+    ``WorkerLostError`` naming the workers that never reached outer step ``step_no`` (W > 1);
+    ``NonFiniteError`` and single-worker errors pass through unchanged. ``arrive``: the block begins
+    the round (its arrival is recorded first)."""
+    if arrive:
+        watch.arrive(step_no)
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as exc:
+        if num_workers > 1 and not isinstance(exc, NonFiniteError):
+            raise watch.fail(step_no, exc, timeout_s) from exc
+        raise
+
+
+__all__ = ["FragmentRound", "OuterLog", "OuterRounds", "RoundHooks", "lost_worker_named"]
