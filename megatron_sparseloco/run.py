@@ -5,8 +5,8 @@
     python -m megatron_sparseloco.run --sparseloco-help     # the --sparseloco-* flag reference
 
 Installs the plugin (``megatron_sparseloco.megatron.plugin.install``) and executes the script as
-``__main__``. On a machine without CUDA (tests, the CPU demo) it first applies the testing-only
-CPU bridges for megatron-core; with CUDA they are never imported.
+``__main__``. On a machine without CUDA (tests, the CPU demo) it first applies the CPU bridges for
+megatron-core (``testing/cpu_bridges.py``); with CUDA they are never imported.
 """
 from __future__ import annotations
 

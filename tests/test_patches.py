@@ -8,7 +8,7 @@ Megatron-LM's own file is never committed here, so the tests come in two tiers:
   ``git apply`` / ``apply.sh`` accept the patch on the hunk's own pre-image (apply, idempotent
   re-apply, ``--check``, ``--reverse``, a clear error on a conflicting file).
 * where a Megatron-LM source is at hand (``MEGATRON_LM_DIR`` = a checkout, or a git directory with
-  the named commit in ``MEGATRON_LM_GIT_DIR`` / the local mirror): the named commit's real
+  the named commit in ``MEGATRON_LM_GIT_DIR``): the named commit's real
   ``pretrain_gpt.py`` has the recorded SHA-256, the patch applies cleanly and gives the recorded
   patched SHA-256, and the patched script accepts ``--sparseloco-*`` flags. Skipped otherwise.
 """
@@ -31,7 +31,6 @@ PATCHES = ROOT / "patches"
 PATCH = PATCHES / "megatron_lm_pretrain_gpt.patch"
 META = json.loads((PATCHES / "megatron_lm_pretrain_gpt.json").read_text())
 APPLY = PATCHES / "apply.sh"
-DEFAULT_MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
 
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 needs_git = pytest.mark.skipif(shutil.which("git") is None or shutil.which("bash") is None,
@@ -236,8 +235,8 @@ def _real_sources(tmp_path: Path) -> Path:
                 shutil.copy(Path(checkout) / n, out / n)
         if (out / "pretrain_gpt.py").exists():
             return out
-    git_dir = os.environ.get("MEGATRON_LM_GIT_DIR", DEFAULT_MIRROR)
-    if shutil.which("git") and os.path.isdir(git_dir):
+    git_dir = os.environ.get("MEGATRON_LM_GIT_DIR")
+    if git_dir and shutil.which("git") and os.path.isdir(git_dir):
         for n in names:
             r = subprocess.run(["git", "--git-dir", git_dir, "show", f"{META['commit']}:{n}"], capture_output=True)
             if r.returncode != 0:

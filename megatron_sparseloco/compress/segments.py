@@ -70,17 +70,24 @@ FLAG_DENSE = 1
 assert BUCKET_HEADER_BYTES == 32 and SEGMENT_ENTRY_BYTES == 24
 
 
-@dataclass(frozen=True)
-class TensorSlice:
-    """Elements ``[start, end)`` of a flattened tensor of ``shape`` (a rank's piece of a parameter)."""
+class FlatRange:
+    """Elements ``[start, end)`` of a flat vector (a mixin of the dataclasses below, which declare them)."""
 
-    shape: tuple
     start: int
     end: int
 
     @property
     def numel(self) -> int:
         return self.end - self.start
+
+
+@dataclass(frozen=True)
+class TensorSlice(FlatRange):
+    """Elements ``[start, end)`` of a flattened tensor of ``shape`` (a rank's piece of a parameter)."""
+
+    shape: tuple
+    start: int
+    end: int
 
     @staticmethod
     def whole(t: torch.Tensor) -> "TensorSlice":
@@ -135,17 +142,13 @@ def slice_geometry(sl: TensorSlice, base: CodecConfig, dense_1d: bool) -> tuple[
 
 
 @dataclass(frozen=True)
-class BucketPlan:
+class BucketPlan(FlatRange):
     """A bucket ``[start, end)`` of the flat shard and the segments that cover it, in order."""
 
     start: int
     end: int
     segments: tuple
     codec: CodecConfig
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
 
     def describe(self) -> str:
         names = [s.name for s in self.segments]

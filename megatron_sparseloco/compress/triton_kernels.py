@@ -40,6 +40,13 @@ import triton.language as tl
 
 
 @triton.jit
+def _chunk_extent(pid, n_chunks, k, k_last, tail, C: tl.constexpr):
+    """(values kept, values held) of chunk ``pid``: the last chunk is ragged (``tail`` values, ``k_last`` kept)."""
+    is_last = pid == n_chunks - 1
+    return tl.where(is_last, k_last, k), tl.where(is_last, tail, C)
+
+
+@triton.jit
 def select_kernel(
     x_ptr, delta_ptr, vals_ptr, idx_ptr, psum_ptr,
     n_chunks, tail, k, k_last, beta,
@@ -47,9 +54,7 @@ def select_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
-    is_last = pid == n_chunks - 1
-    n_valid = tl.where(is_last, tail, C)
-    kc = tl.where(is_last, k_last, k)
+    kc, n_valid = _chunk_extent(pid, n_chunks, k, k_last, tail, C)
     mask = offs < n_valid
     base = pid.to(tl.int64) * C
     x = tl.load(x_ptr + base + offs, mask=mask, other=0.0)
@@ -183,9 +188,7 @@ def validate_kernel(
     pid = tl.program_id(0)
     w = tl.program_id(1)
     j = tl.arange(0, KB)
-    is_last = pid == n_chunks - 1
-    kc = tl.where(is_last, k_last, k)
-    n_valid = tl.where(is_last, tail, C)
+    kc, n_valid = _chunk_extent(pid, n_chunks, k, k_last, tail, C)
     m = j < kc
     i = pid.to(tl.int64) * k + j
     sec = pay_ptr + w.to(tl.int64) * row_stride + index_at

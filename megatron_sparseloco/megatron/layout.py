@@ -25,7 +25,7 @@ import json
 import re
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 TP_PP_DP_ORDER = "tp-cp-ep-pp-dp"
@@ -185,10 +185,35 @@ def compute_layout(nodes: int, gpus_per_node: int, tp: int = 1, pp: int = 1, cp:
                           f"(Megatron uses {DEFAULT_ORDER}, or {TP_PP_DP_ORDER} with --use-tp-pp-dp-mapping)")
     world = nodes * gpus_per_node
     site_of_node = _parse_sites(sites, nodes)
+    dp, edp = _data_parallel_sizes(world, tp, pp, cp, ep, etp, workers, order,
+                                   f"{nodes} nodes x {gpus_per_node} GPUs")
+    dense_sizes = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
+    expert_sizes = {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}
+    worker_ranks, cross = _worker_groups(order, expert_sizes, edp // workers, workers)
+    dense_intra = _dense_intra_groups(order, dense_sizes, worker_ranks, workers, (tp, cp, etp, ep))
+    worker_nodes = [sorted({r // gpus_per_node for r in rs}) for rs in worker_ranks]
+    worker_sites = [_site_of_worker(w, worker_ranks[w], ns, site_of_node, pp, order, world, workers, gpus_per_node)
+                    for w, ns in enumerate(worker_nodes)]
+    warnings = []
+    if tp > gpus_per_node or (gpus_per_node % tp and tp < gpus_per_node):
+        warnings.append(f"tensor-parallel groups (tp={tp}) cross node boundaries (gpus-per-node={gpus_per_node})")
+    if ep * etp > gpus_per_node:
+        warnings.append(f"expert-parallel groups (expert-tp*ep={etp * ep}) cross node boundaries")
+    if workers > 1 and len(set(site_of_node)) > 1 and len(set(worker_sites)) == 1:
+        warnings.append("all workers are in one site although several sites were given")
+    return Layout(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, tp=tp, pp=pp, cp=cp, ep=ep,
+                  expert_tp=etp, dp=dp, expert_dp=edp, workers=workers, order=order, sites=site_of_node,
+                  ranks_per_worker=world // workers, worker_ranks=worker_ranks, worker_nodes=worker_nodes,
+                  worker_sites=worker_sites, cross_worker_groups=cross, dense_intra_dp_cp_groups=dense_intra,
+                  warnings=warnings)
 
+
+def _data_parallel_sizes(world: int, tp: int, pp: int, cp: int, ep: int, etp: int, workers: int,
+                         order: str, machines: str) -> Tuple[int, int]:
+    """(dense DP, expert DP) of the world, each divisible by W; raises LayoutError naming the flag to change."""
     model = tp * pp * cp
     if world % model:
-        raise LayoutError(f"world size {world} (= {nodes} nodes x {gpus_per_node} GPUs) is not divisible by "
+        raise LayoutError(f"world size {world} (= {machines}) is not divisible by "
                           f"tp*pp*cp = {tp}*{pp}*{cp} = {model}: change --nodes/--gpus-per-node or the "
                           f"model-parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size, "
                           f"--context-parallel-size)")
@@ -212,25 +237,31 @@ def compute_layout(nodes: int, gpus_per_node: int, tp: int = 1, pp: int = 1, cp:
                           f"(= world {world} / (expert-tp*ep*pp = {expert_model})): lower "
                           f"--expert-model-parallel-size or choose W among "
                           f"{', '.join(str(d) for d in range(1, edp + 1) if edp % d == 0 and dp % d == 0)}")
+    return dp, edp
 
-    dense_sizes = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
-    expert_sizes = {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}
-    intra_e = edp // workers
-    # Worker membership: parallel_state's intra_distributed_optimizer_instance_group.
+
+def _worker_groups(order: str, expert_sizes: dict, intra_e: int, workers: int) -> Tuple[List[List[int]], List[List[int]]]:
+    """Worker membership (parallel_state's intra distributed-optimizer-instance groups) and the
+    cross-worker groups (its inter partial expert-DP groups = the inter-instance group)."""
     worker_ranks, acc = [], []
     for i, g in enumerate(_groups(order, expert_sizes, "tp-ep-pp"), start=1):
         acc.extend(g)
         if i % intra_e == 0:
             worker_ranks.append(sorted(acc))
             acc = []
-    # Cross-worker groups: parallel_state's inter partial expert-DP groups (= inter instance group).
     cross = []
     for g in _groups(order, expert_sizes, "dp"):
         for j in range(intra_e):
             cross.append([g[j + i * intra_e] for i in range(workers)])
-    # Dense intra-instance DP×CP groups: each must lie inside one worker, or dense gradients would
-    # be reduced across workers every step.
-    intra = dp * cp // workers
+    return worker_ranks, cross
+
+
+def _dense_intra_groups(order: str, dense_sizes: dict, worker_ranks: List[List[int]], workers: int,
+                        shape: Tuple[int, int, int, int]) -> List[List[int]]:
+    """Dense intra-instance DP×CP groups: each must lie inside one worker, or dense gradients would be
+    reduced across workers every step."""
+    tp, cp, etp, ep = shape
+    intra = dense_sizes["dp"] * cp // workers
     dense_intra = []
     for g in _groups(order, dense_sizes, "dp-cp"):
         dense_intra.extend(g[i * intra:(i + 1) * intra] for i in range(workers))
@@ -240,38 +271,27 @@ def compute_layout(nodes: int, gpus_per_node: int, tp: int = 1, pp: int = 1, cp:
             raise LayoutError(f"dense data-parallel slice {g} would span workers {sorted({rank_worker[r] for r in g})}; "
                               f"this expert/dense combination (tp={tp}, cp={cp}, expert-tp={etp}, ep={ep}) cannot "
                               f"be split into {workers} workers: make expert-tp*ep a multiple of tp*cp")
+    return dense_intra
 
-    worker_nodes = [sorted({r // gpus_per_node for r in rs}) for rs in worker_ranks]
-    worker_sites = []
-    for w, ns in enumerate(worker_nodes):
-        ss = sorted({site_of_node[n] for n in ns})
-        if len(ss) > 1:
-            if pp > 1 and order.endswith("pp"):
-                fix = ("with pipeline parallelism and the default order each worker holds a slice of every "
-                       "pipeline stage, and stages are far apart in rank space: add --use-tp-pp-dp-mapping "
-                       "(layout order tp-cp-ep-pp-dp, --order tp-cp-ep-pp-dp here) so each worker is a "
-                       "contiguous block of nodes")
-            else:
-                nodes_per_worker = max(1, world // workers // gpus_per_node)
-                fix = (f"each worker spans {nodes_per_worker} node(s); give every site a multiple of that many "
-                       f"consecutive nodes (list nodes site by site), or change --sparseloco-workers so that "
-                       f"W is a multiple of the number of sites")
-            raise LayoutError(f"worker {w} (ranks {_ranges(worker_ranks[w])}) spans sites {ss} on nodes {ns}: "
-                              f"a worker reduces gradients every step and must stay inside one site. Fix: {fix}")
-        worker_sites.append(ss[0])
 
-    warnings = []
-    if tp > gpus_per_node or (gpus_per_node % tp and tp < gpus_per_node):
-        warnings.append(f"tensor-parallel groups (tp={tp}) cross node boundaries (gpus-per-node={gpus_per_node})")
-    if ep * etp > gpus_per_node:
-        warnings.append(f"expert-parallel groups (expert-tp*ep={etp * ep}) cross node boundaries")
-    if workers > 1 and len(set(site_of_node)) > 1 and len(set(worker_sites)) == 1:
-        warnings.append("all workers are in one site although several sites were given")
-    return Layout(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, tp=tp, pp=pp, cp=cp, ep=ep,
-                  expert_tp=etp, dp=dp, expert_dp=edp, workers=workers, order=order, sites=site_of_node,
-                  ranks_per_worker=world // workers, worker_ranks=worker_ranks, worker_nodes=worker_nodes,
-                  worker_sites=worker_sites, cross_worker_groups=cross, dense_intra_dp_cp_groups=dense_intra,
-                  warnings=warnings)
+def _site_of_worker(w: int, ranks: List[int], nodes: List[int], site_of_node: List, pp: int, order: str, world: int,
+                    workers: int, gpus_per_node: int):
+    """The one site worker w's nodes are in; a worker spanning sites raises LayoutError with the fix."""
+    ss = sorted({site_of_node[n] for n in nodes})
+    if len(ss) == 1:
+        return ss[0]
+    if pp > 1 and order.endswith("pp"):
+        fix = ("with pipeline parallelism and the default order each worker holds a slice of every "
+               "pipeline stage, and stages are far apart in rank space: add --use-tp-pp-dp-mapping "
+               "(layout order tp-cp-ep-pp-dp, --order tp-cp-ep-pp-dp here) so each worker is a "
+               "contiguous block of nodes")
+    else:
+        nodes_per_worker = max(1, world // workers // gpus_per_node)
+        fix = (f"each worker spans {nodes_per_worker} node(s); give every site a multiple of that many "
+               f"consecutive nodes (list nodes site by site), or change --sparseloco-workers so that "
+               f"W is a multiple of the number of sites")
+    raise LayoutError(f"worker {w} (ranks {_ranges(ranks)}) spans sites {ss} on nodes {nodes}: "
+                      f"a worker reduces gradients every step and must stay inside one site. Fix: {fix}")
 
 
 def _ranges(ranks: Sequence[int]) -> str:

@@ -1,7 +1,9 @@
-"""Testing only: bridges that let megatron-core 0.19.2 (and megatron.training) run on CPU over gloo.
+"""CPU only: bridges that let megatron-core 0.19.2 (and megatron.training) run on CPU over gloo.
 
-Nothing in the production code path imports this module. Tests call :func:`apply_cpu_bridges`
-inside each rank (after ``import megatron.core``) and before building models or optimizers.
+For runs without CUDA: the tests, and the CPU demo / recipes through ``megatron_sparseloco.run``,
+which imports this module only when ``torch.cuda.is_available()`` is False; on a GPU machine it is
+never imported. Tests call :func:`apply_cpu_bridges` inside each rank (after ``import
+megatron.core``) and before building models or optimizers.
 
 megatron-core assumes CUDA in many places (docs/design.md §3). Each assumption is answered by one
 named :class:`Bridge` in :data:`BRIDGES` that records the megatron file/function it answers, why,
