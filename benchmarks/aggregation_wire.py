@@ -16,7 +16,7 @@ position embeddings, per layer the QKV / projection / two MLP weights and their 
 norms, then the final norm (3,258,112 elements for 4 layers, hidden 256, seq 128, vocab 257; seeded
 normal values). Before each round every worker adds its own seeded drift (the stand-in for H inner
 steps), then calls ``step()``. Every collective that the aggregation issues
-(``exchange_pieces``, ``all_gather_payloads``) is preceded by a barrier of the group and timed
+(``ProcessGroupComm.exchange_pieces`` / ``all_gather_payloads``) is preceded by a barrier of the group and timed
 alone, so a rank's ``wire_s`` is the network time of its collectives, not the wait for a
 descheduled peer. Per mode and round the slowest rank counts; round 0 (connection set-up) is
 dropped. Reported per mode: wire_s and each of its collectives (``wire_calls_s``), collectives per round, the strategy's compress / communicate /
@@ -61,28 +61,26 @@ def gpt_shapes(model: ModelCfg):
 
 
 class WireClock:
-    """Wraps the aggregation's collectives (by name, in the modules that call them): a barrier of the
-    group, then the collective timed alone; ``take()`` returns (seconds, the seconds of each collective in
-    call order) since the last call."""
+    """Wraps the aggregation's collectives (the ``ProcessGroupComm`` methods every strategy calls): a
+    barrier of the group, then the collective timed alone (an asynchronous all-gather is waited for at
+    once); ``take()`` returns (seconds, the seconds of each collective in call order) since the last call."""
 
     def __init__(self):
-        import megatron_sparseloco.outer.sparse_hierarchical as hier
-        import megatron_sparseloco.outer.sparse_reduce_scatter as rs
-        import megatron_sparseloco.outer.sparseloco as sl
+        from megatron_sparseloco.comm.interface import Pending, ProcessGroupComm
         self.calls = []
-        for mod in (sl, rs, hier):
-            for name in ("exchange_pieces", "all_gather_payloads"):
-                if hasattr(mod, name):
-                    setattr(mod, name, self._timed(getattr(mod, name)))
+        for name in ("exchange_pieces", "all_gather_payloads"):
+            setattr(ProcessGroupComm, name, self._timed(getattr(ProcessGroupComm, name)))
+        gather = ProcessGroupComm.all_gather_payloads
+        ProcessGroupComm.start_all_gather_payloads = \
+            lambda comm, payload, equal_sizes=False: Pending.completed(gather(comm, payload, equal_sizes))
 
     def _timed(self, fn):
         import torch.distributed as dist
 
-        def run(payload, *args, **kwargs):
-            group = args[1] if fn.__name__ == "exchange_pieces" else args[0]
-            dist.barrier(group=group)
+        def run(comm, *args, **kwargs):
+            dist.barrier(group=comm.group)
             t0 = time.perf_counter()
-            out = fn(payload, *args, **kwargs)
+            out = fn(comm, *args, **kwargs)
             self.calls.append(time.perf_counter() - t0)
             return out
         return run
