@@ -1,0 +1,354 @@
+"""The elastic round protocol on top of torchft's ``Manager``: ``ElasticSession``.
+
+One session per rank of a job (the job = one torchft replica group; group rank g of every job
+forms the outer group of shard position g). The outer loop drives each round as
+
+    rnd = session.begin_round(contributes=..., finite=..., samples=..., fingerprint=...)
+    if rnd.proceed:
+        strategy's communicate over session.comm          (collectives only; state untouched)
+    committed = session.finish_round()                    (torchft's vote inside the job)
+    commit (θ_outer update) if committed, else roll back  (state exactly as before the round)
+
+``begin_round``:
+
+1. **Quorum** (``Manager.start_quorum``, synchronous): the lighthouse returns the live jobs; a job
+   whose committed step is behind the largest heals from a live peer at the same shard position
+   (``elastic.heal``; the caller's ``load_fn`` receives the peer's state). ``session.comm`` takes
+   this round's size and rank.
+2. **Round header**: every participant all-gathers a fixed-size JSON header (``HEADER_BYTES``):
+   worker index, committed step, whether it contributes (a job that healed in this quorum does
+   not: its local progress belongs to a stale θ_outer), whether its pseudo-gradient is finite,
+   samples / tokens this round, rounds it committed since it started, optionally a fingerprint of
+   its θ_outer, caller-defined integers (``extra``), and an HMAC of all that under the run's
+   secret (``elastic.auth``).
+3. **Decision**, the same on every participant that holds the secret (``decide``):
+
+   * refused: a header that is malformed or whose MAC fails. If the headers this job accepts
+     (its own included) are not a majority of the participants — or exactly half, and this
+     process has never committed a round — this job is the odd one: it exits (``ElasticExit``,
+     naming its token file). Otherwise it logs each refused participant and the round does not
+     proceed; the refused job exits on its side, and the next quorum goes on without it.
+   * a worker index held by two participants: the one that committed more rounds since it
+     started keeps it (a tie: the lower group rank); the others exit. The round does not proceed.
+   * committed steps that differ, or θ_outer fingerprints that differ (same step): the round does
+     not proceed; for fingerprints, the participants outside the largest agreeing set (a tie: the
+     set holding the lowest rank) exit, to be restarted and healed.
+   * contributors = accepted participants that are healthy and contribute; a non-finite
+     contributor, or fewer than ``--sparseloco-min-workers`` contributors: no proceed.
+
+   A round that does not proceed is reported to the manager (``report_error``), so every job's
+   ``should_commit`` is False: every job rolls back.
+
+``finish_round`` calls ``should_commit`` (a vote among the job's ranks: any rank's failure, in the
+collectives or above, makes the whole job roll back). Commit is not atomic across jobs: a job that
+rolled back while others committed is one step behind and heals at the next quorum.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from megatron_sparseloco.comm.collectives import CommCounter
+from megatron_sparseloco.elastic.auth import derive_key, mac, mac_ok, read_token
+from megatron_sparseloco.elastic.comm import TorchFTComm
+from megatron_sparseloco.elastic.config import ElasticConfig
+from megatron_sparseloco.elastic.heal import SafeHealTransport
+
+log = logging.getLogger(__name__)
+
+#: bytes of one round header on the wire (JSON, space padded)
+HEADER_BYTES = 2048
+HEADER_VERSION = 1
+_FIELDS = ("v", "index", "group_rank", "step", "ok", "contributes", "finite", "samples", "tokens", "commits",
+           "fingerprint", "extra")
+
+
+class ElasticExit(SystemExit):
+    """This job must leave the run; the message says why and what to do (exit status 3)."""
+
+    def __init__(self, message: str):
+        self.message = message
+        super().__init__(message)
+
+
+class RoundAborted(RuntimeError):
+    """Reported to torchft when a round does not proceed (every job then rolls back)."""
+
+
+# ---------------------------------------------------------------------- headers
+def make_header(key: bytes, fields: Dict[str, Any]) -> bytes:
+    """The signed, padded header bytes of ``fields`` (keys ``_FIELDS``)."""
+    body = json.dumps({k: fields[k] for k in _FIELDS}, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    doc = json.dumps({"body": body, "mac": mac(key, "round", body.encode()).hex()}, separators=(",", ":"))
+    raw = doc.encode()
+    if len(raw) > HEADER_BYTES:
+        raise ValueError(f"round header of {len(raw)} bytes exceeds {HEADER_BYTES} (too many extra fields?)")
+    return raw + b" " * (HEADER_BYTES - len(raw))
+
+
+def read_header(key: bytes, raw: bytes) -> Optional[Dict[str, Any]]:
+    """The fields of a header whose MAC verifies under ``key`` and whose shape is right, else None."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+        body, tag = doc["body"], bytes.fromhex(doc["mac"])
+        if not isinstance(body, str) or not mac_ok(key, "round", body.encode(), tag):
+            return None
+        fields = json.loads(body)
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    ints = ("v", "index", "group_rank", "step", "samples", "tokens", "commits")
+    if not isinstance(fields, dict) or set(fields) != set(_FIELDS) or fields["v"] != HEADER_VERSION:
+        return None
+    if not all(isinstance(fields[k], int) and not isinstance(fields[k], bool) for k in ints):
+        return None
+    if not all(isinstance(fields[k], bool) for k in ("ok", "contributes", "finite")):
+        return None
+    if not isinstance(fields["extra"], dict) or not (fields["fingerprint"] is None or isinstance(fields["fingerprint"], int)):
+        return None
+    return fields
+
+
+# ---------------------------------------------------------------------- the decision
+@dataclass
+class Decision:
+    proceed: bool
+    reason: str = ""
+    exit_message: Optional[str] = None
+    refused: List[int] = field(default_factory=list)
+    contributors: List[int] = field(default_factory=list)
+    nonfinite: List[int] = field(default_factory=list)
+
+
+def _minority(n_accepted: int, n: int, commits: int) -> bool:
+    return 2 * n_accepted < n or (2 * n_accepted == n and commits == 0)
+
+
+def _duplicate_loser(headers: List[Optional[dict]], accepted: List[int], me: int) -> Optional[int]:
+    """The worker index this rank must give up (another holder keeps it), or None."""
+    mine = headers[me]["index"]
+    holders = [r for r in accepted if headers[r]["index"] == mine]
+    if len(holders) < 2:
+        return None
+    keeper = max(holders, key=lambda r: (headers[r]["commits"], -r))
+    return None if keeper == me else keeper
+
+
+def _fingerprint_winners(headers: List[Optional[dict]], accepted: List[int]) -> Optional[List[int]]:
+    """The ranks of the largest set agreeing on θ_outer's fingerprint (tie: the set of the lowest
+    rank), or None when every fingerprint given agrees."""
+    groups: Dict[int, List[int]] = {}
+    for r in accepted:
+        if headers[r]["fingerprint"] is not None:
+            groups.setdefault(headers[r]["fingerprint"], []).append(r)
+    if len(groups) <= 1:
+        return None
+    return max(groups.values(), key=lambda rs: (len(rs), -min(rs)))
+
+
+def decide(headers: List[Optional[dict]], me: int, min_workers: int, token_file: str) -> Decision:
+    """The round's decision from every participant's verified header (None: refused); see the
+    module docstring. ``me``: this rank in the group."""
+    n, accepted = len(headers), [r for r, h in enumerate(headers) if h is not None]
+    mine = headers[me]
+    if _minority(len(accepted), n, mine["commits"]):
+        return Decision(False, "refused by the majority", refused=[r for r in range(n) if r not in accepted],
+                        exit_message=f"this job's round header is refused by the other {n - len(accepted)} of {n} "
+                        f"workers: it does not hold the run's secret. Fix: give every job the same "
+                        f"--sparseloco-elastic-token-file (this job read {token_file!r})")
+    refused = [r for r in range(n) if r not in accepted]
+    if refused:
+        return Decision(False, f"refused group rank(s) {refused}: their round header does not carry this run's MAC",
+                        refused=refused)
+    keeper = _duplicate_loser(headers, accepted, me)
+    dup = [r for r in accepted if sum(headers[q]["index"] == headers[r]["index"] for q in accepted) > 1]
+    if dup:
+        msg = None if keeper is None else (
+            f"worker index {mine['index']} is already held by a live job (group rank {keeper}). Fix: give this job "
+            "a free --sparseloco-worker-index, or stop the other job")
+        return Decision(False, f"worker index held twice (group ranks {dup})", exit_message=msg)
+    if len({headers[r]["step"] for r in accepted}) > 1:
+        return Decision(False, f"committed steps differ: {[headers[r]['step'] for r in accepted]}")
+    winners = _fingerprint_winners(headers, accepted)
+    if winners is not None:
+        msg = None if me in winners or mine["fingerprint"] is None else (
+            f"θ_outer differs from that of group ranks {winners} at step {mine['step']}. Fix: restart this job "
+            "(same --sparseloco-worker-index): it heals from a live peer")
+        return Decision(False, f"θ_outer fingerprints differ; agreeing group ranks {winners}", exit_message=msg)
+    contributors = [r for r in accepted if headers[r]["ok"] and headers[r]["contributes"]]
+    nonfinite = [r for r in contributors if not headers[r]["finite"]]
+    if nonfinite:
+        return Decision(False, f"non-finite pseudo-gradient on group rank(s) {nonfinite}", contributors=contributors,
+                        nonfinite=nonfinite)
+    if len(contributors) < min_workers:
+        return Decision(False, f"{len(contributors)} contributing workers, fewer than --sparseloco-min-workers "
+                        f"{min_workers}", contributors=contributors)
+    return Decision(True, contributors=contributors)
+
+
+# ---------------------------------------------------------------------- the session
+@dataclass
+class Round:
+    """What ``begin_round`` decided; group ranks index ``peers``."""
+
+    step: int                        # rounds committed before this one (after any heal)
+    size: int                        # participants of this round
+    rank: int                        # this job's group rank
+    peers: List[Optional[dict]]      # each participant's header (None: refused)
+    contributors: List[int]
+    contributes: bool                # this job contributes a pseudo-gradient
+    healed: bool                     # this job healed from a peer in this quorum
+    proceed: bool                    # run the communicate phase
+    reason: str = ""                 # why not
+    nonfinite: List[int] = field(default_factory=list)
+    seconds_quorum: float = 0.0
+    seconds_header: float = 0.0
+
+    @property
+    def samples(self) -> int:
+        """Samples of this round's contributors."""
+        return sum(self.peers[r]["samples"] for r in self.contributors)
+
+    def summary(self) -> Dict[str, Any]:
+        return {"step": self.step, "size": self.size, "rank": self.rank, "contributors": self.contributors,
+                "contributes": self.contributes, "healed": self.healed, "proceed": self.proceed,
+                "reason": self.reason, "indices": [None if h is None else h["index"] for h in self.peers],
+                "seconds_quorum": round(self.seconds_quorum, 4), "seconds_header": round(self.seconds_header, 4)}
+
+
+class ElasticSession:
+    """One rank's membership in the elastic run (module docstring).
+
+    ``state_fn()`` returns the state a joining job receives (tensors and JSON scalars in dicts and
+    lists; references, not copies, and never the error feedback); ``load_fn(state)`` applies a
+    received one; ``template_fn()`` (default ``state_fn``) gives the structure to validate
+    against. ``store_addr`` / ``store_port``: the job's TCPStore (torchrun's MASTER_ADDR / PORT),
+    reachable from the other jobs. ``pg``: a torchft process group (default: ProcessGroupGloo, or
+    ProcessGroupNCCL when CUDA is available) with ``outer_timeout`` per operation.
+    """
+
+    def __init__(self, config: ElasticConfig, *, group_rank: int, group_world_size: int, store_addr: str,
+                 store_port: int, state_fn: Callable[[], Any], load_fn: Callable[[Any], None],
+                 outer_timeout: float, template_fn: Optional[Callable[[], Any]] = None, pg=None,
+                 device: Optional[torch.device] = None):
+        from torchft.manager import Manager
+        self.config, self.group_rank = config, group_rank
+        self.key = derive_key(read_token(config.token_file))
+        timeout = timedelta(seconds=outer_timeout)
+        self.pg = pg if pg is not None else _default_pg(timeout)
+        self._state_fn, self._load_fn = state_fn, load_fn
+        self._template_fn = template_fn or state_fn
+        self.transport = SafeHealTransport(self.pg, self.key, self._heal_template, timeout, device,
+                                           config.heal_chunk_mb << 20)
+        self.manager = Manager(
+            pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=config.min_workers,
+            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=config.quorum_timeout),
+            connect_timeout=timedelta(seconds=config.connect_timeout), rank=group_rank, world_size=group_world_size,
+            store_addr=config.host or store_addr, store_port=store_port, lighthouse_addr=config.lighthouse,
+            replica_id=f"worker{config.worker_index:04d}", port=config.manager_port or None,
+            hostname=config.host or _hostname(), heartbeat_interval=timedelta(seconds=config.heartbeat_interval),
+            checkpoint_transport=self.transport, init_sync=False,
+            max_retries=config.max_failed_rounds or None)
+        self.manager.register_state_dict_fn("elastic", self._on_heal, self._state_fn)
+        self.comm = TorchFTComm(self.manager, self.pg, timeout)
+        #: the round header's own collectives (kept out of the strategy's byte counts)
+        self.control = TorchFTComm(self.manager, self.pg, timeout, counter=CommCounter())
+        self.commits = 0
+        self.round: Optional[Round] = None
+        self._healed = False
+
+    def _heal_template(self) -> Any:
+        return {"user": {"elastic": self._template_fn()}, "torchft": {"step": 0, "batches_committed": 0}}
+
+    def _on_heal(self, state: Any) -> None:
+        self._healed = True
+        self._load_fn(state)
+
+    @property
+    def step(self) -> int:
+        """Rounds committed by the run as this job knows it (torchft's step)."""
+        return self.manager.current_step()
+
+    def begin_round(self, *, contributes: bool = True, finite: bool = True, samples: int = 0, tokens: int = 0,
+                    fingerprint: Optional[int] = None, extra: Optional[Dict[str, int]] = None) -> Round:
+        """Quorum (and heal), header exchange, decision; raises ``ElasticExit`` when this job must leave."""
+        if self.round is not None:
+            raise RuntimeError("begin_round called twice without finish_round")
+        t0 = time.perf_counter()
+        self._healed = False
+        self.manager.start_quorum()
+        self.comm.sync_with_quorum()
+        self.control.sync_with_quorum()
+        t1 = time.perf_counter()
+        ok = self.manager.errored() is None
+        fields = {"v": HEADER_VERSION, "index": self.config.worker_index, "group_rank": self.group_rank,
+                  "step": self.step, "ok": ok, "contributes": bool(contributes and ok and not self._healed),
+                  "finite": bool(finite), "samples": int(samples), "tokens": int(tokens), "commits": self.commits,
+                  "fingerprint": None if fingerprint is None else int(fingerprint), "extra": dict(extra or {})}
+        rnd = self._decide(fields)
+        rnd.seconds_quorum, rnd.seconds_header = t1 - t0, time.perf_counter() - t1
+        self.round = rnd
+        return rnd
+
+    def _decide(self, fields: Dict[str, Any]) -> Round:
+        raws = self.control.all_gather_payloads(
+            torch.frombuffer(bytearray(make_header(self.key, fields)), dtype=torch.uint8), equal_sizes=True)
+        size, rank = self.control.size, self.control.rank
+        base = dict(step=fields["step"], size=size, rank=rank, contributes=fields["contributes"], healed=self._healed)
+        if self.control.failed:
+            self.comm._fail(self.control.error)
+            return Round(peers=[None] * size, contributors=[], proceed=False,
+                         reason=f"round header exchange failed: {self.control.error}", **base)
+        headers = [read_header(self.key, r.numpy().tobytes()) for r in raws]
+        headers[rank] = fields
+        decision = decide(headers, rank, self.config.min_workers, self.config.token_file)
+        for r in decision.refused:
+            log.warning("elastic: refusing group rank %d (it claims worker index %s): its round header does not "
+                        "carry this run's MAC (another --sparseloco-elastic-token-file?)", r, _claimed_index(raws[r]))
+        if decision.exit_message is not None:
+            self.close()
+            raise ElasticExit(f"elastic worker {self.config.worker_index}: {decision.exit_message}")
+        if not decision.proceed:
+            self.manager.report_error(RoundAborted(decision.reason))
+        return Round(peers=headers, contributors=decision.contributors, proceed=decision.proceed,
+                     reason=decision.reason, nonfinite=decision.nonfinite, **base)
+
+    def finish_round(self) -> bool:
+        """torchft's vote inside the job; True: commit, False: roll back. Once per ``begin_round``."""
+        if self.round is None:
+            raise RuntimeError("finish_round without begin_round")
+        committed = bool(self.manager.should_commit())
+        if committed:
+            self.commits += 1
+        self.round = None
+        return committed
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _claimed_index(raw: torch.Tensor) -> str:
+    """The worker index an unverified header claims (for the log only)."""
+    try:
+        return str(json.loads(json.loads(raw.numpy().tobytes().decode())["body"])["index"])
+    except Exception:  # any garbage: nothing to report
+        return "?"
+
+
+def _hostname() -> str:
+    import socket
+    return socket.gethostname()
+
+
+def _default_pg(timeout: timedelta):
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+    return ProcessGroupNCCL(timeout=timeout) if torch.cuda.is_available() else ProcessGroupGloo(timeout=timeout)
+
+
+__all__ = ["ElasticSession", "ElasticExit", "Round", "Decision", "decide", "make_header", "read_header",
+           "HEADER_BYTES"]
