@@ -178,8 +178,9 @@ def validate_elastic_args(args: argparse.Namespace) -> Optional[ElasticConfig]:
     if "lighthouse" not in given:
         if given:
             flags = ", ".join(option(f) for f in sorted(given, key=list(elastic_flags()).index))
-            raise SparseLoCoArgumentError(f"{flags} only apply in elastic mode. "
-                                          "Fix: add --sparseloco-lighthouse URL or drop them")
+            one = len(given) == 1
+            raise SparseLoCoArgumentError(f"{flags} only {'applies' if one else 'apply'} in elastic mode. "
+                                          f"Fix: add --sparseloco-lighthouse URL or drop {'it' if one else 'them'}")
         args.sparseloco_elastic = None
         return None
     if getattr(args, "sparseloco_algorithm", None) is None:
