@@ -203,6 +203,10 @@ def rebuild(template: Any, values: Dict[Path, Any], path: Path = ()) -> Any:
     return values[path]
 
 
+def _as_bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
 def _chunks(total: int, chunk: int) -> List[int]:
     return [min(chunk, total - s) for s in range(0, total, chunk)]
 
@@ -237,7 +241,7 @@ class SafeHealTransport(CheckpointTransport):
 
     def _swap(self, peer: int, data: bytes, tag: int) -> bytes:
         """Send ``data`` to ``peer`` and receive as many bytes from it."""
-        work = self._send(peer, torch.frombuffer(bytearray(data), dtype=torch.uint8), tag)
+        work = self._send(peer, _as_bytes(data), tag)
         got = self._recv(peer, len(data), tag)
         work.wait(self.timeout)
         return got.numpy().tobytes()
@@ -265,13 +269,13 @@ class SafeHealTransport(CheckpointTransport):
             n_r = self._handshake(dst, step, sender=True)
             data_hash = self._send_stream(dst, header, tensors)
             tag = mac(self.key, "heal-data", n_r + hashlib.sha256(header).digest() + data_hash)
-            self._send(dst, torch.frombuffer(bytearray(tag), dtype=torch.uint8), TAG_MAC).wait(self.timeout)
+            self._send(dst, _as_bytes(tag), TAG_MAC).wait(self.timeout)
             self._record("sent", dst, step, len(header) + sum(t.numel() * t.element_size() for t in tensors), t0)
 
     def _send_stream(self, dst: int, header: bytes, tensors: Sequence[torch.Tensor]) -> bytes:
         """Header length, header, then the tensors' bytes in messages of ``chunk_bytes``; SHA-256 of the data."""
-        self._send(dst, torch.tensor([len(header)], dtype=torch.int64), TAG_LEN).wait(self.timeout)
-        self._send(dst, torch.frombuffer(bytearray(header), dtype=torch.uint8), TAG_HEADER).wait(self.timeout)
+        self._send(dst, _as_bytes(struct.pack("<q", len(header))), TAG_LEN).wait(self.timeout)
+        self._send(dst, _as_bytes(header), TAG_HEADER).wait(self.timeout)
         digest, stage, fill = hashlib.sha256(), None, 0
         total = sum(t.numel() * t.element_size() for t in tensors)
         sizes = iter(_chunks(total, self.chunk_bytes))
@@ -295,7 +299,7 @@ class SafeHealTransport(CheckpointTransport):
         t0 = time.perf_counter()
         try:
             n_r = self._handshake(src_rank, step, sender=False)
-            length = int(self._recv(src_rank, 8, TAG_LEN).view(torch.int64).item())
+            length = struct.unpack("<q", self._recv(src_rank, 8, TAG_LEN).numpy().tobytes())[0]
             if not 0 < length <= MAX_HEADER_BYTES:
                 raise HealError(f"header of {length} bytes announced (at most {MAX_HEADER_BYTES})")
             header = self._recv(src_rank, length, TAG_HEADER).numpy().tobytes()
