@@ -172,11 +172,12 @@ def decide(headers: List[Optional[dict]], me: int, min_workers: int, token_file:
             f"worker index {mine['index']} is already held by a live job (group rank {keeper}). Fix: give this job "
             "a free --sparseloco-worker-index, or stop the other job")
         return Decision(False, f"worker index held twice (group ranks {dup})", exit_message=msg)
-    if len({headers[r]["step"] for r in accepted}) > 1:
-        return Decision(False, f"committed steps differ: {[headers[r]['step'] for r in accepted]}")
-    winners = _fingerprint_winners(headers, accepted)
+    healthy = [r for r in accepted if headers[r]["ok"]]    # the others (a failed heal) just sit the round out
+    if len({headers[r]["step"] for r in healthy}) > 1:
+        return Decision(False, f"committed steps differ: {[headers[r]['step'] for r in healthy]}")
+    winners = _fingerprint_winners(headers, healthy)
     if winners is not None:
-        msg = None if me in winners or mine["fingerprint"] is None else (
+        msg = None if me in winners or mine["fingerprint"] is None or not mine["ok"] else (
             f"θ_outer differs from that of group ranks {winners} at step {mine['step']}. Fix: restart this job "
             "(same --sparseloco-worker-index): it heals from a live peer")
         return Decision(False, f"θ_outer fingerprints differ; agreeing group ranks {winners}", exit_message=msg)
@@ -275,8 +276,12 @@ class ElasticSession:
         return self.manager.current_step()
 
     def begin_round(self, *, contributes: bool = True, finite: bool = True, samples: int = 0, tokens: int = 0,
-                    fingerprint: Optional[int] = None, extra: Optional[Dict[str, int]] = None) -> Round:
-        """Quorum (and heal), header exchange, decision; raises ``ElasticExit`` when this job must leave."""
+                    fingerprint: Optional[Callable[[], int]] = None, extra: Optional[Dict[str, int]] = None) -> Round:
+        """Quorum (and heal), header exchange, decision; raises ``ElasticExit`` when this job must leave.
+
+        ``fingerprint()`` (optional) hashes θ_outer; it is called after the quorum, so a job that
+        healed reports the state it received. ``extra``: small caller-defined integers shared with
+        every participant (authenticated like the rest of the header)."""
         if self.round is not None:
             raise RuntimeError("begin_round called twice without finish_round")
         t0 = time.perf_counter()
@@ -289,7 +294,7 @@ class ElasticSession:
         fields = {"v": HEADER_VERSION, "index": self.config.worker_index, "group_rank": self.group_rank,
                   "step": self.step, "ok": ok, "contributes": bool(contributes and ok and not self._healed),
                   "finite": bool(finite), "samples": int(samples), "tokens": int(tokens), "commits": self.commits,
-                  "fingerprint": None if fingerprint is None else int(fingerprint), "extra": dict(extra or {})}
+                  "fingerprint": None if fingerprint is None else int(fingerprint()), "extra": dict(extra or {})}
         rnd = self._decide(fields)
         rnd.seconds_quorum, rnd.seconds_header = t1 - t0, time.perf_counter() - t1
         self.round = rnd
@@ -307,7 +312,7 @@ class ElasticSession:
         headers = [read_header(self.key, r.numpy().tobytes()) for r in raws]
         headers[rank] = fields
         decision = decide(headers, rank, self.config.min_workers, self.config.token_file)
-        for r in decision.refused:
+        for r in decision.refused if decision.exit_message is None else ():
             log.warning("elastic: refusing group rank %d (it claims worker index %s): its round header does not "
                         "carry this run's MAC (another --sparseloco-elastic-token-file?)", r, _claimed_index(raws[r]))
         if decision.exit_message is not None:

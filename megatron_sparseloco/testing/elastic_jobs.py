@@ -78,13 +78,14 @@ def children(pid: int) -> List[int]:
 
 
 def start_time(pid: int) -> Optional[str]:
-    """The start time of process ``pid`` (field 22 of /proc/PID/stat), None if it is gone: with the
-    PID it identifies a process (a PID alone may have been reused)."""
+    """The start time of process ``pid`` (field 22 of /proc/PID/stat), None if it is gone or a zombie:
+    with the PID it identifies a process (a PID alone may have been reused)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    return None if len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]
 
 
 def _signal(pid: int, sig: int) -> None:
