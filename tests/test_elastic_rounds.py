@@ -36,7 +36,7 @@ class Scenario:
     """A lighthouse, 3 jobs of the toy worker, their logs."""
 
     def __init__(self, tmp_path, ranks=1, rounds=8, final_members=3, tokens=None, pause=None,
-                 launchers=("direct",) * 3):
+                 launchers=("direct",) * 3, stop_file=None):
         self.out, self.ranks = str(tmp_path), ranks
         os.makedirs(os.path.join(self.out, "barrier"))
         good = make_token(tmp_path / "token", "the-run-secret-0123456789abcdef")
@@ -44,7 +44,8 @@ class Scenario:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + sys.path))
         self.run = ElasticRun(self.out, min_replicas=1, env=env, heartbeat_timeout_ms=1500, join_timeout_ms=1000)
         self.common = ["--rounds", str(rounds), "--final-members", str(final_members), "--out", self.out,
-                       "--lighthouse", self.run.lighthouse.url, "--outer-timeout", "5", "--step-seconds", "0.05"]
+                       "--lighthouse", self.run.lighthouse.url, "--outer-timeout", "5", "--step-seconds", "0.05",
+                       "--deadline", "200"] + (["--stop-file", stop_file] if stop_file else [])
         self.jobs = [self.run.add_job(f"job{i}", JOB + ["--index", str(i), "--token-file", self.tokens[i]] + self.common
                                       + ["--barrier", os.path.join(self.out, "barrier"),
                                          "--barrier-count", str(3 * ranks)]
@@ -169,17 +170,28 @@ def test_sigstop_mid_round_past_the_timeouts_drops_the_job_and_sigcont_heals_it(
     check_consistency(sc, [0, 1, 2], ranks=1)
 
 
-def test_a_job_with_another_token_is_refused_and_the_others_go_on(tmp_path):
+def test_a_job_with_another_token_is_refused_at_start_and_when_joining_later(tmp_path):
+    """At start: its round header is refused. Joining a running run: no peer sends it any state."""
     good = make_token(tmp_path / "token", "the-run-secret-0123456789abcdef")
     bad = make_token(tmp_path / "other-token", "another-secret-0123456789abcdef")
-    with Scenario(tmp_path, rounds=4, final_members=2, tokens=[good, good, bad]) as sc:
+    stop = str(tmp_path / "stop")
+    with Scenario(tmp_path, rounds=6, final_members=2, tokens=[good, good, bad], stop_file=stop) as sc:
+        sc.jobs[2].wait(120)
+        first = sc.jobs[2].output()
+        sc.wait(lambda: sc.committed(0) >= 2, 120, "2 rounds committed by the honest jobs")
+        sc.restart(2)
+        sc.jobs[2].wait(120)
+        open(stop, "w").close()
         codes = sc.finish()
-        bad_log = sc.jobs[2].output()
+        late = sc.jobs[2].output()
         logs = sc.logs()
     assert codes[:2] == [[0], [0]], f"{codes}\n{logs}"
-    assert codes[2] != [0] and bad in bad_log and "--sparseloco-elastic-token-file" in bad_log, bad_log[-3000:]
+    assert codes[2] != [0] and bad in late and "healing from a live peer failed" in late, late[-3000:]
+    assert "does not hold this run's secret" in late and "--sparseloco-elastic-token-file" in late, late[-3000:]
+    assert bad in first and "refused by the other 2 of 3 workers" in first, first[-3000:]
     refusals = [r for i in (0, 1) for r in sc.records(i) if "refused" in r.get("reason", "")]
-    assert refusals, "the honest jobs never logged the refusal"
-    assert all(r["committed"] is False for r in refusals)
+    assert refusals and all(r["committed"] is False for r in refusals), "the honest jobs never logged the refusal"
     assert not [r for r in sc.records(2) if r.get("committed")], "the refused job committed a round"
+    assert not [h for i in (0, 1) for r in sc.records(i) for h in r.get("heals", []) if h["role"] == "sent"], \
+        "a peer sent its state to the job without the secret"
     check_consistency(sc, [0, 1], ranks=1)

@@ -226,6 +226,8 @@ class SafeHealTransport(CheckpointTransport):
         self.device = device if device is not None else torch.device("cpu")
         self.chunk_bytes = int(chunk_bytes)
         self.records: List[HealRecord] = []
+        #: the error of the last receive that failed (cleared by the caller before a quorum)
+        self.receive_error: Optional[BaseException] = None
 
     def metadata(self) -> str:
         return FORMAT
@@ -296,6 +298,13 @@ class SafeHealTransport(CheckpointTransport):
 
     # -------------------------------------------------------------- receive
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        try:
+            return self._receive(src_rank, step)
+        except Exception as exc:
+            self.receive_error = exc
+            raise
+
+    def _receive(self, src_rank: int, step: int) -> Any:
         t0 = time.perf_counter()
         try:
             n_r = self._handshake(src_rank, step, sender=False)

@@ -13,8 +13,9 @@ forms the outer group of shard position g). The outer loop drives each round as
 
 1. **Quorum** (``Manager.start_quorum``, synchronous): the lighthouse returns the live jobs; a job
    whose committed step is behind the largest heals from a live peer at the same shard position
-   (``elastic.heal``; the caller's ``load_fn`` receives the peer's state). ``session.comm`` takes
-   this round's size and rank.
+   (``elastic.heal``; the caller's ``load_fn`` receives the peer's state). A rank whose heal fails
+   exits (``ElasticExit``): its job restarts and heals again (ranks of one job must not disagree
+   on their step). ``session.comm`` takes this round's size and rank.
 2. **Round header**: every participant all-gathers a fixed-size JSON header (``HEADER_BYTES``):
    worker index, committed step, whether it contributes (a job that healed in this quorum does
    not: its local progress belongs to a stale θ_outer), whether its pseudo-gradient is finite,
@@ -33,8 +34,10 @@ forms the outer group of shard position g). The outer loop drives each round as
    * committed steps that differ, or θ_outer fingerprints that differ (same step): the round does
      not proceed; for fingerprints, the participants outside the largest agreeing set (a tie: the
      set holding the lowest rank) exit, to be restarted and healed.
-   * contributors = accepted participants that are healthy and contribute; a non-finite
-     contributor, or fewer than ``--sparseloco-min-workers`` contributors: no proceed.
+   * contributors = accepted participants that are healthy (nothing failed in their quorum, e.g.
+     sending a heal) and contribute; the unhealthy ones take part in the collectives, do not
+     commit, and are left out of the step and fingerprint checks. A non-finite contributor, or
+     fewer than ``--sparseloco-min-workers`` contributors: no proceed.
 
    A round that does not proceed is reported to the manager (``report_error``), so every job's
    ``should_commit`` is False: every job rolls back.
@@ -204,6 +207,7 @@ class Round:
     contributors: List[int]
     contributes: bool                # this job contributes a pseudo-gradient
     healed: bool                     # this job healed from a peer in this quorum
+    behind: int                      # committed rounds this job lacked before the heal (0: none)
     proceed: bool                    # run the communicate phase
     reason: str = ""                 # why not
     nonfinite: List[int] = field(default_factory=list)
@@ -217,7 +221,7 @@ class Round:
 
     def summary(self) -> Dict[str, Any]:
         return {"step": self.step, "size": self.size, "rank": self.rank, "contributors": self.contributors,
-                "contributes": self.contributes, "healed": self.healed, "proceed": self.proceed,
+                "contributes": self.contributes, "healed": self.healed, "behind": self.behind, "proceed": self.proceed,
                 "reason": self.reason, "indices": [None if h is None else h["index"] for h in self.peers],
                 "seconds_quorum": round(self.seconds_quorum, 4), "seconds_header": round(self.seconds_header, 4)}
 
@@ -285,8 +289,10 @@ class ElasticSession:
         if self.round is not None:
             raise RuntimeError("begin_round called twice without finish_round")
         t0 = time.perf_counter()
-        self._healed = False
+        self._healed, self.transport.receive_error, before = False, None, self.step
         self.manager.start_quorum()
+        if self.transport.receive_error is not None:
+            self._heal_failed(self.transport.receive_error)
         self.comm.sync_with_quorum()
         self.control.sync_with_quorum()
         t1 = time.perf_counter()
@@ -295,16 +301,26 @@ class ElasticSession:
                   "step": self.step, "ok": ok, "contributes": bool(contributes and ok and not self._healed),
                   "finite": bool(finite), "samples": int(samples), "tokens": int(tokens), "commits": self.commits,
                   "fingerprint": None if fingerprint is None else int(fingerprint()), "extra": dict(extra or {})}
-        rnd = self._decide(fields)
+        rnd = self._decide(fields, behind=self.step - before if self._healed else 0)
         rnd.seconds_quorum, rnd.seconds_header = t1 - t0, time.perf_counter() - t1
         self.round = rnd
         return rnd
 
-    def _decide(self, fields: Dict[str, Any]) -> Round:
+    def _heal_failed(self, exc: BaseException) -> None:
+        """A heal this rank could not complete leaves it behind the rest of its job: the job leaves
+        and a restart heals it again (a job whose ranks disagree on their step could not rejoin)."""
+        self.close()
+        raise ElasticExit(f"elastic worker {self.config.worker_index}: healing from a live peer failed: {exc}. Fix: "
+                          f"check that --sparseloco-elastic-token-file ({self.config.token_file}) holds the run's "
+                          "secret, then restart this job (same --sparseloco-worker-index): it heals at its first "
+                          "quorum")
+
+    def _decide(self, fields: Dict[str, Any], behind: int) -> Round:
         raws = self.control.all_gather_payloads(
             torch.frombuffer(bytearray(make_header(self.key, fields)), dtype=torch.uint8), equal_sizes=True)
         size, rank = self.control.size, self.control.rank
-        base = dict(step=fields["step"], size=size, rank=rank, contributes=fields["contributes"], healed=self._healed)
+        base = dict(step=fields["step"], size=size, rank=rank, contributes=fields["contributes"], healed=self._healed,
+                    behind=behind)
         if self.control.failed:
             self.comm._fail(self.control.error)
             return Round(peers=[None] * size, contributors=[], proceed=False,

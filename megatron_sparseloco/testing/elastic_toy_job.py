@@ -13,7 +13,8 @@ contributes nothing: it is where a (re)started job joins and heals.
 A joining job receives θ_outer, the outer momentum and the iteration; the error feedback starts
 at zero. The job stops once the run has committed ``--rounds`` rounds, ``--final-members`` jobs
 take part and every one of them has contributed to ``--min-contributions`` committed rounds since
-it (re)started (``extra["more"]`` in the round header).
+it (re)started (``extra["more"]`` in the round header) — and, with ``--stop-file``, that file
+exists; past ``--deadline`` seconds it exits with an error.
 
 Every round appends one JSON line to ``DIR/job<I>.rank<r>.<pid>.jsonl``; at the end θ_outer's
 raw bytes go to ``DIR/final.job<I>.rank<r>.bin``. ``--pause-at-step S`` makes rank 0 sleep
@@ -69,8 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 ("--inner-steps", int, 3), ("--step-seconds", float, 0.02),
                                 ("--outer-timeout", float, 5.0), ("--quorum-timeout", float, 60.0),
                                 ("--barrier", str, None), ("--barrier-count", int, 0), ("--pause-at-step", int, -1),
-                                ("--pause-seconds", float, 600.0)]:
-        p.add_argument(name, type=kind, default=default, required=default is None and name not in ("--barrier",))
+                                ("--pause-seconds", float, 600.0), ("--stop-file", str, None),
+                                ("--deadline", float, 600.0)]:
+        p.add_argument(name, type=kind, default=default,
+                       required=default is None and name not in ("--barrier", "--stop-file"))
     return p.parse_args(argv)
 
 
@@ -98,6 +101,7 @@ class ToyWorker:
         cfg = SparseLoCoConfig(chunk=1024, k=32, lr=1.0, momentum=0.5)
         self.strategy = ElasticSparseLoCo(self.params, None, cfg)
         self.iteration, self.contributed, self.first = 0, 0, True
+        self.deadline = time.monotonic() + args.deadline
         self.log_path = os.path.join(args.out, f"job{args.index}.rank{self.rank}.{os.getpid()}.jsonl")
         config = ElasticConfig(lighthouse=args.lighthouse, worker_index=args.index, min_workers=args.min_workers,
                                token_file=args.token_file, quorum_timeout=args.quorum_timeout, connect_timeout=30.0,
@@ -143,7 +147,10 @@ class ToyWorker:
                 inner_steps(self.params, self.args.index, self.rank, self.iteration, self.args.inner_steps,
                             self.args.step_seconds)
                 self.iteration += self.args.inner_steps
-            more = int(self.contributed < self.args.min_contributions)
+            if time.monotonic() > self.deadline:
+                raise SystemExit(f"elastic toy job {self.args.index}: --deadline {self.args.deadline} s passed")
+            stop = self.args.stop_file is None or os.path.exists(self.args.stop_file)
+            more = int(self.contributed < self.args.min_contributions or not stop)
             finite = self.strategy.first_nonfinite_tensor() is None
             rnd = self.session.begin_round(contributes=not self.first, finite=finite, samples=self.args.inner_steps,
                                            fingerprint=lambda: fingerprint([self.strategy.anchor]), extra={"more": more})
