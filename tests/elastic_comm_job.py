@@ -49,7 +49,8 @@ def inputs(rank: int, n: int):
         ("agree_max", lambda c: [torch.tensor([c.agree_max(3 * rank + 1)])]),
         ("exchange", lambda c: by_peer(c.exchange(dense[:50] + rank, ring))),
         ("exchange_per_peer", lambda c: by_peer(c.exchange_per_peer(per_peer, None))),
-        ("exchange_per_peer_known", lambda c: by_peer(c.exchange_per_peer(per_peer, {p: 5 + 3 * p + rank for p in ring}))),
+        ("exchange_per_peer_known",
+         lambda c: by_peer(c.exchange_per_peer(per_peer, {p: 5 + 3 * p + rank for p in ring}))),
         ("exchange_pieces", lambda c: by_peer(c.exchange_pieces(pieces, recv_sizes))),
         ("start_all_reduce", lambda c: [c.start_all_reduce_(dense.clone(), "sum").wait()]),
         ("start_all_gather", lambda c: c.start_all_gather_payloads(var).wait()),
@@ -100,7 +101,8 @@ def failure_phase(manager, comm: TorchFTComm, rank: int, n: int) -> dict:
 
 
 def main() -> None:
-    index, n, lighthouse, c10d_port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+    index, n, lighthouse, c10d_port, out_dir = sys.argv[1:6]
+    index, n, c10d_port = int(index), int(n), int(c10d_port)
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
     store = ensure_job_store()  # noqa: F841  (kept alive)

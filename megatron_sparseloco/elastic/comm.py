@@ -167,7 +167,8 @@ class TorchFTComm(OuterComm):
                                   equal_sizes: bool = False) -> Pending[List[torch.Tensor]]:
         """Sizes first (unless ``equal_sizes``), waited for here; then the padded payloads, launched."""
         if payload.dtype != torch.uint8 or payload.dim() != 1:
-            raise ValueError(f"all_gather_payloads expects a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
+            raise ValueError("all_gather_payloads expects a 1-D uint8 tensor, "
+                             f"got {payload.dtype} {tuple(payload.shape)}")
         world = self.size
         stand_in = lambda: [payload] * world  # noqa: E731
         if world == 1 or self.error is not None:
@@ -245,8 +246,7 @@ class TorchFTComm(OuterComm):
         dev = payloads[peers[0]].device
 
         def stand_in() -> Dict[int, torch.Tensor]:
-            same = recv_nbytes is None or all(int(recv_nbytes[p]) == payloads[p].numel() for p in peers)
-            if same:
+            if recv_nbytes is None or all(int(recv_nbytes[p]) == payloads[p].numel() for p in peers):
                 return {p: payloads[p] for p in peers}
             return {p: torch.zeros(int(recv_nbytes[p]), dtype=torch.uint8, device=dev) for p in peers}
 

@@ -123,7 +123,8 @@ def _config_from_args(args: argparse.Namespace, given: Set[str]) -> ElasticConfi
         return config.validate()
     except ConfigError as exc:
         flag = next(f for f, s in specs.items() if s.name == exc.field)
-        fix = exc.fix.replace(", another value", "").replace(f"`{exc.field}=", f"`{option(flag)} ")
+        fix = (exc.fix or "change the value").replace(", another value", "").replace(f"`{exc.field}=",
+                                                                                     f"`{option(flag)} ")
         raise _fail(flag, exc.problem.replace(f"{exc.field} ", "", 1), fix.replace("`", "")) from None
 
 
@@ -186,7 +187,7 @@ def validate_elastic_args(args: argparse.Namespace) -> Optional[ElasticConfig]:
     if getattr(args, "sparseloco_algorithm", None) is None:
         raise _fail("lighthouse", "elastic mode needs an outer algorithm", "add --sparseloco-algorithm")
     config = _config_from_args(args, given)
-    _check_lighthouse_url(config.lighthouse)
+    _check_lighthouse_url(args.sparseloco_lighthouse)
     _check_slots(args, config)
     if config.token_file is None:
         raise _fail("elastic-token-file", "is required in elastic mode (the run's shared secret)",

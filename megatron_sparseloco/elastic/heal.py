@@ -67,6 +67,8 @@ TAG_NONCE, TAG_PROOF, TAG_LEN, TAG_HEADER, TAG_DATA, TAG_MAC = 101, 102, 103, 10
 _NONCE = 16
 
 Path = Tuple[Any, ...]
+#: one validated entry: (path, dtype, shape) for a tensor, (path, None, [value]) for a value
+Entry = Tuple[Path, Optional[torch.dtype], list]
 
 
 class HealError(RuntimeError):
@@ -138,7 +140,7 @@ def _json_kind(v: Any) -> str:
         "float" if isinstance(v, float) else "str" if isinstance(v, str) else type(v).__name__
 
 
-def _check_entry(entry: Any, expected: Dict[Path, Any], seen: set) -> Tuple[Path, Optional[torch.dtype], list]:
+def _check_entry(entry: Any, expected: Dict[Path, Any], seen: set) -> Entry:
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), list) or \
             not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in entry["path"]):
         raise HealError(f"malformed entry {str(entry)[:80]!r}")
@@ -166,7 +168,7 @@ def _check_entry(entry: Any, expected: Dict[Path, Any], seen: set) -> Tuple[Path
     return path, None, [entry["value"]]
 
 
-def plan_receive(header: bytes, template: Any, step: int) -> Tuple[List[Tuple[Path, Optional[torch.dtype], list]], int, int]:
+def plan_receive(header: bytes, template: Any, step: int) -> Tuple[List[Entry], int, int]:
     """Validate ``header`` against ``template`` and the expected ``step``: (entries, total bytes, chunk bytes).
 
     Each entry is (path, dtype, shape) for a tensor or (path, None, [value]) for a value."""

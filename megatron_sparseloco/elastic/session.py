@@ -112,7 +112,8 @@ def read_header(key: bytes, raw: bytes) -> Optional[Dict[str, Any]]:
         return None
     if not all(isinstance(fields[k], bool) for k in ("ok", "contributes", "finite")):
         return None
-    if not isinstance(fields["extra"], dict) or not (fields["fingerprint"] is None or isinstance(fields["fingerprint"], int)):
+    fp = fields["fingerprint"]
+    if not isinstance(fields["extra"], dict) or not (fp is None or (isinstance(fp, int) and not isinstance(fp, bool))):
         return None
     return fields
 
@@ -132,60 +133,60 @@ def _minority(n_accepted: int, n: int, commits: int) -> bool:
     return 2 * n_accepted < n or (2 * n_accepted == n and commits == 0)
 
 
-def _duplicate_loser(headers: List[Optional[dict]], accepted: List[int], me: int) -> Optional[int]:
-    """The worker index this rank must give up (another holder keeps it), or None."""
-    mine = headers[me]["index"]
-    holders = [r for r in accepted if headers[r]["index"] == mine]
+def _duplicate_loser(known: Dict[int, dict], me: int) -> Optional[int]:
+    """The holder that keeps this rank's worker index when another holds it too (None: this rank
+    keeps it, or nobody else holds it)."""
+    holders = [r for r, h in known.items() if h["index"] == known[me]["index"]]
     if len(holders) < 2:
         return None
-    keeper = max(holders, key=lambda r: (headers[r]["commits"], -r))
+    keeper = max(holders, key=lambda r: (known[r]["commits"], -r))
     return None if keeper == me else keeper
 
 
-def _fingerprint_winners(headers: List[Optional[dict]], accepted: List[int]) -> Optional[List[int]]:
+def _fingerprint_winners(known: Dict[int, dict], ranks: List[int]) -> Optional[List[int]]:
     """The ranks of the largest set agreeing on θ_outer's fingerprint (tie: the set of the lowest
     rank), or None when every fingerprint given agrees."""
     groups: Dict[int, List[int]] = {}
-    for r in accepted:
-        if headers[r]["fingerprint"] is not None:
-            groups.setdefault(headers[r]["fingerprint"], []).append(r)
+    for r in ranks:
+        if known[r]["fingerprint"] is not None:
+            groups.setdefault(known[r]["fingerprint"], []).append(r)
     if len(groups) <= 1:
         return None
     return max(groups.values(), key=lambda rs: (len(rs), -min(rs)))
 
 
 def decide(headers: List[Optional[dict]], me: int, min_workers: int, token_file: str) -> Decision:
-    """The round's decision from every participant's verified header (None: refused); see the
-    module docstring. ``me``: this rank in the group."""
-    n, accepted = len(headers), [r for r, h in enumerate(headers) if h is not None]
-    mine = headers[me]
-    if _minority(len(accepted), n, mine["commits"]):
-        return Decision(False, "refused by the majority", refused=[r for r in range(n) if r not in accepted],
-                        exit_message=f"this job's round header is refused by the other {n - len(accepted)} of {n} "
+    """The round's decision from every participant's verified header (None: refused; this rank's
+    own is never None); see the module docstring. ``me``: this rank in the group."""
+    n = len(headers)
+    known = {r: h for r, h in enumerate(headers) if h is not None}
+    mine, refused = known[me], [r for r in range(n) if r not in known]
+    if _minority(len(known), n, mine["commits"]):
+        return Decision(False, "refused by the majority", refused=refused,
+                        exit_message=f"this job's round header is refused by the other {len(refused)} of {n} "
                         f"workers: it does not hold the run's secret. Fix: give every job the same "
                         f"--sparseloco-elastic-token-file (this job read {token_file!r})")
-    refused = [r for r in range(n) if r not in accepted]
     if refused:
         return Decision(False, f"refused group rank(s) {refused}: their round header does not carry this run's MAC",
                         refused=refused)
-    keeper = _duplicate_loser(headers, accepted, me)
-    dup = [r for r in accepted if sum(headers[q]["index"] == headers[r]["index"] for q in accepted) > 1]
+    dup = [r for r, h in known.items() if sum(q["index"] == h["index"] for q in known.values()) > 1]
     if dup:
+        keeper = _duplicate_loser(known, me)
         msg = None if keeper is None else (
             f"worker index {mine['index']} is already held by a live job (group rank {keeper}). Fix: give this job "
             "a free --sparseloco-worker-index, or stop the other job")
         return Decision(False, f"worker index held twice (group ranks {dup})", exit_message=msg)
-    healthy = [r for r in accepted if headers[r]["ok"]]    # the others (a failed heal) just sit the round out
-    if len({headers[r]["step"] for r in healthy}) > 1:
-        return Decision(False, f"committed steps differ: {[headers[r]['step'] for r in healthy]}")
-    winners = _fingerprint_winners(headers, healthy)
+    healthy = [r for r, h in known.items() if h["ok"]]    # the others (e.g. a failed heal send) sit the round out
+    if len({known[r]["step"] for r in healthy}) > 1:
+        return Decision(False, f"committed steps differ: {[known[r]['step'] for r in healthy]}")
+    winners = _fingerprint_winners(known, healthy)
     if winners is not None:
         msg = None if me in winners or mine["fingerprint"] is None or not mine["ok"] else (
             f"θ_outer differs from that of group ranks {winners} at step {mine['step']}. Fix: restart this job "
             "(same --sparseloco-worker-index): it heals from a live peer")
         return Decision(False, f"θ_outer fingerprints differ; agreeing group ranks {winners}", exit_message=msg)
-    contributors = [r for r in accepted if headers[r]["ok"] and headers[r]["contributes"]]
-    nonfinite = [r for r in contributors if not headers[r]["finite"]]
+    contributors = [r for r in healthy if known[r]["contributes"]]
+    nonfinite = [r for r in contributors if not known[r]["finite"]]
     if nonfinite:
         return Decision(False, f"non-finite pseudo-gradient on group rank(s) {nonfinite}", contributors=contributors,
                         nonfinite=nonfinite)
@@ -217,7 +218,7 @@ class Round:
     @property
     def samples(self) -> int:
         """Samples of this round's contributors."""
-        return sum(self.peers[r]["samples"] for r in self.contributors)
+        return sum((self.peers[r] or {}).get("samples", 0) for r in self.contributors)
 
     def summary(self) -> Dict[str, Any]:
         return {"step": self.step, "size": self.size, "rank": self.rank, "contributors": self.contributors,
@@ -243,7 +244,10 @@ class ElasticSession:
                  device: Optional[torch.device] = None):
         from torchft.manager import Manager
         self.config, self.group_rank = config, group_rank
-        self.key = derive_key(read_token(config.token_file))
+        if config.token_file is None or config.worker_index is None or config.lighthouse is None:
+            raise ValueError("ElasticSession needs a validated ElasticConfig (lighthouse, worker index, token file)")
+        self.token_file, self.worker_index = config.token_file, config.worker_index
+        self.key = derive_key(read_token(self.token_file))
         timeout = timedelta(seconds=outer_timeout)
         self.pg = pg if pg is not None else _default_pg(timeout)
         self._state_fn, self._load_fn = state_fn, load_fn
@@ -321,13 +325,13 @@ class ElasticSession:
         size, rank = self.control.size, self.control.rank
         base = dict(step=fields["step"], size=size, rank=rank, contributes=fields["contributes"], healed=self._healed,
                     behind=behind)
-        if self.control.failed:
+        if self.control.error is not None:
             self.comm._fail(self.control.error)
             return Round(peers=[None] * size, contributors=[], proceed=False,
                          reason=f"round header exchange failed: {self.control.error}", **base)
         headers = [read_header(self.key, r.numpy().tobytes()) for r in raws]
         headers[rank] = fields
-        decision = decide(headers, rank, self.config.min_workers, self.config.token_file)
+        decision = decide(headers, rank, self.config.min_workers, self.token_file)
         for r in decision.refused if decision.exit_message is None else ():
             log.warning("elastic: refusing group rank %d (it claims worker index %s): its round header does not "
                         "carry this run's MAC (another --sparseloco-elastic-token-file?)", r, _claimed_index(raws[r]))

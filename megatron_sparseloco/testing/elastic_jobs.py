@@ -57,7 +57,8 @@ def lighthouse_binary() -> str:
     here = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
     found = here if os.access(here, os.X_OK) else shutil.which("torchft_lighthouse")
     if found is None:
-        raise FileNotFoundError("torchft_lighthouse not found next to the interpreter nor on PATH (pip install torchft)")
+        raise FileNotFoundError("torchft_lighthouse is neither beside the interpreter nor on PATH "
+                                "(pip install torchft)")
     return found
 
 
@@ -156,7 +157,8 @@ class Job:
                  launcher: str = "direct"):
         if launcher not in ("direct", "torchrun"):
             raise ValueError(f"launcher must be 'direct' or 'torchrun', got {launcher!r}")
-        self.name, self.argv, self.ranks, self.log_dir, self.env, self.launcher = name, list(argv), ranks, log_dir, env, launcher
+        self.name, self.argv, self.ranks, self.launcher = name, list(argv), ranks, launcher
+        self.log_dir, self.env = log_dir, env
         self.attempt = 0
         self.procs: List[subprocess.Popen] = []
         #: every process this job ever had: PID → start time (cleanup signals only those still matching)

@@ -117,7 +117,8 @@ class ToyWorker:
     def load(self, state: dict) -> None:
         s = self.strategy
         s.anchor.copy_(state["anchor"])
-        s.momentum.copy_(state["momentum"])
+        if s.momentum is not None:
+            s.momentum.copy_(state["momentum"])
         s.error_feedback.zero_()           # never copied: starts at zero
         s.reset_to_anchor()                # θ_local ← θ_outer
         self.iteration = int(state["iteration"])
@@ -153,7 +154,8 @@ class ToyWorker:
             more = int(self.contributed < self.args.min_contributions or not stop)
             finite = self.strategy.first_nonfinite_tensor() is None
             rnd = self.session.begin_round(contributes=not self.first, finite=finite, samples=self.args.inner_steps,
-                                           fingerprint=lambda: fingerprint([self.strategy.anchor]), extra={"more": more})
+                                           fingerprint=lambda: fingerprint([self.strategy.anchor]),
+                                           extra={"more": more})
             self.first = False
             if self.done(rnd):
                 break
