@@ -8,6 +8,7 @@ round that did not commit leaves θ_outer as it was; the jobs end with bitwise i
 * kill -9 of a whole job mid-run: the others go on committing, exit 0; the job restarted with the
   same index heals from a live peer (error feedback at zero) and contributes again;
 * SIGSTOP of a job past the timeouts: dropped, the others go on; SIGCONT: it heals and contributes;
+* a job that rolled back while the others committed is one step behind and heals at the next quorum;
 * a job with another token file is refused: it exits naming its token file, the others go on.
 """
 import glob
@@ -35,7 +36,7 @@ def make_token(path, secret):
 class Scenario:
     """A lighthouse, 3 jobs of the toy worker, their logs."""
 
-    def __init__(self, tmp_path, ranks=1, rounds=8, final_members=3, tokens=None, pause=None,
+    def __init__(self, tmp_path, ranks=1, rounds=8, final_members=3, tokens=None, job_args=None,
                  launchers=("direct",) * 3, stop_file=None):
         self.out, self.ranks = str(tmp_path), ranks
         os.makedirs(os.path.join(self.out, "barrier"))
@@ -49,9 +50,7 @@ class Scenario:
         self.jobs = [self.run.add_job(f"job{i}", JOB + ["--index", str(i), "--token-file", self.tokens[i]] + self.common
                                       + ["--barrier", os.path.join(self.out, "barrier"),
                                          "--barrier-count", str(3 * ranks)]
-                                      + (["--pause-at-step", str(pause[1]), "--pause-seconds", str(pause[2])]
-                                         if pause and pause[0] == i else []),
-                                      ranks=ranks, launcher=launchers[i]) for i in range(3)]
+                                      + (job_args or {}).get(i, []), ranks=ranks, launcher=launchers[i]) for i in range(3)]
 
     def __enter__(self):
         for job in self.jobs:
@@ -121,7 +120,8 @@ def healed_then_contributed(recs, after_t):
 
 def test_kill_9_a_job_mid_round_the_others_go_on_and_the_restarted_job_heals(tmp_path):
     """Job 2 runs under torchrun: its agent and each worker are killed by PID, as a lost node."""
-    with Scenario(tmp_path, ranks=2, rounds=10, pause=(2, 3, 600), launchers=("direct", "direct", "torchrun")) as sc:
+    with Scenario(tmp_path, ranks=2, rounds=10, launchers=("direct", "direct", "torchrun"),
+                  job_args={2: ["--pause-at-step", "3"]}) as sc:
         sc.wait(lambda: os.path.exists(os.path.join(sc.out, "paused.job2")), 180, "job 2 inside round 4")
         time.sleep(0.5)         # the others are in their collectives with job 2
         t_kill = time.time()
@@ -149,7 +149,7 @@ def test_kill_9_a_job_mid_round_the_others_go_on_and_the_restarted_job_heals(tmp
 
 
 def test_sigstop_mid_round_past_the_timeouts_drops_the_job_and_sigcont_heals_it(tmp_path):
-    with Scenario(tmp_path, rounds=8, pause=(2, 2, 1)) as sc:
+    with Scenario(tmp_path, rounds=8, job_args={2: ["--pause-at-step", "2", "--pause-seconds", "1"]}) as sc:
         sc.wait(lambda: os.path.exists(os.path.join(sc.out, "paused.job2")), 180, "job 2 inside round 3")
         sc.jobs[2].stop()        # in its round, before its collectives: the others time out in theirs
         t_stop = time.time()
@@ -167,6 +167,19 @@ def test_sigstop_mid_round_past_the_timeouts_drops_the_job_and_sigcont_heals_it(
     assert stalled and not stalled[0]["committed"], f"the stopped job committed the round it stalled: {stalled}"
     heals, contributed = healed_then_contributed(sc.records(2), t_cont)
     assert heals and contributed >= 2, f"the resumed job healed {heals}, contributed {contributed}"
+    check_consistency(sc, [0, 1, 2], ranks=1)
+
+
+def test_a_job_that_rolled_back_while_the_others_committed_heals_at_the_next_quorum(tmp_path):
+    with Scenario(tmp_path, rounds=6, job_args={2: ["--fail-vote-at-step", "2"]}) as sc:
+        codes = sc.finish()
+        logs = sc.logs()
+    assert codes == [[0]] * 3, f"{codes}\n{logs}"
+    at = {i: [r for r in sc.records(i) if r.get("step") == 2 and "committed" in r] for i in range(3)}
+    assert at[0][0]["committed"] and at[1][0]["committed"] and not at[2][0]["committed"], at
+    after = [r for r in sc.records(2) if "committed" in r and r["t"] > at[2][0]["t"]]
+    assert after[0]["healed"] and after[0]["behind"] == 1 and not after[0]["contributes"], after[0]
+    assert any(r["contributes"] and r["committed"] for r in after[1:]), "job 2 never contributed again"
     check_consistency(sc, [0, 1, 2], ranks=1)
 
 

@@ -261,13 +261,14 @@ class ElasticSession:
             store_addr=config.host or store_addr, store_port=store_port, lighthouse_addr=config.lighthouse,
             replica_id=f"worker{config.worker_index:04d}", port=config.manager_port or None,
             hostname=config.host or _hostname(), heartbeat_interval=timedelta(seconds=config.heartbeat_interval),
-            checkpoint_transport=self.transport, init_sync=False,
-            max_retries=config.max_failed_rounds or None)
+            checkpoint_transport=self.transport, init_sync=False, max_retries=None)
         self.manager.register_state_dict_fn("elastic", self._on_heal, self._state_fn)
         self.comm = TorchFTComm(self.manager, self.pg, timeout)
         #: the round header's own collectives (kept out of the strategy's byte counts)
         self.control = TorchFTComm(self.manager, self.pg, timeout, counter=CommCounter())
         self.commits = 0
+        #: rounds in a row that did not commit (``--sparseloco-elastic-max-failed-rounds``)
+        self.failed_in_a_row = 0
         self.round: Optional[Round] = None
         self._healed = False
 
@@ -343,14 +344,32 @@ class ElasticSession:
         return Round(peers=headers, contributors=decision.contributors, proceed=decision.proceed,
                      reason=decision.reason, nonfinite=decision.nonfinite, **base)
 
+    def report_error(self, exc: Exception) -> None:
+        """Make this round roll back on this job (e.g. the strategy's communicate raised)."""
+        self.comm._fail(exc)
+
     def finish_round(self) -> bool:
-        """torchft's vote inside the job; True: commit, False: roll back. Once per ``begin_round``."""
+        """torchft's vote inside the job; True: commit, False: roll back. Once per ``begin_round``.
+
+        A vote that cannot complete (a rank of the job stalled past ``--sparseloco-outer-timeout``)
+        rolls back: no rank of the job got a decision, so none commits. After
+        ``--sparseloco-elastic-max-failed-rounds`` rounds in a row without a commit the job exits."""
         if self.round is None:
             raise RuntimeError("finish_round without begin_round")
-        committed = bool(self.manager.should_commit())
-        if committed:
-            self.commits += 1
         self.round = None
+        try:
+            committed = bool(self.manager.should_commit())
+        except Exception as exc:  # the vote's RPC failed or timed out: no decision anywhere in the job
+            log.warning("elastic: the commit vote of this job failed (%s): rolling back", exc)
+            committed = False
+        self.commits += int(committed)
+        self.failed_in_a_row = 0 if committed else self.failed_in_a_row + 1
+        limit = self.config.max_failed_rounds
+        if limit and self.failed_in_a_row >= limit:
+            self.close()
+            raise ElasticExit(f"elastic worker {self.worker_index}: {self.failed_in_a_row} rounds in a row did not "
+                              f"commit (--sparseloco-elastic-max-failed-rounds {limit}). Fix: check the other jobs "
+                              "and the lighthouse are up and reachable, then restart this job")
         return committed
 
     def close(self) -> None:

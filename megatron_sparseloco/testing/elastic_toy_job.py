@@ -19,7 +19,8 @@ exists; past ``--deadline`` seconds it exits with an error.
 Every round appends one JSON line to ``DIR/job<I>.rank<r>.<pid>.jsonl``; at the end θ_outer's
 raw bytes go to ``DIR/final.job<I>.rank<r>.bin``. ``--pause-at-step S`` makes rank 0 sleep
 ``--pause-seconds`` inside round S+1 before its collectives (``DIR/paused.job<I>`` tells when), for a
-test to kill or stop it mid-round.
+test to kill or stop it mid-round; ``--fail-vote-at-step S`` makes the job report an error before its
+commit vote in round S+1 (it rolls back while the others commit).
 
 Until the outer strategies take an ``OuterComm`` (the refactor in progress), ``ElasticSparseLoCo``
 adapts today's SparseLoCo: its all-gather goes through the session's comm and the mean runs over
@@ -71,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 ("--outer-timeout", float, 5.0), ("--quorum-timeout", float, 60.0),
                                 ("--barrier", str, None), ("--barrier-count", int, 0), ("--pause-at-step", int, -1),
                                 ("--pause-seconds", float, 600.0), ("--stop-file", str, None),
-                                ("--deadline", float, 600.0)]:
+                                ("--deadline", float, 600.0), ("--fail-vote-at-step", int, -1)]:
         p.add_argument(name, type=kind, default=default,
                        required=default is None and name not in ("--barrier", "--stop-file"))
     return p.parse_args(argv)
@@ -182,6 +183,8 @@ class ToyWorker:
             communicate, finish, cancel = self.strategy._launch_round(OuterStepStats())
             self.maybe_pause(rnd)
             communicate()
+        if rnd.step == self.args.fail_vote_at_step:   # a fault only this job sees: it rolls back, the others commit
+            self.session.report_error(RuntimeError("injected fault before the commit vote"))
         committed = self.session.finish_round()
         if committed and finish is not None:
             finish()
