@@ -48,9 +48,10 @@ def test_a_complete_set_is_accepted_and_attached_to_args(token):
     assert (config.worker_index, config.min_workers, config.manager_port) == (2, 2, 29600)
 
 
-def test_elastic_mode_is_off_without_a_lighthouse():
+def test_elastic_mode_is_off_without_a_lighthouse_and_changes_nothing():
     args = parse([])
-    assert validate_elastic_args(args) is None and args.sparseloco_elastic is None
+    before = vars(args).copy()
+    assert validate_elastic_args(args) is None and vars(args) == before
 
 
 def test_every_flag_has_its_dest_and_help():

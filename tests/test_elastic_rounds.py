@@ -8,6 +8,7 @@ round that did not commit leaves θ_outer as it was; the jobs end with bitwise i
 * kill -9 of a whole job mid-run: the others go on committing, exit 0; the job restarted with the
   same index heals from a live peer (error feedback at zero) and contributes again;
 * SIGSTOP of a job past the timeouts: dropped, the others go on; SIGCONT: it heals and contributes;
+  the same with one stopped rank of a 2-rank job;
 * a job that rolled back while the others committed is one step behind and heals at the next quorum;
 * a job with another token file is refused: it exits naming its token file, the others go on.
 """
@@ -47,10 +48,11 @@ class Scenario:
         self.common = ["--rounds", str(rounds), "--final-members", str(final_members), "--out", self.out,
                        "--lighthouse", self.run.lighthouse.url, "--outer-timeout", "5", "--step-seconds", "0.05",
                        "--deadline", "200"] + (["--stop-file", stop_file] if stop_file else [])
+        barrier = ["--barrier", os.path.join(self.out, "barrier"), "--barrier-count", str(3 * ranks)]
+        # what follows "--barrier" (the start barrier, injected faults) is dropped on a restart
         self.jobs = [self.run.add_job(f"job{i}", JOB + ["--index", str(i), "--token-file", self.tokens[i]] + self.common
-                                      + ["--barrier", os.path.join(self.out, "barrier"),
-                                         "--barrier-count", str(3 * ranks)]
-                                      + (job_args or {}).get(i, []), ranks=ranks, launcher=launchers[i]) for i in range(3)]
+                                      + barrier + (job_args or {}).get(i, []), ranks=ranks, launcher=launchers[i])
+                     for i in range(3)]
 
     def __enter__(self):
         for job in self.jobs:
@@ -168,6 +170,26 @@ def test_sigstop_mid_round_past_the_timeouts_drops_the_job_and_sigcont_heals_it(
     heals, contributed = healed_then_contributed(sc.records(2), t_cont)
     assert heals and contributed >= 2, f"the resumed job healed {heals}, contributed {contributed}"
     check_consistency(sc, [0, 1, 2], ranks=1)
+
+
+def test_one_stopped_rank_takes_its_job_out_until_it_resumes(tmp_path):
+    """SIGSTOP of rank 1 of a 2-rank job: its job stops asking for quorums (torchft's manager waits for
+    every rank), the others go on without it; SIGCONT: the job heals (both ranks) and contributes."""
+    with Scenario(tmp_path, ranks=2, rounds=8) as sc:
+        sc.wait(lambda: sc.committed(0) >= 2, 180, "2 committed rounds")
+        sc.jobs[2].stop(rank=1)
+        t_stop = time.time()
+        without = lambda: [r for r in sc.records(0) if r.get("committed") and r["size"] == 2 and r["t"] > t_stop]  # noqa
+        sc.wait(lambda: len(without()) >= 2, 120, "2 rounds committed without job 2")
+        t_cont = time.time()
+        sc.jobs[2].cont(rank=1)
+        codes = sc.finish()
+        logs = sc.logs()
+    assert codes == [[0, 0]] * 3, f"{codes}\n{logs}"
+    for rank in range(2):
+        heals, contributed = healed_then_contributed(sc.records(2, rank), t_cont)
+        assert heals and contributed >= 2, f"rank {rank}: healed {heals}, contributed {contributed}"
+    check_consistency(sc, [0, 1, 2], ranks=2)
 
 
 def test_a_job_that_rolled_back_while_the_others_committed_heals_at_the_next_quorum(tmp_path):

@@ -174,7 +174,8 @@ def _check_refused_modes(args: argparse.Namespace) -> None:
 
 def validate_elastic_args(args: argparse.Namespace) -> Optional[ElasticConfig]:
     """The validated ``ElasticConfig`` (also set as ``args.sparseloco_elastic``), or None when
-    ``--sparseloco-lighthouse`` is not given (then no other elastic flag may be)."""
+    ``--sparseloco-lighthouse`` is not given (then no other elastic flag may be, and ``args`` is
+    left unchanged)."""
     given = _given(args)
     if "lighthouse" not in given:
         if given:
@@ -182,7 +183,6 @@ def validate_elastic_args(args: argparse.Namespace) -> Optional[ElasticConfig]:
             one = len(given) == 1
             raise SparseLoCoArgumentError(f"{flags} only {'applies' if one else 'apply'} in elastic mode. "
                                           f"Fix: add --sparseloco-lighthouse URL or drop {'it' if one else 'them'}")
-        args.sparseloco_elastic = None
         return None
     if getattr(args, "sparseloco_algorithm", None) is None:
         raise _fail("lighthouse", "elastic mode needs an outer algorithm", "add --sparseloco-algorithm")

@@ -73,7 +73,8 @@ _FIELDS = ("v", "index", "group_rank", "step", "ok", "contributes", "finite", "s
 
 
 class ElasticExit(SystemExit):
-    """This job must leave the run; the message says why and what to do (exit status 3)."""
+    """This job must leave the run; the message says why and what to do (uncaught: printed on
+    stderr, exit status 1)."""
 
     def __init__(self, message: str):
         self.message = message
@@ -212,6 +213,9 @@ class Round:
     proceed: bool                    # run the communicate phase
     reason: str = ""                 # why not
     nonfinite: List[int] = field(default_factory=list)
+    #: the θ_outer fingerprint every participant reported when they all agreed (else None): the
+    #: consistency check of the elastic group, compared at every round that gives one
+    fingerprint: Optional[int] = None
     seconds_quorum: float = 0.0
     seconds_header: float = 0.0
 
@@ -224,6 +228,7 @@ class Round:
         return {"step": self.step, "size": self.size, "rank": self.rank, "contributors": self.contributors,
                 "contributes": self.contributes, "healed": self.healed, "behind": self.behind, "proceed": self.proceed,
                 "reason": self.reason, "indices": [None if h is None else h["index"] for h in self.peers],
+                "fingerprint": None if self.fingerprint is None else f"{self.fingerprint & (2**64 - 1):016x}",
                 "seconds_quorum": round(self.seconds_quorum, 4), "seconds_header": round(self.seconds_header, 4)}
 
 
@@ -341,8 +346,10 @@ class ElasticSession:
             raise ElasticExit(f"elastic worker {self.config.worker_index}: {decision.exit_message}")
         if not decision.proceed:
             self.manager.report_error(RoundAborted(decision.reason))
+        fps = {h["fingerprint"] for h in headers if h is not None}
+        agreed = next(iter(fps)) if len(fps) == 1 and decision.proceed else None
         return Round(peers=headers, contributors=decision.contributors, proceed=decision.proceed,
-                     reason=decision.reason, nonfinite=decision.nonfinite, **base)
+                     reason=decision.reason, nonfinite=decision.nonfinite, fingerprint=agreed, **base)
 
     def report_error(self, exc: Exception) -> None:
         """Make this round roll back on this job (e.g. the strategy's communicate raised)."""
@@ -371,6 +378,15 @@ class ElasticSession:
                               f"commit (--sparseloco-elastic-max-failed-rounds {limit}). Fix: check the other jobs "
                               "and the lighthouse are up and reachable, then restart this job")
         return committed
+
+    def state_dict(self) -> Dict[str, int]:
+        """What a job's own checkpoint must keep besides the model (torchft's committed step: a
+        resumed job that lost it would heal from a peer at its first quorum)."""
+        return {**self.manager.state_dict(), "commits": self.commits}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self.manager.load_state_dict({"step": int(state["step"]), "batches_committed": int(state["batches_committed"])})
+        self.commits = int(state.get("commits", 0))
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
