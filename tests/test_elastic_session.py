@@ -101,3 +101,25 @@ def test_non_contributors_and_non_finite_contributors():
 def test_fewer_contributors_than_min_workers_do_not_proceed():
     d = decide([fields(0), fields(1, contributes=False)], 0, 2, "T")
     assert not d.proceed and "--sparseloco-min-workers 2" in d.reason
+
+
+def test_an_unreachable_lighthouse_ends_the_job_with_one_message(tmp_path):
+    import os
+
+    from torch.distributed import TCPStore
+
+    from megatron_sparseloco.elastic.config import ElasticConfig
+    from megatron_sparseloco.elastic.session import ElasticExit, ElasticSession
+    from megatron_sparseloco.testing.elastic_jobs import free_port
+
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef0123")
+    os.chmod(token, 0o600)
+    port, dead = free_port(), free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841 (the job's store)
+    config = ElasticConfig(lighthouse=f"http://127.0.0.1:{dead}", worker_index=0, token_file=str(token),
+                           connect_timeout=1.0).validate()
+    with pytest.raises(ElasticExit) as exc:
+        ElasticSession(config, group_rank=0, group_world_size=1, store_addr="127.0.0.1", store_port=port,
+                       state_fn=dict, load_fn=lambda state: None, outer_timeout=5.0)
+    assert f"--sparseloco-lighthouse http://127.0.0.1:{dead}" in str(exc.value) and "Fix:" in str(exc.value)

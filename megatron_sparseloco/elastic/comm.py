@@ -97,7 +97,9 @@ class TorchFTComm(OuterComm):
     def failed(self) -> bool:
         return self.error is not None
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """Record ``exc`` as this round's failure (the first one wins) and report it to the manager:
+        the round rolls back on this job and the rest of its operations are skipped."""
         if self.error is None:
             self.error = exc
             log.warning("elastic outer group: %s: %s (the round will roll back; later operations of this round "
@@ -111,7 +113,7 @@ class TorchFTComm(OuterComm):
         try:
             return run()
         except Exception as exc:  # torchft's model: report, never raise into the strategy
-            self._fail(exc)
+            self.fail(exc)
             return stand_in()
 
     def _wait(self, work) -> None:

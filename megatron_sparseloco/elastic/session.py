@@ -259,14 +259,7 @@ class ElasticSession:
         self._template_fn = template_fn or state_fn
         self.transport = SafeHealTransport(self.pg, self.key, self._heal_template, timeout, device,
                                            config.heal_chunk_mb << 20)
-        self.manager = Manager(
-            pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=config.min_workers,
-            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=config.quorum_timeout),
-            connect_timeout=timedelta(seconds=config.connect_timeout), rank=group_rank, world_size=group_world_size,
-            store_addr=config.host or store_addr, store_port=store_port, lighthouse_addr=config.lighthouse,
-            replica_id=f"worker{config.worker_index:04d}", port=config.manager_port or None,
-            hostname=config.host or _hostname(), heartbeat_interval=timedelta(seconds=config.heartbeat_interval),
-            checkpoint_transport=self.transport, init_sync=False, max_retries=None)
+        self.manager = self._connect(Manager, config, timeout, group_rank, group_world_size, store_addr, store_port)
         self.manager.register_state_dict_fn("elastic", self._on_heal, self._state_fn)
         self.comm = TorchFTComm(self.manager, self.pg, timeout)
         #: the round header's own collectives (kept out of the strategy's byte counts)
@@ -276,6 +269,27 @@ class ElasticSession:
         self.failed_in_a_row = 0
         self.round: Optional[Round] = None
         self._healed = False
+
+    def _connect(self, manager_class, config: ElasticConfig, timeout: timedelta, group_rank: int,
+                 group_world_size: int, store_addr: str, store_port: int):
+        """torchft's manager for this rank (rank 0 starts the job's manager server and connects it to
+        the lighthouse); an unreachable lighthouse or store ends the job with one message."""
+        try:
+            return manager_class(
+                pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=config.min_workers,
+                use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=config.quorum_timeout),
+                connect_timeout=timedelta(seconds=config.connect_timeout), rank=group_rank,
+                world_size=group_world_size, store_addr=config.host or store_addr, store_port=store_port,
+                lighthouse_addr=config.lighthouse, replica_id=f"worker{config.worker_index:04d}",
+                port=config.manager_port or None, hostname=config.host or _hostname(),
+                heartbeat_interval=timedelta(seconds=config.heartbeat_interval), checkpoint_transport=self.transport,
+                init_sync=False, max_retries=None)
+        except Exception as exc:  # torchft raises plain RuntimeErrors from its RPC layer
+            raise ElasticExit(f"elastic worker {config.worker_index}: cannot join the run ({exc}). Fix: check that "
+                              f"the lighthouse --sparseloco-lighthouse {config.lighthouse} is up and reachable from "
+                              f"this node, and that this job's store {config.host or store_addr}:{store_port} "
+                              f"(--sparseloco-elastic-host) is reachable (--sparseloco-elastic-connect-timeout "
+                              f"{config.connect_timeout:g} s)") from None
 
     def _heal_template(self) -> Any:
         return {"user": {"elastic": self._template_fn()}, "torchft": {"step": 0, "batches_committed": 0}}
@@ -300,7 +314,13 @@ class ElasticSession:
             raise RuntimeError("begin_round called twice without finish_round")
         t0 = time.perf_counter()
         self._healed, self.transport.receive_error, before = False, None, self.step
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as exc:  # no quorum: the lighthouse is gone or the wait exceeded the timeout
+            self.close()
+            raise ElasticExit(f"elastic worker {self.worker_index}: no quorum ({exc}). Fix: check the lighthouse "
+                              f"{self.config.lighthouse} is up; raise --sparseloco-elastic-quorum-timeout "
+                              f"({self.config.quorum_timeout:g} s) if the other workers' rounds take longer") from None
         if self.transport.receive_error is not None:
             self._heal_failed(self.transport.receive_error)
         self.comm.sync_with_quorum()
@@ -332,7 +352,7 @@ class ElasticSession:
         base = dict(step=fields["step"], size=size, rank=rank, contributes=fields["contributes"], healed=self._healed,
                     behind=behind)
         if self.control.error is not None:
-            self.comm._fail(self.control.error)
+            self.comm.fail(self.control.error)
             return Round(peers=[None] * size, contributors=[], proceed=False,
                          reason=f"round header exchange failed: {self.control.error}", **base)
         headers = [read_header(self.key, r.numpy().tobytes()) for r in raws]
@@ -353,7 +373,7 @@ class ElasticSession:
 
     def report_error(self, exc: Exception) -> None:
         """Make this round roll back on this job (e.g. the strategy's communicate raised)."""
-        self.comm._fail(exc)
+        self.comm.fail(exc)
 
     def finish_round(self) -> bool:
         """torchft's vote inside the job; True: commit, False: roll back. Once per ``begin_round``.
