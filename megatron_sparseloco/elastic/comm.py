@@ -1,0 +1,291 @@
+"""``TorchFTComm``: the ``OuterComm`` over the process group a torchft ``Manager`` manages.
+
+At every quorum torchft's ``Manager`` reconfigures its process group (``ProcessGroupGloo`` on CPU,
+``ProcessGroupNCCL`` on GPU) over the replica groups of the quorum: group rank g of every job,
+i.e. the ranks holding the same shard position in every worker. ``size`` and ``rank`` are this
+round's (``num_participants`` / ``participating_rank``: replica ids sorted, the same order on
+every member). torchft groups are not registered with c10d, so every operation calls the
+group's own methods (``allreduce``, ``allgather``, ``broadcast``, ``send`` / ``recv`` with tags);
+point-to-point exchanges post every receive before the first send, then wait for all.
+
+Byte accounting is that of ``ProcessGroupComm`` (``comm/collectives.py``, ``comm/p2p.py``) on
+the same inputs: a group of one counts nothing; variable-size all-gathers exchange the sizes
+first (an int64 per rank, kind ``all_gather_sizes``) and then the payloads padded to the largest
+(padding counted); point-to-point counts the bytes of the non-empty messages. Synchronous
+operations count once they complete, asynchronous ones once launched.
+
+Failures follow torchft's model. The first operation of a round that raises or times out is
+reported to the manager (``Manager.report_error``: the job's ``should_commit`` is then False, so
+the round rolls back) and kept in ``error``; it is never raised into the strategy. From then on
+until ``sync_with_quorum`` (the next round) every operation is a no-op that touches no network
+and returns a well-formed stand-in, this rank's own contribution as if it were alone:
+
+    all_reduce_ / broadcast_      the tensor unchanged
+    all_gather_payloads(p)        [p] * size
+    agree_max(v)                  v
+    exchange(t, peers)            {peer: copy of t}
+    exchange_per_peer(payloads)   {peer: payloads[peer]}, or zeros of the announced size
+    exchange_pieces(..)           {peer: zeros of recv_sizes[peer]}
+
+The operation that failed returns the same stand-in, except ``all_reduce_``, whose tensor may
+hold a partial reduction (gloo reduces in place). Stand-ins are finite and decode like real
+payloads, so the strategy completes its communicate phase without raising; nothing it computed
+in that round is committed.
+"""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional, Sequence, TypeVar
+
+import torch
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions
+
+from megatron_sparseloco.comm.collectives import CommCounter
+from megatron_sparseloco.comm.interface import REDUCE_OPS, OuterComm, Pending
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: send / recv tags of the outer exchanges (the heal stream uses its own, ``elastic.heal``)
+TAG_SIZES, TAG_DATA = 1, 2
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class TorchFTComm(OuterComm):
+    """``OuterComm`` over ``pg``, the process group ``manager`` reconfigures at each quorum."""
+
+    def __init__(self, manager, pg, timeout: timedelta, counter: Optional[CommCounter] = None):
+        self.manager, self.pg, self.timeout = manager, pg, timeout
+        self.counter = counter if counter is not None else CommCounter()
+        #: the first failure of this round (None: every operation so far succeeded)
+        self.error: Optional[BaseException] = None
+        self._size, self._rank = 1, 0
+        self._device: Optional[torch.device] = None
+
+    # ------------------------------------------------------------------ round and identity
+    def sync_with_quorum(self) -> None:
+        """Take this round's size and rank from the manager (after ``start_quorum``); clear ``error``."""
+        self._size = int(self.manager.num_participants())
+        rank = self.manager.participating_rank()
+        if rank is None:
+            raise RuntimeError("this job is not a participant of the current quorum (torchft returned no rank); "
+                               "the elastic session runs quorums with use_async_quorum=False, which always gives one")
+        self._rank = int(rank)
+        self.error = None
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def device(self) -> torch.device:
+        if self._device is None:
+            name = self.pg.getBackendName().lower()
+            cuda = "nccl" in name and torch.cuda.is_available()
+            self._device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return self._device
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def fail(self, exc: BaseException) -> None:
+        """Record ``exc`` as this round's failure (the first one wins) and report it to the manager:
+        the round rolls back on this job and the rest of its operations are skipped."""
+        if self.error is None:
+            self.error = exc
+            log.warning("elastic outer group: %s: %s (the round will roll back; later operations of this round "
+                        "are skipped)", type(exc).__name__, exc)
+            self.manager.report_error(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+
+    def _guard(self, run: Callable[[], T], stand_in: Callable[[], T]) -> T:
+        """``run()``; after a failure of this round, or when it fails, ``stand_in()``."""
+        if self.error is not None:
+            return stand_in()
+        try:
+            return run()
+        except Exception as exc:  # torchft's model: report, never raise into the strategy
+            self.fail(exc)
+            return stand_in()
+
+    def _wait(self, work) -> None:
+        work.wait(self.timeout)
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return self.start_all_reduce_(tensor, op).wait()
+
+    def start_all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> Pending[torch.Tensor]:
+        reduce_op = REDUCE_OPS[op]
+        if self.size == 1 or self.error is not None:
+            return Pending.completed(tensor)
+
+        def launch() -> Pending[torch.Tensor]:
+            opts = AllreduceOptions()
+            opts.reduceOp = reduce_op
+            work = self.pg.allreduce([tensor], opts)
+            self.counter.add("all_reduce", _nbytes(tensor), _nbytes(tensor))
+
+            def finish() -> torch.Tensor:
+                self._wait(work)
+                return tensor
+
+            return Pending(lambda: self._guard(finish, lambda: tensor))
+
+        return self._guard(launch, lambda: Pending.completed(tensor))
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        if self.size == 1:
+            return tensor
+
+        def run() -> torch.Tensor:
+            self._wait(self.pg.broadcast_one(tensor, src))
+            n = _nbytes(tensor)
+            mine = self.rank == src
+            self.counter.add("broadcast", n if mine else 0, 0 if mine else n)
+            return tensor
+
+        return self._guard(run, lambda: tensor)
+
+    def all_gather_payloads(self, payload: torch.Tensor, equal_sizes: bool = False) -> List[torch.Tensor]:
+        return self.start_all_gather_payloads(payload, equal_sizes).wait()
+
+    def _gather_sizes(self, payload: torch.Tensor) -> List[int]:
+        size_t = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
+        outs = [torch.empty_like(size_t) for _ in range(self.size)]
+        self._wait(self.pg.allgather([outs], [size_t], AllgatherOptions()))
+        self.counter.add("all_gather_sizes", _nbytes(size_t), _nbytes(size_t) * (self.size - 1))
+        return [int(s) for s in torch.cat(outs).tolist()]
+
+    def start_all_gather_payloads(self, payload: torch.Tensor,
+                                  equal_sizes: bool = False) -> Pending[List[torch.Tensor]]:
+        """Sizes first (unless ``equal_sizes``), waited for here; then the padded payloads, launched."""
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise ValueError("all_gather_payloads expects a 1-D uint8 tensor, "
+                             f"got {payload.dtype} {tuple(payload.shape)}")
+        world = self.size
+        stand_in = lambda: [payload] * world  # noqa: E731
+        if world == 1 or self.error is not None:
+            return Pending.completed(stand_in())
+
+        def launch() -> Pending[List[torch.Tensor]]:
+            sizes = [payload.numel()] * world if equal_sizes else self._gather_sizes(payload)
+            max_size = max(sizes)
+            padded = payload.contiguous()
+            if payload.numel() < max_size:
+                padded = torch.zeros(max_size, dtype=torch.uint8, device=payload.device)
+                padded[: payload.numel()] = payload
+            gathered = [torch.empty(max_size, dtype=torch.uint8, device=payload.device) for _ in range(world)]
+            work = self.pg.allgather([gathered], [padded], AllgatherOptions())
+            self.counter.add("all_gather", max_size, max_size * (world - 1))
+
+            def finish() -> List[torch.Tensor]:
+                self._wait(work)
+                return [g[:s] for g, s in zip(gathered, sizes)]
+
+            return Pending(lambda: self._guard(finish, stand_in))
+
+        return self._guard(launch, lambda: Pending.completed(stand_in()))
+
+    def agree_max(self, value: int) -> int:
+        """The largest ``value`` of the group (one 4-byte all-reduce MAX); ``value`` itself after a failure."""
+        flag = torch.tensor([float(value)], device=self.device)
+        self.all_reduce_(flag, op="max")
+        return int(value) if self.error is not None else int(flag.item())
+
+    # ------------------------------------------------------------------ point to point
+    def _check_peers(self, peers: Sequence[int]) -> List[int]:
+        peers = [int(p) for p in peers]
+        if len(set(peers)) != len(peers):
+            raise ValueError(f"exchange peers must be distinct, got {peers}")
+        for p in peers:
+            if not 0 <= p < self.size:
+                raise ValueError(f"peer {p} is not a rank of the group (size {self.size})")
+            if p == self.rank:
+                raise ValueError(f"rank {self.rank} listed itself as a peer; the self-weight is applied locally")
+        return peers
+
+    def _p2p(self, out: Dict[int, torch.Tensor], into: Dict[int, torch.Tensor], tag: int) -> None:
+        """Every receive posted, then every send; empty messages skipped on both sides; wait for all."""
+        works = [self.pg.recv([into[p]], p, tag) for p in sorted(into) if into[p].numel() > 0]
+        works += [self.pg.send([out[p]], p, tag) for p in sorted(out) if out[p].numel() > 0]
+        for work in works:
+            self._wait(work)
+
+    def exchange(self, tensor: torch.Tensor, peers: Sequence[int], kind: str = "p2p") -> Dict[int, torch.Tensor]:
+        peers = self._check_peers(peers)
+        if not peers:
+            return {}
+        send = tensor.contiguous()
+
+        def run() -> Dict[int, torch.Tensor]:
+            received = {p: torch.empty_like(send) for p in peers}
+            self._p2p({p: send for p in peers}, received, TAG_DATA)
+            n = _nbytes(send)
+            self.counter.add(kind, n * len(peers), n * len(peers))
+            return received
+
+        return self._guard(run, lambda: {p: send.clone() for p in peers})
+
+    def exchange_per_peer(self, payloads: Dict[int, torch.Tensor],
+                          recv_nbytes: Optional[Dict[int, int]]) -> Dict[int, torch.Tensor]:
+        peers = self._check_peers(sorted(payloads))
+        if not peers:
+            return {}
+        for p in peers:
+            if payloads[p].dtype != torch.uint8 or payloads[p].dim() != 1 or payloads[p].numel() == 0:
+                raise ValueError(f"payload for peer {p} must be a non-empty 1-D uint8 tensor")
+        if recv_nbytes is not None and any(p not in recv_nbytes for p in peers):
+            raise ValueError(f"recv_nbytes lacks the size for peer(s) {[p for p in peers if p not in recv_nbytes]}")
+        dev = payloads[peers[0]].device
+
+        def stand_in() -> Dict[int, torch.Tensor]:
+            if recv_nbytes is None or all(int(recv_nbytes[p]) == payloads[p].numel() for p in peers):
+                return {p: payloads[p] for p in peers}
+            return {p: torch.zeros(int(recv_nbytes[p]), dtype=torch.uint8, device=dev) for p in peers}
+
+        def run() -> Dict[int, torch.Tensor]:
+            sizes = recv_nbytes
+            if sizes is None:
+                out = {p: torch.tensor([payloads[p].numel()], dtype=torch.int64, device=dev) for p in peers}
+                got = {p: torch.empty(1, dtype=torch.int64, device=dev) for p in peers}
+                self._p2p(out, got, TAG_SIZES)
+                self.counter.add("p2p_sizes", 8 * len(peers), 8 * len(peers))
+                sizes = {p: int(got[p].item()) for p in peers}
+            received = {p: torch.empty(int(sizes[p]), dtype=torch.uint8, device=dev) for p in peers}
+            self._p2p({p: payloads[p].contiguous() for p in peers}, received, TAG_DATA)
+            self.counter.add("p2p", sum(payloads[p].numel() for p in peers), sum(r.numel() for r in received.values()))
+            return received
+
+        return self._guard(run, stand_in)
+
+    def exchange_pieces(self, pieces: Dict[int, torch.Tensor], recv_sizes: Dict[int, int],
+                        kind: str = "all_to_all") -> Dict[int, torch.Tensor]:
+        peers = self._check_peers(sorted(set(pieces) | set(recv_sizes)))
+        if not peers:
+            return {}
+        device = next(iter(pieces.values())).device if pieces else torch.device("cpu")
+        empty = torch.zeros(0, dtype=torch.uint8, device=device)
+        send = {p: pieces.get(p, empty).contiguous() for p in peers}
+
+        def stand_in() -> Dict[int, torch.Tensor]:
+            return {p: torch.zeros(int(recv_sizes.get(p, 0)), dtype=torch.uint8, device=device) for p in peers}
+
+        def run() -> Dict[int, torch.Tensor]:
+            received = {p: torch.empty(int(recv_sizes.get(p, 0)), dtype=torch.uint8, device=device) for p in peers}
+            self._p2p(send, received, TAG_DATA)
+            self.counter.add(kind, sum(t.numel() for t in send.values()), sum(t.numel() for t in received.values()))
+            return received
+
+        return self._guard(run, stand_in)
+
+
+__all__ = ["TorchFTComm", "TAG_SIZES", "TAG_DATA"]

@@ -1,0 +1,202 @@
+"""The elastic flags: ``ElasticConfig`` and ``validate_elastic_args``.
+
+Elastic mode (``--sparseloco-lighthouse URL``) runs every worker as its own job: job I of at most
+W slots (``--sparseloco-worker-index I``, ``--sparseloco-workers W``) joins the outer step of the
+other live jobs through torchft's lighthouse; a round commits with at least M contributing
+workers (``--sparseloco-min-workers M``); every job reads the run's secret from
+``--sparseloco-elastic-token-file`` (``elastic.auth``). docs/elastic.md explains each setting.
+
+``validate_elastic_args(args)`` runs before the model is built (before ``--sparseloco-workers``
+is mapped onto distributed-optimizer instances: in elastic mode a job is one worker, W counts
+slots). It refuses each bad value with one ``SparseLoCoArgumentError`` naming the flag and the
+fix, and refuses the modes that do not follow a changing membership yet (``REFUSED_MODES``).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Dict, Optional, Set
+from urllib.parse import urlsplit
+
+from megatron_sparseloco.elastic.auth import TokenError, read_token
+from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError, dest_of, option
+from megatron_sparseloco.outer.config_fields import ConfigError, FieldSpec, check_fields, flagged_fields, flag_field
+
+
+@dataclass
+class ElasticConfig:
+    """One job's elastic settings (each field is the flag ``--sparseloco-<flag>``)."""
+
+    lighthouse: Optional[str] = flag_field(
+        None, type=str, flag="lighthouse",
+        help="torchft lighthouse URL (e.g. http://host:29510): turns elastic mode on, each worker its own job.")
+    """The lighthouse every job of the run talks to (``torchft_lighthouse --bind``); None: elastic mode off."""
+    worker_index: Optional[int] = flag_field(
+        None, type=int, flag="worker-index", low=0,
+        help="Elastic mode: this job's worker slot I, 0 <= I < --sparseloco-workers (its identity and data slot).")
+    """I: the job's identity (torchft replica id) and the slot of the data it reads."""
+    min_workers: int = flag_field(
+        1, flag="min-workers", low=1,
+        help="Elastic mode: a round commits only with at least M contributing workers (M <= --sparseloco-workers).")
+    """M: the fewest contributors a round commits with (also the lighthouse's --min_replicas)."""
+    token_file: Optional[str] = flag_field(
+        None, type=str, flag="elastic-token-file",
+        help="Elastic mode (required): file holding the run's shared secret (>= 16 characters, not readable by "
+             "other users); a job with another secret is refused.")
+    """The run's secret (``elastic.auth``): every job of the run must read the same one."""
+    quorum_timeout: float = flag_field(
+        900.0, flag="elastic-quorum-timeout", low=0.0, low_open=True,
+        help="Elastic mode: seconds a job waits for a quorum (longer than the slowest worker's round).")
+    """Seconds ``start_quorum`` may wait: covers the spread of the workers' round times."""
+    connect_timeout: float = flag_field(
+        60.0, flag="elastic-connect-timeout", low=0.0, low_open=True,
+        help="Elastic mode: seconds to connect to the lighthouse and to the peers' manager servers.")
+    """Connection timeout of torchft's RPCs (lighthouse, manager servers)."""
+    heartbeat_interval: float = flag_field(
+        0.5, flag="elastic-heartbeat-interval", low=0.0, low_open=True,
+        help="Elastic mode: seconds between heartbeats to the lighthouse (well below its --heartbeat_timeout_ms).")
+    """How often the job's manager server tells the lighthouse it is alive."""
+    host: Optional[str] = flag_field(
+        None, type=str, flag="elastic-host",
+        help="Elastic mode: the address other sites reach this job at (its manager server and store); default: "
+             "MASTER_ADDR for the store, this host's name for the manager server.")
+    """Advertised address: the peers connect to this job's store and manager server there."""
+    manager_port: int = flag_field(
+        0, flag="elastic-manager-port", low=0, high=65535,
+        help="Elastic mode: port of this job's torchft manager server (rank 0), 0: any free port; fix it to open "
+             "it in a firewall.")
+    """Port of the manager server (0: ephemeral)."""
+    max_failed_rounds: int = flag_field(
+        0, flag="elastic-max-failed-rounds", low=0,
+        help="Elastic mode: the job exits after this many consecutive rounds that did not commit (0: never).")
+    """torchft's ``max_retries``: consecutive failed rounds before the job gives up (0: unlimited)."""
+    heal_chunk_mb: int = flag_field(
+        64, flag="elastic-heal-chunk-mb", low=1,
+        help="Elastic mode: MiB per message of a heal (the state a joining job receives from a live peer).")
+    """Size of the heal stream's messages (``elastic.heal``): bounds the extra memory of a heal."""
+
+    def validate(self) -> "ElasticConfig":
+        check_fields(self)
+        return self
+
+
+#: modes that do not follow a changing membership yet: (args attribute, the one value accepted
+#: besides unset (None: none), flag, why)
+REFUSED_MODES = (
+    ("sparseloco_aggregation", "allgather", "aggregation",
+     "reduce-scatter and hierarchical aggregation assign ranges / sites to a fixed set of workers"),
+    ("sparseloco_fragments", 1, "fragments",
+     "fragments sync at staggered steps, a round of the elastic protocol covers the whole model"),
+    ("sparseloco_overlap_steps", 0, "overlap-steps", "a delayed outer step would span two quorums"),
+    ("sparseloco_inner_steps_per_worker", None, "inner-steps-per-worker",
+     "per-worker step counts are indexed by a fixed worker list"),
+)
+
+
+def elastic_flags() -> Dict[str, FieldSpec]:
+    """flag → field spec of every elastic flag."""
+    return flagged_fields(ElasticConfig)
+
+
+def add_elastic_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the elastic flags to ``parser`` (every one None when unset); idempotent."""
+    if any(a.dest == dest_of("lighthouse") for a in parser._actions):
+        return parser
+    group = parser.add_argument_group(title="sparseloco elastic", description="one job per worker, over torchft")
+    for flag, spec in elastic_flags().items():
+        group.add_argument(option(flag), dest=dest_of(flag), type=spec.type, default=None, help=spec.help)
+    return parser
+
+
+def _given(args: argparse.Namespace) -> Set[str]:
+    return {flag for flag in elastic_flags() if getattr(args, dest_of(flag), None) is not None}
+
+
+def _fail(flag: str, problem: str, fix: str) -> SparseLoCoArgumentError:
+    return SparseLoCoArgumentError(f"{option(flag)}: {problem}. Fix: {fix}")
+
+
+def _config_from_args(args: argparse.Namespace, given: Set[str]) -> ElasticConfig:
+    specs = elastic_flags()
+    config = ElasticConfig(**{specs[f].name: getattr(args, dest_of(f)) for f in given})
+    try:
+        return config.validate()
+    except ConfigError as exc:
+        flag = next(f for f, s in specs.items() if s.name == exc.field)
+        fix = (exc.fix or "change the value").replace(", another value", "").replace(f"`{exc.field}=",
+                                                                                     f"`{option(flag)} ")
+        raise _fail(flag, exc.problem.replace(f"{exc.field} ", "", 1), fix.replace("`", "")) from None
+
+
+def _check_lighthouse_url(url: str) -> None:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise _fail("lighthouse", f"{url!r} is not a lighthouse URL", "give http://HOST:PORT, the address "
+                    "`torchft_lighthouse --bind` listens on as the jobs reach it, e.g. http://lighthouse-host:29510")
+
+
+def _check_slots(args: argparse.Namespace, config: ElasticConfig) -> None:
+    """W given, 0 <= I < W, M <= W, one distributed-optimizer instance per job."""
+    W = getattr(args, "sparseloco_workers", None)
+    if W is None:
+        raise _fail("workers", "is required in elastic mode (the number of worker slots W)",
+                    "give --sparseloco-workers W, the most workers the run has")
+    if W < 1:
+        raise _fail("workers", f"must be >= 1, got {W}", "use the number of worker slots, at least 1")
+    if config.worker_index is None:
+        raise _fail("worker-index", "is required in elastic mode (this job's worker slot)",
+                    f"give --sparseloco-worker-index I with 0 <= I < {W}, a different I for each job")
+    if config.worker_index >= W:
+        raise _fail("worker-index", f"{config.worker_index} is not a slot of --sparseloco-workers {W}",
+                    f"use 0 <= I <= {W - 1}, or raise --sparseloco-workers")
+    if config.min_workers > W:
+        raise _fail("min-workers", f"{config.min_workers} is more than --sparseloco-workers {W}",
+                    f"use 1 <= M <= {W}")
+    instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    if instances != 1:
+        raise SparseLoCoArgumentError(
+            f"--num-distributed-optimizer-instances {instances}: in elastic mode each job is one worker. "
+            "Fix: drop it (the job's data-parallel ranks form one distributed-optimizer instance)")
+
+
+def _check_refused_modes(args: argparse.Namespace) -> None:
+    for attr, accepted, flag, why in REFUSED_MODES:
+        value = getattr(args, attr, None)
+        if value is not None and value != accepted:
+            fix = f"use {option(flag)} {accepted} or leave it unset" if accepted is not None else f"drop {option(flag)}"
+            raise _fail(flag, f"{value} is not supported in elastic mode ({why})",
+                        f"{fix}, or run without --sparseloco-lighthouse")
+
+
+def validate_elastic_args(args: argparse.Namespace) -> Optional[ElasticConfig]:
+    """The validated ``ElasticConfig`` (also set as ``args.sparseloco_elastic``), or None when
+    ``--sparseloco-lighthouse`` is not given (then no other elastic flag may be, and ``args`` is
+    left unchanged)."""
+    given = _given(args)
+    if "lighthouse" not in given:
+        if given:
+            flags = ", ".join(option(f) for f in sorted(given, key=list(elastic_flags()).index))
+            one = len(given) == 1
+            raise SparseLoCoArgumentError(f"{flags} only {'applies' if one else 'apply'} in elastic mode. "
+                                          f"Fix: add --sparseloco-lighthouse URL or drop {'it' if one else 'them'}")
+        return None
+    if getattr(args, "sparseloco_algorithm", None) is None:
+        raise _fail("lighthouse", "elastic mode needs an outer algorithm", "add --sparseloco-algorithm")
+    config = _config_from_args(args, given)
+    _check_lighthouse_url(args.sparseloco_lighthouse)
+    _check_slots(args, config)
+    if config.token_file is None:
+        raise _fail("elastic-token-file", "is required in elastic mode (the run's shared secret)",
+                    "give the same token file to every job, e.g. created with "
+                    "`python -c 'import secrets; print(secrets.token_hex(32))' > FILE && chmod 600 FILE`")
+    try:
+        read_token(config.token_file)
+    except TokenError as exc:
+        raise _fail("elastic-token-file", exc.problem, exc.fix) from None
+    _check_refused_modes(args)
+    args.sparseloco_elastic = config
+    return config

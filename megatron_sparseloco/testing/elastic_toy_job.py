@@ -1,0 +1,208 @@
+"""A worker job of the elastic protocol without Megatron: SparseLoCo on simulated inner steps.
+
+    python -m megatron_sparseloco.testing.elastic_toy_job --index I --lighthouse URL --token-file P --out DIR ...
+
+Each rank of the job (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as torchrun sets them) owns a
+shard of a toy model (shard position = rank, the same initial values in every job) and an
+``ElasticSession``. A round: H simulated inner steps (θ_local += a drift drawn from (worker index,
+iteration, rank), so every worker moves differently), then ``begin_round`` → SparseLoCo's
+communicate over ``session.comm`` → ``finish_round`` → commit (θ_outer update, θ_local ← θ_outer)
+or roll back (error feedback restored, θ_outer untouched, θ_local kept). A job's first round
+contributes nothing: it is where a (re)started job joins and heals.
+
+A joining job receives θ_outer, the outer momentum and the iteration; the error feedback starts
+at zero. The job stops once the run has committed ``--rounds`` rounds, ``--final-members`` jobs
+take part and every one of them has contributed to ``--min-contributions`` committed rounds since
+it (re)started (``extra["more"]`` in the round header) — and, with ``--stop-file``, that file
+exists; past ``--deadline`` seconds it exits with an error.
+
+Every round appends one JSON line to ``DIR/job<I>.rank<r>.<pid>.jsonl``; at the end θ_outer's
+raw bytes go to ``DIR/final.job<I>.rank<r>.bin``. ``--pause-at-step S`` makes rank 0 sleep
+``--pause-seconds`` inside round S+1 before its collectives (``DIR/paused.job<I>`` tells when), for a
+test to kill or stop it mid-round; ``--fail-vote-at-step S`` makes the job report an error before its
+commit vote in round S+1 (it rolls back while the others commit).
+
+Until the outer strategies take an ``OuterComm`` (the refactor in progress), ``ElasticSparseLoCo``
+adapts today's SparseLoCo: its all-gather goes through the session's comm and the mean runs over
+this round's contributors (a non-contributor's payload is dropped, its rank is -1), and the round
+is split with the strategy's delayed-application phases (launch = Δ, error feedback, payloads;
+communicate; finish = θ_outer update; cancel = error feedback restored).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import List, Sequence
+
+import torch
+
+from megatron_sparseloco.comm.interface import OuterComm
+from megatron_sparseloco.elastic.config import ElasticConfig
+from megatron_sparseloco.elastic.session import ElasticSession, Round
+from megatron_sparseloco.megatron.consistency import fingerprint
+from megatron_sparseloco.outer.base import OuterStepStats
+from megatron_sparseloco.outer.sparseloco import SparseLoCo, SparseLoCoConfig
+from megatron_sparseloco.testing.elastic_jobs import ensure_job_store
+
+
+class ElasticSparseLoCo(SparseLoCo):
+    """SparseLoCo whose all-gather runs over an ``OuterComm`` and keeps this round's contributors only."""
+
+    comm: OuterComm
+    contributors: Sequence[int] = ()
+
+    def set_round(self, comm: OuterComm, contributors: Sequence[int]) -> None:
+        self.comm, self.contributors = comm, list(contributors)
+        self.world_size = len(self.contributors)
+        self.rank = self.contributors.index(comm.rank) if comm.rank in self.contributors else -1
+
+    def _exchange_bucket(self, b, s, e, plan, payload, rs_out, rs_counts):
+        got = self.comm.all_gather_payloads(payload, equal_sizes=self.config.index_coding == "packed")
+        return [got[r] for r in self.contributors]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for name, kind, default in [("--index", int, None), ("--lighthouse", str, None), ("--token-file", str, None),
+                                ("--out", str, None), ("--min-workers", int, 1), ("--rounds", int, 8),
+                                ("--final-members", int, 3), ("--min-contributions", int, 2),
+                                ("--inner-steps", int, 3), ("--step-seconds", float, 0.02),
+                                ("--outer-timeout", float, 5.0), ("--quorum-timeout", float, 60.0),
+                                ("--barrier", str, None), ("--barrier-count", int, 0), ("--pause-at-step", int, -1),
+                                ("--pause-seconds", float, 600.0), ("--stop-file", str, None),
+                                ("--deadline", float, 600.0), ("--fail-vote-at-step", int, -1)]:
+        p.add_argument(name, type=kind, default=default,
+                       required=default is None and name not in ("--barrier", "--stop-file"))
+    return p.parse_args(argv)
+
+
+def build_params(rank: int) -> List[torch.Tensor]:
+    """Shard ``rank`` of the toy model: the same values in every job."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randn(64, 128, generator=g), torch.randn(128, generator=g), torch.randn(32, 64, generator=g)]
+
+
+def inner_steps(params: List[torch.Tensor], index: int, rank: int, first_iteration: int, steps: int,
+                step_seconds: float) -> None:
+    for it in range(first_iteration, first_iteration + steps):
+        g = torch.Generator().manual_seed(((index * 100003 + it) * 31 + rank) % (1 << 62))
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=g), alpha=0.01)
+        time.sleep(step_seconds)
+
+
+class ToyWorker:
+    """The job's state and its round loop (module docstring)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args, self.rank = args, int(os.environ.get("RANK", "0"))
+        self.params = build_params(self.rank)
+        cfg = SparseLoCoConfig(chunk=1024, k=32, lr=1.0, momentum=0.5)
+        self.strategy = ElasticSparseLoCo(self.params, None, cfg)
+        self.iteration, self.contributed, self.first = 0, 0, True
+        self.deadline = time.monotonic() + args.deadline
+        self.log_path = os.path.join(args.out, f"job{args.index}.rank{self.rank}.{os.getpid()}.jsonl")
+        config = ElasticConfig(lighthouse=args.lighthouse, worker_index=args.index, min_workers=args.min_workers,
+                               token_file=args.token_file, quorum_timeout=args.quorum_timeout, connect_timeout=30.0,
+                               heartbeat_interval=0.2).validate()
+        self.session = ElasticSession(config, group_rank=self.rank, group_world_size=int(os.environ["WORLD_SIZE"]),
+                                      store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+                                      state_fn=self.state, load_fn=self.load, outer_timeout=args.outer_timeout)
+
+    def state(self) -> dict:
+        s = self.strategy
+        return {"anchor": s.anchor, "momentum": s.momentum, "iteration": self.iteration}
+
+    def load(self, state: dict) -> None:
+        s = self.strategy
+        s.anchor.copy_(state["anchor"])
+        if s.momentum is not None:
+            s.momentum.copy_(state["momentum"])
+        s.error_feedback.zero_()           # never copied: starts at zero
+        s.reset_to_anchor()                # θ_local ← θ_outer
+        self.iteration = int(state["iteration"])
+
+    def write(self, record: dict) -> None:
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(dict(record, t=time.time(), pid=os.getpid())) + "\n")
+
+    def barrier(self) -> None:
+        a = self.args
+        if a.barrier is None:
+            return
+        open(os.path.join(a.barrier, f"ready.{a.index}.{self.rank}"), "w").close()
+        deadline = time.monotonic() + 300
+        while len(os.listdir(a.barrier)) < a.barrier_count and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def done(self, rnd: Round) -> bool:
+        a, peers = self.args, [h for h in rnd.peers if h is not None]
+        return rnd.step >= a.rounds and len(peers) == rnd.size == a.final_members and \
+            all(h["extra"].get("more", 1) == 0 for h in peers)
+
+    def run(self) -> None:
+        self.barrier()
+        while True:
+            if not self.first:
+                inner_steps(self.params, self.args.index, self.rank, self.iteration, self.args.inner_steps,
+                            self.args.step_seconds)
+                self.iteration += self.args.inner_steps
+            if time.monotonic() > self.deadline:
+                raise SystemExit(f"elastic toy job {self.args.index}: --deadline {self.args.deadline} s passed")
+            stop = self.args.stop_file is None or os.path.exists(self.args.stop_file)
+            more = int(self.contributed < self.args.min_contributions or not stop)
+            finite = self.strategy.first_nonfinite_tensor() is None
+            rnd = self.session.begin_round(contributes=not self.first, finite=finite, samples=self.args.inner_steps,
+                                           fingerprint=lambda: fingerprint([self.strategy.anchor]),
+                                           extra={"more": more})
+            self.first = False
+            if self.done(rnd):
+                break
+            committed = self.one_round(rnd)
+            self.contributed += int(committed and rnd.contributes)
+        self.write({"final": True, "step": self.session.step, "fp": fingerprint([self.strategy.anchor])})
+        with open(os.path.join(self.args.out, f"final.job{self.args.index}.rank{self.rank}.bin"), "wb") as f:
+            f.write(self.strategy.anchor.numpy().tobytes())
+        self.session.close()
+
+    def maybe_pause(self, rnd: Round) -> None:
+        """``--pause-at-step S``: rank 0 sleeps ``--pause-seconds`` inside round S+1, before its collectives
+        (where a test injects its fault: the other jobs are waiting in the all-gather)."""
+        if rnd.step == self.args.pause_at_step and self.rank == 0:
+            self.args.pause_at_step = -1
+            open(os.path.join(self.args.out, f"paused.job{self.args.index}"), "w").close()
+            time.sleep(self.args.pause_seconds)
+
+    def one_round(self, rnd: Round) -> bool:
+        """Communicate (if the round proceeds), vote, commit or roll back; log the round."""
+        finish = cancel = None
+        if rnd.proceed:
+            self.strategy.set_round(self.session.comm, rnd.contributors)
+            communicate, finish, cancel = self.strategy._launch_round(OuterStepStats())
+            self.maybe_pause(rnd)
+            communicate()
+        if rnd.step == self.args.fail_vote_at_step:   # a fault only this job sees: it rolls back, the others commit
+            self.session.report_error(RuntimeError("injected fault before the commit vote"))
+        committed = self.session.finish_round()
+        if committed and finish is not None:
+            finish()
+            self.strategy.reset_to_anchor()
+        elif cancel is not None:
+            cancel()
+        heals = [vars(r) for r in self.session.transport.records]
+        self.session.transport.records.clear()
+        self.write(dict(rnd.summary(), committed=committed, after=self.session.step, heals=heals,
+                        fp=fingerprint([self.strategy.anchor]), failed=self.session.comm.failed))
+        return committed
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    store = ensure_job_store()  # noqa: F841  (rank 0 of a directly launched job hosts the job's store)
+    ToyWorker(args).run()
+
+
+if __name__ == "__main__":
+    main()

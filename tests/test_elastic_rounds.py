@@ -1,0 +1,232 @@
+"""The elastic protocol with 3 separate jobs, a real torchft lighthouse, SparseLoCo over TorchFTComm.
+
+Each job is its own process tree (``testing.elastic_jobs``) running
+``testing.elastic_toy_job`` (simulated inner steps, no Megatron). Checked on the jobs' round logs:
+every step committed by several jobs has bitwise the same θ_outer fingerprint on all of them; a
+round that did not commit leaves θ_outer as it was; the jobs end with bitwise identical θ_outer.
+
+* kill -9 of a whole job mid-run: the others go on committing, exit 0; the job restarted with the
+  same index heals from a live peer (error feedback at zero) and contributes again;
+* SIGSTOP of a job past the timeouts: dropped, the others go on; SIGCONT: it heals and contributes;
+  the same with one stopped rank of a 2-rank job;
+* a job that rolled back while the others committed is one step behind and heals at the next quorum;
+* a job with another token file is refused: it exits naming its token file, the others go on.
+"""
+import glob
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from megatron_sparseloco.testing.elastic_jobs import ElasticRun, start_time
+
+pytestmark = pytest.mark.multirank
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = ["-m", "megatron_sparseloco.testing.elastic_toy_job"]
+
+
+def make_token(path, secret):
+    with open(path, "w") as f:
+        f.write(secret)
+    os.chmod(path, 0o600)
+    return str(path)
+
+
+class Scenario:
+    """A lighthouse, 3 jobs of the toy worker, their logs."""
+
+    def __init__(self, tmp_path, ranks=1, rounds=8, final_members=3, tokens=None, job_args=None,
+                 launchers=("direct",) * 3, stop_file=None):
+        self.out, self.ranks = str(tmp_path), ranks
+        os.makedirs(os.path.join(self.out, "barrier"))
+        good = make_token(tmp_path / "token", "the-run-secret-0123456789abcdef")
+        self.tokens = tokens or [good] * 3
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + sys.path))
+        self.run = ElasticRun(self.out, min_replicas=1, env=env, heartbeat_timeout_ms=1500, join_timeout_ms=1000)
+        self.common = ["--rounds", str(rounds), "--final-members", str(final_members), "--out", self.out,
+                       "--lighthouse", self.run.lighthouse.url, "--outer-timeout", "5", "--step-seconds", "0.05",
+                       "--deadline", "200"] + (["--stop-file", stop_file] if stop_file else [])
+        barrier = ["--barrier", os.path.join(self.out, "barrier"), "--barrier-count", str(3 * ranks)]
+        # what follows "--barrier" (the start barrier, injected faults) is dropped on a restart
+        self.jobs = [self.run.add_job(f"job{i}", JOB + ["--index", str(i), "--token-file", self.tokens[i]] + self.common
+                                      + barrier + (job_args or {}).get(i, []), ranks=ranks, launcher=launchers[i])
+                     for i in range(3)]
+
+    def __enter__(self):
+        for job in self.jobs:
+            job.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.run.cleanup()
+
+    def restart(self, i):
+        job = self.jobs[i]
+        job.argv = job.argv[:job.argv.index("--barrier")]   # a restarted job neither waits for others nor pauses
+        job.start()
+
+    def records(self, i, rank=0):
+        recs = []
+        for path in glob.glob(os.path.join(self.out, f"job{i}.rank{rank}.*.jsonl")):
+            recs += [json.loads(line) for line in open(path)]
+        return sorted(recs, key=lambda r: r["t"])
+
+    def committed(self, i):
+        return max([r["after"] for r in self.records(i) if "after" in r] or [0])
+
+    def wait(self, predicate, timeout, what):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}\n{self.logs()}")
+            time.sleep(0.1)
+
+    def finish(self, timeout=240):
+        codes = [job.wait(timeout) for job in self.jobs]
+        return codes
+
+    def logs(self):
+        return "\n".join(f"--- {j.name}\n{j.output()[-3000:]}" for j in self.jobs)
+
+
+def check_consistency(sc, jobs, ranks):
+    """Every step committed by several jobs: the same θ_outer; failed rounds leave θ_outer unchanged;
+    the final θ_outer bitwise identical across ``jobs``."""
+    for rank in range(ranks):
+        by_step = {}
+        for i in jobs:
+            recs = [r for r in sc.records(i, rank) if "committed" in r]
+            for prev, r in zip(recs, recs[1:]):
+                if not r["committed"] and not r["healed"]:
+                    assert r["fp"] == prev["fp"], f"job {i} rank {rank}: a rolled-back round changed θ_outer: {r}"
+            for r in recs:
+                if r["committed"]:
+                    by_step.setdefault(r["after"], set()).add(r["fp"])
+        split = {s: fps for s, fps in by_step.items() if len(fps) > 1}
+        assert not split, f"rank {rank}: jobs committed different θ_outer at steps {split}"
+        finals = {open(os.path.join(sc.out, f"final.job{i}.rank{rank}.bin"), "rb").read() for i in jobs}
+        assert len(finals) == 1, f"rank {rank}: final θ_outer differs across jobs {jobs}"
+
+
+def healed_then_contributed(recs, after_t):
+    """(the heal records received after ``after_t``, rounds contributed and committed after the heal)."""
+    later = [r for r in recs if r["t"] > after_t and "committed" in r]
+    heal_at = next((k for k, r in enumerate(later) if r["healed"]), None)
+    if heal_at is None:
+        return [], 0
+    heals = [h for r in later for h in r["heals"] if h["role"] == "received"]
+    return heals, sum(1 for r in later[heal_at + 1:] if r["contributes"] and r["committed"])
+
+
+def test_kill_9_a_job_mid_round_the_others_go_on_and_the_restarted_job_heals(tmp_path):
+    """Job 2 runs under torchrun: its agent and each worker are killed by PID, as a lost node."""
+    with Scenario(tmp_path, ranks=2, rounds=10, launchers=("direct", "direct", "torchrun"),
+                  job_args={2: ["--pause-at-step", "3"]}) as sc:
+        sc.wait(lambda: os.path.exists(os.path.join(sc.out, "paused.job2")), 180, "job 2 inside round 4")
+        time.sleep(0.5)         # the others are in their collectives with job 2
+        t_kill = time.time()
+        killed = sc.jobs[2].pids()
+        assert len(killed) == 3, f"torchrun agent + 2 workers expected, got {killed}"
+        sc.jobs[2].kill()
+        sc.wait(lambda: not any(start_time(p) for p in killed), 30, "job 2's processes gone")
+        sc.wait(lambda: sc.committed(0) >= sc.committed(2) + 2, 120, "2 rounds committed without job 2")
+        t_restart = time.time()
+        sc.restart(2)
+        codes = sc.finish()
+        logs = sc.logs()
+    assert codes == [[0, 0], [0, 0], [0]], f"{codes}\n{logs}"   # job 2: the torchrun agent
+    for i in (0, 1):
+        rounds = [r for r in sc.records(i) if "committed" in r]
+        mid = [r for r in rounds if r["step"] == 3 and r["size"] == 3]
+        assert mid and not mid[0]["committed"], f"job {i}: the round job 2 died in committed: {mid}"
+        assert any(r["committed"] and r["size"] == 2 and r["t"] > t_kill for r in rounds), \
+            f"job {i} never committed without job 2"
+    for rank in range(2):
+        heals, contributed = healed_then_contributed(sc.records(2, rank), t_restart)
+        assert heals and all(h["nbytes"] > 0 for h in heals), f"rank {rank}: the restarted job did not heal"
+        assert contributed >= 2, f"rank {rank}: the restarted job contributed to {contributed} committed rounds"
+    check_consistency(sc, [0, 1, 2], ranks=2)
+
+
+def test_sigstop_mid_round_past_the_timeouts_drops_the_job_and_sigcont_heals_it(tmp_path):
+    with Scenario(tmp_path, rounds=8, job_args={2: ["--pause-at-step", "2", "--pause-seconds", "1"]}) as sc:
+        sc.wait(lambda: os.path.exists(os.path.join(sc.out, "paused.job2")), 180, "job 2 inside round 3")
+        sc.jobs[2].stop()        # in its round, before its collectives: the others time out in theirs
+        t_stop = time.time()
+        sc.wait(lambda: any(r.get("committed") and r["size"] == 2 and r["t"] > t_stop for r in sc.records(0)) and
+                sc.committed(0) >= sc.committed(2) + 2, 120, "2 rounds committed without the stopped job")
+        t_cont = time.time()
+        sc.jobs[2].cont()
+        codes = sc.finish()
+        logs = sc.logs()
+    assert codes == [[0]] * 3, f"{codes}\n{logs}"
+    for i in (0, 1):
+        mid = [r for r in sc.records(i) if r.get("step") == 2 and r.get("size") == 3 and "committed" in r]
+        assert mid and not mid[0]["committed"] and mid[0]["failed"], f"job {i}: the stalled round: {mid}"
+    stalled = [r for r in sc.records(2) if r.get("step") == 2 and "committed" in r]
+    assert stalled and not stalled[0]["committed"], f"the stopped job committed the round it stalled: {stalled}"
+    heals, contributed = healed_then_contributed(sc.records(2), t_cont)
+    assert heals and contributed >= 2, f"the resumed job healed {heals}, contributed {contributed}"
+    check_consistency(sc, [0, 1, 2], ranks=1)
+
+
+def test_one_stopped_rank_takes_its_job_out_until_it_resumes(tmp_path):
+    """SIGSTOP of rank 1 of a 2-rank job: its job stops asking for quorums (torchft's manager waits for
+    every rank), the others go on without it; SIGCONT: the job heals (both ranks) and contributes."""
+    with Scenario(tmp_path, ranks=2, rounds=8) as sc:
+        sc.wait(lambda: sc.committed(0) >= 2, 180, "2 committed rounds")
+        sc.jobs[2].stop(rank=1)
+        t_stop = time.time()
+        without = lambda: [r for r in sc.records(0) if r.get("committed") and r["size"] == 2 and r["t"] > t_stop]  # noqa
+        sc.wait(lambda: len(without()) >= 2, 120, "2 rounds committed without job 2")
+        t_cont = time.time()
+        sc.jobs[2].cont(rank=1)
+        codes = sc.finish()
+        logs = sc.logs()
+    assert codes == [[0, 0]] * 3, f"{codes}\n{logs}"
+    for rank in range(2):
+        heals, contributed = healed_then_contributed(sc.records(2, rank), t_cont)
+        assert heals and contributed >= 2, f"rank {rank}: healed {heals}, contributed {contributed}"
+    check_consistency(sc, [0, 1, 2], ranks=2)
+
+
+def test_a_job_that_rolled_back_while_the_others_committed_heals_at_the_next_quorum(tmp_path):
+    with Scenario(tmp_path, rounds=6, job_args={2: ["--fail-vote-at-step", "2"]}) as sc:
+        codes = sc.finish()
+        logs = sc.logs()
+    assert codes == [[0]] * 3, f"{codes}\n{logs}"
+    at = {i: [r for r in sc.records(i) if r.get("step") == 2 and "committed" in r] for i in range(3)}
+    assert at[0][0]["committed"] and at[1][0]["committed"] and not at[2][0]["committed"], at
+    after = [r for r in sc.records(2) if "committed" in r and r["t"] > at[2][0]["t"]]
+    assert after[0]["healed"] and after[0]["behind"] == 1 and not after[0]["contributes"], after[0]
+    assert any(r["contributes"] and r["committed"] for r in after[1:]), "job 2 never contributed again"
+    check_consistency(sc, [0, 1, 2], ranks=1)
+
+
+def test_a_job_with_another_token_is_refused_at_start_and_when_joining_later(tmp_path):
+    """At start: its round header is refused. Joining a running run: no peer sends it any state."""
+    good = make_token(tmp_path / "token", "the-run-secret-0123456789abcdef")
+    bad = make_token(tmp_path / "other-token", "another-secret-0123456789abcdef")
+    stop = str(tmp_path / "stop")
+    with Scenario(tmp_path, rounds=6, final_members=2, tokens=[good, good, bad], stop_file=stop) as sc:
+        sc.jobs[2].wait(120)
+        first = sc.jobs[2].output()
+        sc.wait(lambda: sc.committed(0) >= 2, 120, "2 rounds committed by the honest jobs")
+        sc.restart(2)
+        sc.jobs[2].wait(120)
+        open(stop, "w").close()
+        codes = sc.finish()
+        late = sc.jobs[2].output()
+        logs = sc.logs()
+    assert codes[:2] == [[0], [0]], f"{codes}\n{logs}"
+    assert codes[2] != [0] and bad in late and "healing from a live peer failed" in late, late[-3000:]
+    assert "does not hold this run's secret" in late and "--sparseloco-elastic-token-file" in late, late[-3000:]
+    assert bad in first and "refused by the other 2 of 3 workers" in first, first[-3000:]
+    refusals = [r for i in (0, 1) for r in sc.records(i) if "refused" in r.get("reason", "")]
+    assert refusals and all(r["committed"] is False for r in refusals), "the honest jobs never logged the refusal"
+    assert not [r for r in sc.records(2) if r.get("committed")], "the refused job committed a round"
+    assert not [h for i in (0, 1) for r in sc.records(i) for h in r.get("heals", []) if h["role"] == "sent"], \
+        "a peer sent its state to the job without the secret"
+    check_consistency(sc, [0, 1], ranks=1)
