@@ -12,6 +12,9 @@ so the same strategy runs over
 What an implementation provides (group-local ranks everywhere; ``size`` = W of this round):
 
     size, rank, device          the group's size, this rank's index in it, where control tensors live
+    contributors                the group ranks whose pseudo-gradient enters this round (all of them
+                                over a c10d group; an elastic round may leave some out: a job that
+                                just healed takes part in the collectives but contributes nothing)
     all_reduce_(t, op)          in place, op "sum" or "max"
     broadcast_(t, src)          in place, from group rank ``src``
     all_gather_payloads(p)      1-D uint8 payloads of any size → list in rank order
@@ -90,6 +93,16 @@ class OuterComm(abc.ABC):
     @abc.abstractmethod
     def device(self) -> torch.device:
         """The device small control tensors (flags, sizes) must live on for this group."""
+
+    @property
+    def contributors(self) -> List[int]:
+        """Group ranks whose pseudo-gradient enters this round, ascending (default: every rank)."""
+        return list(range(self.size))
+
+    @property
+    def contributes(self) -> bool:
+        """This rank's pseudo-gradient enters this round."""
+        return self.rank in self.contributors
 
     @abc.abstractmethod
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

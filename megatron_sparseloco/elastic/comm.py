@@ -65,6 +65,8 @@ class TorchFTComm(OuterComm):
         self.error: Optional[BaseException] = None
         self._size, self._rank = 1, 0
         self._device: Optional[torch.device] = None
+        #: this round's contributors (``set_contributors``; None: every participant)
+        self._contributors: Optional[List[int]] = None
 
     # ------------------------------------------------------------------ round and identity
     def sync_with_quorum(self) -> None:
@@ -76,6 +78,15 @@ class TorchFTComm(OuterComm):
                                "the elastic session runs quorums with use_async_quorum=False, which always gives one")
         self._rank = int(rank)
         self.error = None
+        self._contributors = None
+
+    def set_contributors(self, contributors: Sequence[int]) -> None:
+        """The group ranks whose pseudo-gradient enters this round (the session's decision)."""
+        self._contributors = sorted(int(r) for r in contributors)
+
+    @property
+    def contributors(self) -> List[int]:
+        return list(range(self._size)) if self._contributors is None else list(self._contributors)
 
     @property
     def size(self) -> int:

@@ -21,11 +21,14 @@ def outer_config_fields(args: argparse.Namespace) -> Dict[str, object]:
     """The config fields of ``args.sparseloco_algorithm``'s strategy whose flag holds a value
     (after ``validate_sparseloco_args``: all of them, resolved); unset ones keep the config default."""
     config_class = outer_strategy_class(args.sparseloco_algorithm).config_class
-    fields = {}
+    fields: Dict[str, object] = {}
     for flag, spec in flagged_fields(config_class).items():
         value = getattr(args, dest_of(flag), None)
         if value is not None:
             fields[spec.name] = value
+    ruled = tuple(getattr(args, "sparseloco_defaults_by_rule", None) or ())
+    if ruled:   # defaults set from a rule of W (``OuterConfig.rule_fields``)
+        fields["rule_fields"] = ruled
     return fields
 
 

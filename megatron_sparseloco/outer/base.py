@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_sparseloco.comm.interface import OuterComm, as_outer_comm
 from megatron_sparseloco.compress.segments import TensorSlice
-from megatron_sparseloco.outer.config_fields import ConfigError, check_fields, check_given, flag_field
+from megatron_sparseloco.outer.config_fields import ConfigError, check_fields, check_given, config_field, flag_field
 from megatron_sparseloco.outer.round import Capabilities, RoundPlan, WholeStepPlan, clock_of
 
 NONFINITE_POLICIES = ("skip", "abort")
@@ -56,6 +56,10 @@ class OuterConfig:
                                        help="NaN/Inf pseudo-gradient on any worker: skip the outer step on all "
                                             "workers, or abort.")
     """What a NaN/Inf pseudo-gradient does (module docstring): skip the round, or raise ``NonFiniteError``."""
+
+    rule_fields: Tuple[str, ...] = config_field((), type=tuple)
+    """Fields whose value ``resolve_for_workers`` set from a rule of the number of workers
+    (``default_rules``): a round with fewer contributors than W evaluates the rule again."""
 
     #: flags this algorithm has no field for but behaves as if set to (flag → value): accepted on
     #: the command line only with that value (e.g. model averaging is outer lr 1 without momentum)

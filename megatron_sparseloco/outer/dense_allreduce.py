@@ -52,6 +52,9 @@ class DensePlan(RoundPlan):
         exchange:  all-reduce SUM of the wire (gloo and NCCL have no portable AVG), asynchronous
         apply:     back to fp32, ÷W: Δ̄_b; outer SGD θ_outer ← θ_outer − lr·u(Δ̄_b) (``outer/sgd.py``)
 
+    W is the number of this round's contributors (``OuterComm.contributors``); a rank that takes
+    part without contributing (an elastic job that just healed) sends zeros.
+
     Extra memory: two bucket buffers when pipelined, one shard of fp32 when held (plus the wire
     copies in bf16). Nothing to undo on cancel: compress writes only the plan's own buffers.
     """
@@ -63,12 +66,18 @@ class DensePlan(RoundPlan):
         self.wires: List[Optional[torch.Tensor]] = [None] * len(self.ranges)
         self.delta_sq = torch.zeros((), dtype=torch.float64, device=strategy.device)
         self.upd_sq = torch.zeros((), dtype=torch.float64, device=strategy.device)
+        #: Δ̄ is the mean over this round's contributors (W over a c10d group)
+        self.n_contributors = len(strategy.comm.contributors)
+        self.contributes = strategy.comm.contributes
 
     def compress(self, b: int) -> None:
         s, e = self.ranges[b]
         work = self.work[b]
-        self.dense.pseudo_gradient(s, e, out=work)
-        self.delta_sq += torch.linalg.vector_norm(work, dtype=torch.float64).square()
+        if self.contributes:
+            self.dense.pseudo_gradient(s, e, out=work)
+            self.delta_sq += torch.linalg.vector_norm(work, dtype=torch.float64).square()
+        else:                # takes part in the sum with nothing (an elastic round's non-contributor)
+            work.zero_()
         wire_dtype = COMM_DTYPES[self.dense.config.comm_dtype]
         self.wires[b] = work if wire_dtype == torch.float32 else work.to(wire_dtype)
 
@@ -83,8 +92,8 @@ class DensePlan(RoundPlan):
         self.wires[b] = None
         if wire.dtype != work.dtype:  # a bf16 wire copy (an fp32 wire is ``work`` itself)
             work.copy_(wire)
-        if self.dense.world_size > 1:
-            work.div_(self.dense.world_size)
+        if self.n_contributors > 1:
+            work.div_(self.n_contributors)
         lr, momentum, nesterov = self.dense.sgd_settings()
         mom = None if self.dense.momentum is None else self.dense.momentum[s:e]
         update = outer_sgd_(self.dense.anchor[s:e], work, mom, lr, momentum, nesterov)

@@ -204,8 +204,14 @@ class SparseLoCoConfig(OuterConfig):
         """Unless ``lr`` was given: the W- and k-dependent default (contributors mean, no momentum only)."""
         if "lr" not in given and self.momentum == 0.0 and self.reduce == "contributors":
             self.lr = default_outer_lr(num_workers, self.k, self.chunk)
-            return ("lr",)
+            self.rule_fields = ("lr",)
+            return self.rule_fields
         return ()
+
+    def outer_lr(self, contributors: int) -> float:
+        """The outer lr of a round with ``contributors`` workers: the rule's value there when ``lr`` came
+        from the rule, else ``lr`` (with every worker contributing, both are ``lr``)."""
+        return default_outer_lr(contributors, self.k, self.chunk) if "lr" in self.rule_fields else self.lr
 
     def codec(self) -> CodecConfig:
         """The flat codec (flat chunking), or the base the per-tensor segments derive theirs from."""
@@ -286,10 +292,11 @@ class _RoundTotals:
             return torch.zeros((), dtype=torch.float64, device=device)
         return cls(delta_sq=zero(), error_sq=zero(), upd_sq=zero())
 
-    def into(self, stats: OuterStepStats, cfg: "SparseLoCoConfig", numel: int, reduce_scatter: bool) -> None:
+    def into(self, stats: OuterStepStats, cfg: "SparseLoCoConfig", numel: int, reduce_scatter: bool,
+             lr: float) -> None:
         stats.delta_norm = float(self.delta_sq.sqrt().item())
         stats.error_norm = float(self.error_sq.sqrt().item())
-        stats.update_norm = cfg.lr * float(self.upd_sq.sqrt().item())
+        stats.update_norm = lr * float(self.upd_sq.sqrt().item())
         stats.extra.update({
             "density": self.kept_local / numel,              # share of this rank's elements it sent
             "aggregate_density": int(self.kept_union) / numel,    # chosen by at least one worker (rs: of owned ranges)
@@ -324,13 +331,25 @@ class SparseLoCoPlan(RoundPlan):
         self.rs_out: Optional[BucketBuffers] = self.buffers() if rs else None
         self.rs_counts: Optional[BucketBuffers] = self.buffers(strategy.count_dtype) if rs else None
         self.tot = _RoundTotals.zeros(dev)
-        self.sent: Dict[int, Tuple[torch.Tensor, Decoded]] = {}
+        self.sent: Dict[int, Tuple[torch.Tensor, Optional[Decoded]]] = {}
         self.error_before = strategy.error_feedback.clone() if held else None
+        contributors = strategy.comm.contributors
+        self.contributes = strategy.comm.contributes
+        if len(contributors) != strategy.world_size and (rs or strategy.site_groups is not None):
+            raise ConfigError("reduce-scatter and hierarchical aggregation need every worker to contribute to every "
+                              "round", "aggregation", "use `aggregation=allgather`")
+        strategy.round_workers = len(contributors)
+        strategy.round_lr = strategy.config.outer_lr(len(contributors))
+        stats.extra["outer_lr"] = strategy.round_lr
         owner = strategy.owner_error_feedback
         self.owner_before = owner.clone() if snapshot and owner is not None else None
 
     def compress(self, b: int) -> None:
         (s, e), plan = self.ranges[b], self.plans[b]
+        if not self.contributes:   # in the collectives, left out of the mean: a payload nobody decodes
+            n = bucket_payload_nbytes(plan) if plan is not None else payload_nbytes(e - s, self.sl.codec)
+            self.sent[b] = (torch.zeros(n, dtype=torch.uint8, device=self.sl.device), None)
+            return
         self.sent[b] = self.sl._compress_bucket(s, e, plan, self.scratch[:e - s], self.tot)
 
     def start_exchange(self, b: int) -> Pending:
@@ -347,7 +366,8 @@ class SparseLoCoPlan(RoundPlan):
         self.sl._apply_bucket(s, e, plan, received, local, rs_out, self.work[:n], self.counts[:n], self.tot)
 
     def finish(self) -> None:
-        self.tot.into(self.stats, self.sl.config, self.sl.params.numel, self.sl.reduce_scatter is not None)
+        self.tot.into(self.stats, self.sl.config, self.sl.params.numel, self.sl.reduce_scatter is not None,
+                      self.sl.round_lr)
         self.sl._owner_time_into(self.stats)
         if self.sl.site_groups is not None:
             self.stats.extra.update(self.sl.site_groups.take_wan_bytes())
@@ -374,6 +394,8 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
                  slices=None):
         super().__init__(params, group, config if config is not None else SparseLoCoConfig(), names, slices)
         cfg = self.config
+        #: the running round's contributors and outer lr (``SparseLoCoPlan``)
+        self.round_workers, self.round_lr = self.world_size, cfg.lr
         self.codec = cfg.codec()
         #: tensor chunking: the buckets and their segments (None in flat chunking)
         self.plans: Optional[List[BucketPlan]] = None
@@ -467,11 +489,14 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
             raise RuntimeError(f"{name}: codec produced {payload.numel()} bytes, the size formula promises {expected}")
         return payload, local
 
-    def _apply(self, s: int, e: int, plan: Optional[BucketPlan], payloads: Sequence[torch.Tensor], local: Decoded,
-               agg: torch.Tensor, counts: torch.Tensor, write: bool = True) -> Tuple[int, float, torch.Tensor]:
-        """Decode every payload, sparse sum / mean into ``agg``, outer SGD on θ_outer, write back.
+    def _apply(self, s: int, e: int, plan: Optional[BucketPlan], payloads: Sequence[torch.Tensor],
+               local: Optional[Decoded], agg: torch.Tensor, counts: torch.Tensor,
+               skip: Optional[int]) -> Tuple[Union[int, torch.Tensor], float, torch.Tensor]:
+        """Decode the contributors' payloads, sparse sum / mean into ``agg``, outer SGD on θ_outer.
 
-        Returns (elements chosen by at least one worker, smallest peer-clip scale, the update u).
+        ``skip``: the position of this rank's own payload among them (decoded by its EF step already:
+        ``local``), None when this rank does not contribute. Returns (elements chosen by at least one
+        worker, smallest peer-clip scale, the update u).
         """
         cfg = self.config
         agg.zero_()
@@ -479,12 +504,12 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
         clip_min, scales = 1.0, None
         if plan is not None and not cfg.peer_norm_clip:  # fused decode + scatter-add (Triton where it applies)
             try:
-                decode_scatter_add_bucket_fast(payloads, plan, agg, counts, skip=self.rank, skip_decoded=local)
+                decode_scatter_add_bucket_fast(payloads, plan, agg, counts, skip=skip, skip_decoded=local)
             except ValueError as exc:
                 raise type(exc)(f"{self._bucket_name(s, e)}: {exc}") from exc
             return self._finish_bucket(s, e, agg, counts, clip_min)
         # our own payload was decoded by the EF step already (decode is deterministic)
-        decoded: Iterable[Decoded] = (local if w == self.rank else self._decode(p, plan, w, s, e)
+        decoded: Iterable[Decoded] = (local if w == skip and local is not None else self._decode(p, plan, w, s, e)
                                       for w, p in enumerate(payloads))
         if cfg.peer_norm_clip:
             decoded = list(decoded)
@@ -503,14 +528,15 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
         counts), clip_min, update)."""
         cfg = self.config
         kept_union: Union[int, torch.Tensor] = 0
+        n, lr = self.round_workers, self.round_lr
         if counts is not None:
             kept_union = torch.count_nonzero(counts)
             if cfg.reduce == "contributors":
                 agg.div_(counts.clamp_min(1))
-            elif self.world_size > 1:
-                agg.div_(self.world_size)
+            elif n > 1:
+                agg.div_(n)
         mom = None if self.momentum is None else self.momentum[s:e]
-        update = outer_sgd_(self.anchor[s:e], agg, mom, cfg.lr, cfg.momentum, cfg.nesterov)
+        update = outer_sgd_(self.anchor[s:e], agg, mom, lr, cfg.momentum, cfg.nesterov)
         return kept_union, clip_min, update
 
     # The round (``SparseLoCoPlan``) runs each bucket through three phases: ``_compress_bucket``
@@ -545,20 +571,24 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
                                                                cfg.reduce, self._bucket_name(s, e),
                                                                cfg.owner_residual))
 
-    def _apply_bucket(self, s: int, e: int, plan: Optional[BucketPlan], got, local: Decoded,
+    def _apply_bucket(self, s: int, e: int, plan: Optional[BucketPlan], got, local: Optional[Decoded],
                       rs_out: Optional[torch.Tensor], work: torch.Tensor, counts: torch.Tensor,
                       tot: "_RoundTotals") -> None:
         """Reduce-scatter: outer SGD with the owners' update in ``rs_out``. All-gather: decode
-        ``got`` (every worker's payload), mean into ``work``, outer SGD."""
+        ``got`` (every worker's payload; the round's contributors' are kept), mean into ``work``, outer SGD."""
         if self.reduce_scatter is not None:
             union, applied, positions = got
             if self.config.owner_residual == "workers":
+                assert local is not None, "reduce-scatter runs with every worker contributing"
                 self._put_back(s, e, local, positions)
             assert rs_out is not None
             _, _, update = self._finish_bucket(s, e, rs_out, None, 1.0)
             tot.applied += applied
         else:
-            union, clip, update = self._apply(s, e, plan, got, local, work, counts)
+            contributors = self.comm.contributors
+            skip = contributors.index(self.rank) if self.rank in contributors else None
+            payloads = got if len(contributors) == len(got) else [got[w] for w in contributors]
+            union, clip, update = self._apply(s, e, plan, payloads, local, work, counts, skip)
             tot.clip_min = min(tot.clip_min, clip)
         tot.kept_union += union
         tot.upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()

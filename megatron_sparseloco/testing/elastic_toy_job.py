@@ -22,11 +22,10 @@ raw bytes go to ``DIR/final.job<I>.rank<r>.bin``. ``--pause-at-step S`` makes ra
 test to kill or stop it mid-round; ``--fail-vote-at-step S`` makes the job report an error before its
 commit vote in round S+1 (it rolls back while the others commit).
 
-Until the outer strategies take an ``OuterComm`` (the refactor in progress), ``ElasticSparseLoCo``
-adapts today's SparseLoCo: its all-gather goes through the session's comm and the mean runs over
-this round's contributors (a non-contributor's payload is dropped, its rank is -1), and the round
-is split with the strategy's delayed-application phases (launch = Δ, error feedback, payloads;
-communicate; finish = θ_outer update; cancel = error feedback restored).
+The strategy is today's SparseLoCo built on ``session.comm`` (an ``OuterComm``); the round is its
+``RoundPlan`` on the held schedule: compress and exchange, then ``commit`` (apply, θ_local ← θ_outer)
+or ``cancel`` (error feedback restored). The session's contributors are set on the comm, so the mean
+runs over them (a non-contributor sends a payload nobody decodes).
 """
 from __future__ import annotations
 
@@ -34,33 +33,15 @@ import argparse
 import json
 import os
 import time
-from typing import List, Sequence
+from typing import List
 
 import torch
 
-from megatron_sparseloco.comm.interface import OuterComm
 from megatron_sparseloco.elastic.config import ElasticConfig
 from megatron_sparseloco.elastic.session import ElasticSession, Round
 from megatron_sparseloco.megatron.consistency import fingerprint
-from megatron_sparseloco.outer.base import OuterStepStats
 from megatron_sparseloco.outer.sparseloco import SparseLoCo, SparseLoCoConfig
 from megatron_sparseloco.testing.elastic_jobs import ensure_job_store
-
-
-class ElasticSparseLoCo(SparseLoCo):
-    """SparseLoCo whose all-gather runs over an ``OuterComm`` and keeps this round's contributors only."""
-
-    comm: OuterComm
-    contributors: Sequence[int] = ()
-
-    def set_round(self, comm: OuterComm, contributors: Sequence[int]) -> None:
-        self.comm, self.contributors = comm, list(contributors)
-        self.world_size = len(self.contributors)
-        self.rank = self.contributors.index(comm.rank) if comm.rank in self.contributors else -1
-
-    def _exchange_bucket(self, b, s, e, plan, payload, rs_out, rs_counts):
-        got = self.comm.all_gather_payloads(payload, equal_sizes=self.config.index_coding == "packed")
-        return [got[r] for r in self.contributors]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,7 +81,7 @@ class ToyWorker:
         self.args, self.rank = args, int(os.environ.get("RANK", "0"))
         self.params = build_params(self.rank)
         cfg = SparseLoCoConfig(chunk=1024, k=32, lr=1.0, momentum=0.5)
-        self.strategy = ElasticSparseLoCo(self.params, None, cfg)
+        self._cfg = cfg
         self.iteration, self.contributed, self.first = 0, 0, True
         self.deadline = time.monotonic() + args.deadline
         self.log_path = os.path.join(args.out, f"job{args.index}.rank{self.rank}.{os.getpid()}.jsonl")
@@ -110,6 +91,7 @@ class ToyWorker:
         self.session = ElasticSession(config, group_rank=self.rank, group_world_size=int(os.environ["WORLD_SIZE"]),
                                       store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
                                       state_fn=self.state, load_fn=self.load, outer_timeout=args.outer_timeout)
+        self.strategy = SparseLoCo(self.params, self.session.comm, self._cfg)   # (state / load need it from here)
 
     def state(self) -> dict:
         s = self.strategy
@@ -176,21 +158,21 @@ class ToyWorker:
             time.sleep(self.args.pause_seconds)
 
     def one_round(self, rnd: Round) -> bool:
-        """Communicate (if the round proceeds), vote, commit or roll back; log the round."""
-        finish = cancel = None
+        """Begin and communicate (if the round proceeds), vote, commit or roll back; log the round."""
+        plan = None
         if rnd.proceed:
-            self.strategy.set_round(self.session.comm, rnd.contributors)
-            communicate, finish, cancel = self.strategy._launch_round(OuterStepStats())
+            self.session.comm.set_contributors(rnd.contributors)
+            plan = self.strategy.begin_round(self.strategy.new_stats(), None, held=True, snapshot=True)
+            plan.compress_all()
             self.maybe_pause(rnd)
-            communicate()
+            plan.exchange_all()
         if rnd.step == self.args.fail_vote_at_step:   # a fault only this job sees: it rolls back, the others commit
             self.session.report_error(RuntimeError("injected fault before the commit vote"))
         committed = self.session.finish_round()
-        if committed and finish is not None:
-            finish()
-            self.strategy.reset_to_anchor()
-        elif cancel is not None:
-            cancel()
+        if plan is not None and committed:
+            plan.commit(write_back=True)
+        elif plan is not None:
+            plan.cancel()
         heals = [vars(r) for r in self.session.transport.records]
         self.session.transport.records.clear()
         self.write(dict(rnd.summary(), committed=committed, after=self.session.step, heals=heals,
