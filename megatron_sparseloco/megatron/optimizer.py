@@ -144,7 +144,8 @@ class OuterLoopOptimizer:
             self.worker_rank = dist.get_rank() if dist.is_initialized() else 0
             self.worker_size = dist.get_world_size() if dist.is_initialized() else 1
             self.worker_index = 0
-        self.watch = OuterStepWatch(self.group if self.num_workers > 1 else None, self.worker_rank)
+        self.watch = OuterStepWatch(self.group if self.num_workers > 1 else None, self.worker_rank,
+                                    self.config.outer_timeout_s or 600.0)
         self.inner_calls = 0
         #: --sparseloco-inner-steps-per-worker auto: H_w re-agreed at every outer step
         self.auto: Optional[AutoInnerSteps] = None
@@ -312,7 +313,7 @@ class OuterLoopOptimizer:
             timer.start()
         t0 = time.perf_counter()
         step_no = self.outer_steps + 1
-        self.watch.arrive(step_no)
+        self.watch.barrier(step_no)   # every rank arrived, or WorkerLostError naming who did not
         with self._lost_worker_named(step_no):
             stats = [s.step() for s in strategies]
         if fragment in (None, 0):  # tied params are in fragment 0
@@ -343,7 +344,7 @@ class OuterLoopOptimizer:
             timer.start()
         t0 = time.perf_counter()
         step_no = self.outer_steps + 1
-        self.watch.arrive(step_no)
+        self.watch.barrier(step_no)   # every rank arrived, or WorkerLostError naming who did not
         with self._lost_worker_named(step_no):
             # every round goes to the comm thread in the same order on every rank: see DelayedOuter.launch
             for d in delayed:
