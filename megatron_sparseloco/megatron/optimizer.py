@@ -198,8 +198,9 @@ class OuterLoopOptimizer:
         # without outer state, --no-load-optim, --finetune).
         self._anchor_at_first_step = True
         self._param_keys: Dict[int, str] = {}   # id(model param) -> checkpoint key, set by sharded_state_dict
-        #: per member, this worker's θ_local while a checkpoint save has put θ_outer in the params
-        self._local_during_save: Optional[List[List[torch.Tensor]]] = None
+        #: per member, while a checkpoint save has put θ_outer in the params: the live tensors that hold
+        #: θ_outer and θ_local then (``checkpointing.build_save_state``'s ``overrides``)
+        self._save_overrides: Optional[List[Dict[str, List[torch.Tensor]]]] = None
         # Delayed application (τ >= 1): one driver per strategy, one comm thread for all of them
         # (their collectives are issued in the same order on every rank).
         self.delayed: List[DelayedOuter] = []
@@ -476,35 +477,53 @@ class OuterLoopOptimizer:
                                          one all-reduce over the workers at each save)
 
         while each worker's own θ_local goes into its per-worker outer state
-        (``inner.main_param``), so a resume with the plugin stays bitwise. Costs one copy of this
-        rank's fp32 shard and two in-worker param all-gathers per save. With ``--sparseloco-overlap-steps``
+        (``inner.main_param``), so a resume with the plugin stays bitwise. Costs two in-worker param
+        all-gathers per save (memory: below). With ``--sparseloco-overlap-steps``
         and a round in flight the save waits for it and the model part is θ_outer,k+1. Nothing changes before
         the first step (θ_outer is anchored on the params then) or for a rank without shards.
+
+        Memory: where θ_outer is identical on every worker the shards and the anchor trade contents
+        one shard tensor at a time (``checkpointing.exchange_outer_and_local``; extra memory one tensor,
+        at most the largest parameter) and trade back afterwards; gasloc keeps θ_local in host memory
+        for the duration of the save (one shard of fp32 on the host) while the shards hold the mean.
         """
-        if self._anchor_at_first_step or self._local_during_save is not None or not self.strategies:
+        if self._anchor_at_first_step or self._save_overrides is not None or not self.strategies:
             yield
             return
         # τ >= 1 with a round in flight: θ_outer,k+1 first (what sharded_state_dict would do), so
         # the model part is the newest synced model; the merge stays due at H·k+τ.
         self.wait_outer_step()
+        mean = not self.config.identical_across_workers and self.num_workers > 1
+        local: List[List[torch.Tensor]] = []
         with torch.no_grad():
-            self._local_during_save = [[t.detach().clone() for t in sh.tensors] for sh in self.shards]
-            for strategy in self.strategies:
-                outer = strategy.anchor
-                if not self.config.identical_across_workers and self.num_workers > 1:
-                    outer = outer.clone()
-                    dist.all_reduce(outer, group=self.group)
-                    outer.div_(self.num_workers)
-                strategy.params.write(0, strategy.params.numel, outer)
+            if mean:
+                pin = self.strategies[0].device.type == "cuda"
+                local = [[torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in sh.tensors]
+                         for sh in self.shards]
+                for strategy in self.strategies:
+                    strategy.params.write(0, strategy.params.numel, strategy.anchor)
+                for sh in self.shards:
+                    for t in sh.tensors:
+                        dist.all_reduce(t, group=self.group)
+                        t.div_(self.num_workers)
+                self._save_overrides = [{"inner.main_param": lc} for lc in local]
+            else:
+                for strategy in self.strategies:
+                    ckpt.exchange_outer_and_local(strategy)
+                self._save_overrides = ckpt.outer_in_shards_overrides(self.shards, self.strategy_of)
             self._publish_main_params()
         try:
             yield
         finally:
             with torch.no_grad():
-                for shards, local in zip(self.shards, self._local_during_save):
-                    for t, saved in zip(shards.tensors, local):
-                        t.copy_(saved)
-                self._local_during_save = None
+                if mean:
+                    for shards, lc in zip(self.shards, local):
+                        for t, saved in zip(shards.tensors, lc):
+                            t.copy_(saved)
+                else:
+                    for strategy in self.strategies:
+                        ckpt.exchange_outer_and_local(strategy)
+                self._save_overrides = None
                 self._publish_main_params()
 
     # ------------------------------------------------------------------ state
@@ -535,6 +554,10 @@ class OuterLoopOptimizer:
         if self.config.overlap_steps > 0:
             facts["overlap_merge"] = {"value": self.config.overlap_merge, "flag": "--sparseloco-overlap-merge"}
         return facts
+
+    def _outer_shared(self) -> bool:
+        """θ_outer is identical on every worker, so checkpoints keep one copy per shard position."""
+        return bool(self.strategies) and all(s.identical_across_workers for s in self.strategies)
 
     def state_dict(self):
         raise RuntimeError(
@@ -575,7 +598,7 @@ class OuterLoopOptimizer:
                     if not dist.is_initialized() or dist.get_rank() == 0:
                         print(change, flush=True)
             sd[ckpt.OUTER_KEY] = {"tensors": ckpt.build_load_request(self.strategy_of, self.shards, self.worker_index,
-                                                                     metas, saved)}
+                                                                     metas, saved, shared=self._outer_shared())}
             return sd
         facts = self.checkpoint_metadata()
         if isinstance(metadata, dict):
@@ -584,7 +607,7 @@ class OuterLoopOptimizer:
                                   self._param_keys)
         sd[ckpt.OUTER_KEY] = {
             "tensors": ckpt.build_save_state(self.strategy_of, self.shards, self.worker_index, metas,
-                                             self._local_during_save),
+                                             self._save_overrides, shared=self._outer_shared()),
             "ranks": ckpt.gather_rank_records(record),
             "scalars": facts,
         }
