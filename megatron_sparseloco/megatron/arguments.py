@@ -87,6 +87,11 @@ class LoopFlags:
              "state; fragment p syncs every H steps at offset floor(p*H/P), so each sync moves about 1/P of the "
              "bytes. With --sparseloco-overlap-steps τ: τ < H/P.")
     """P, layer groups synced at staggered offsets (``megatron.fragments``); 1 ≤ P ≤ layers, P ≤ H."""
+    anchor_on_cpu: bool = flag_field(
+        False, flag="anchor-on-cpu", store_true=True,
+        help="Keep θ_outer in pinned host memory instead of on the GPU (4 B less GPU memory per parameter element "
+             "of the shard; each bucket is staged on the GPU for the outer step; results bitwise identical).")
+    """θ_outer's placement (``OuterConfig.anchor_on_cpu``); only for strategies ``supports_anchor_on_cpu``."""
 
 
 class SparseLoCoArgumentError(ValueError):
@@ -131,7 +136,8 @@ LOOP_FLAG_NEEDS = {"inner-steps-per-worker": "per_worker_inner_steps",
                    "overlap-steps": "supports_overlap", "overlap-merge": "supports_overlap",
                    "overlap-alpha": "supports_overlap",
                    # fragments sync parts of one shared θ_outer; gossip's workers hold their own
-                   "fragments": "identical_across_workers"}
+                   "fragments": "identical_across_workers",
+                   "anchor-on-cpu": "supports_anchor_on_cpu"}
 
 
 def takers(flag: str, table: Optional[Dict[str, Dict[str, FieldSpec]]] = None) -> List[str]:
@@ -361,6 +367,9 @@ def loop_flags_from_args(args: argparse.Namespace, given: Collection[str], strat
               "so θ_outer hashes never agree", f"use 0 with {algo}")
     _check_overlap(loop, given, algo)
     _check_fragments(loop, algo, getattr(args, "num_layers", None))
+    if loop.anchor_on_cpu and algo not in takers("anchor-on-cpu"):
+        _fail("anchor-on-cpu", f"{algo} updates its workers' own θ_outer on the GPU inside its gossip rounds, so it "
+              "cannot stay in host memory", f"drop it, or use --sparseloco-algorithm {' / '.join(takers('anchor-on-cpu'))}")
     loop.workers = W
     return loop
 

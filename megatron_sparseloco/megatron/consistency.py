@@ -44,6 +44,8 @@ def check_identical_across_workers(tensors: Sequence[torch.Tensor], group: Optio
     if group is None or dist.get_world_size(group) == 1:
         return None
     device = tensors[0].device if tensors else torch.device("cpu")
+    if device.type == "cpu" and dist.get_backend(group) == "nccl":  # host tensors (θ_outer with anchor_on_cpu)
+        device = torch.device("cuda", torch.cuda.current_device())
     mine = torch.tensor([fingerprint(tensors), sum(t.numel() for t in tensors)], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(world)]

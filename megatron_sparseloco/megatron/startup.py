@@ -39,6 +39,8 @@ def resolved_settings(args) -> Dict[str, object]:
     out["consistency check"] = (f"every {args.sparseloco_consistency_check_interval} outer steps"
                                 if args.sparseloco_consistency_check_interval else "off")
     out["outer timeout"] = f"{args.sparseloco_outer_timeout:g} s"
+    if getattr(args, "sparseloco_anchor_on_cpu", False):
+        out["θ_outer"] = "in pinned host memory (--sparseloco-anchor-on-cpu)"
     P = getattr(args, "sparseloco_fragments", None) or 1
     if P > 1:  # (the per-outer-step numbers below are per round: the sum of the P fragment syncs)
         H = args.sparseloco_inner_steps

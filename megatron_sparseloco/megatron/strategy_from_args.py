@@ -37,6 +37,8 @@ def inner_steps_for_worker(args: argparse.Namespace, worker_index: int) -> int:
 
 def strategy_factory_from_args(args: argparse.Namespace):
     fields = outer_config_fields(args)
+    # a loop flag that is a field of every strategy's config (where each strategy allocates θ_outer)
+    fields["anchor_on_cpu"] = bool(getattr(args, "sparseloco_anchor_on_cpu", False))
 
     def factory(params: List[torch.Tensor], group: Optional[dist.ProcessGroup], names: List[str], slices=None):
         return build_outer_strategy(args.sparseloco_algorithm, params, group, names=names, slices=slices, **fields)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megatron_sparseloco.comm.collectives import CommCounter, all_reduce_
 from megatron_sparseloco.compress.segments import TensorSlice
-from megatron_sparseloco.outer.config_fields import ConfigError, check_fields, check_given, flag_field
+from megatron_sparseloco.outer.config_fields import ConfigError, check_fields, check_given, config_field, flag_field
 
 NONFINITE_POLICIES = ("skip", "abort")
 
@@ -54,6 +54,10 @@ class OuterConfig:
                                        help="NaN/Inf pseudo-gradient on any worker: skip the outer step on all "
                                             "workers, or abort.")
     """What a NaN/Inf pseudo-gradient does (module docstring): skip the round, or raise ``NonFiniteError``."""
+    anchor_on_cpu: bool = config_field(False, help="Keep θ_outer in pinned host memory (--sparseloco-anchor-on-cpu).")
+    """θ_outer in (pinned) host memory instead of on the params' device; each bucket is staged on the
+    device for the step (``OuterStrategy.anchor_bucket``). Set from the loop flag
+    ``--sparseloco-anchor-on-cpu``; only for strategies with ``supports_anchor_on_cpu``."""
 
     #: flags this algorithm has no field for but behaves as if set to (flag → value): accepted on
     #: the command line only with that value (e.g. model averaging is outer lr 1 without momentum)
@@ -185,6 +189,9 @@ class OuterStrategy(abc.ABC):
     per_worker_inner_steps: bool = False
     #: keeps an error-feedback buffer (its norm is logged)
     has_error_feedback: bool = False
+    #: reaches θ_outer only through ``anchor_bucket`` / ``store_anchor_bucket`` / ``write_back`` /
+    #: ``pseudo_gradient``, so it may live in host memory (``OuterConfig.anchor_on_cpu``)
+    supports_anchor_on_cpu: bool = False
 
     def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
                  config: OuterConfig, names: Optional[Sequence[str]] = None,
@@ -208,7 +215,15 @@ class OuterStrategy(abc.ABC):
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.counter = CommCounter()
         self.outer_steps = 0
-        self.anchor = torch.empty(self.params.numel, dtype=torch.float32, device=self.device)
+        if self.config.anchor_on_cpu and not self.supports_anchor_on_cpu:
+            raise ConfigError(f"anchor_on_cpu: {self.name} reaches θ_outer on the device in its own step, it cannot "
+                              "stay in host memory", "anchor_on_cpu", "drop --sparseloco-anchor-on-cpu")
+        #: θ_outer: on the params' device, or (``anchor_on_cpu``) in host memory, pinned when that
+        #: device is a GPU
+        self.anchor = torch.empty(self.params.numel, dtype=torch.float32,
+                                  device="cpu" if self.config.anchor_on_cpu else self.device,
+                                  pin_memory=self.config.anchor_on_cpu and self.device.type == "cuda")
+        self._anchor_copies_pending = False
         #: per-element buffers other components keep over ``params`` and want checkpointed with the
         #: strategy (the launch snapshot of delayed application, ``outer/overlap.py``)
         self.attached_state: Dict[str, torch.Tensor] = {}
@@ -243,16 +258,41 @@ class OuterStrategy(abc.ABC):
         for s in range(0, n, b):
             yield s, min(n, s + b)
 
+    def anchor_bucket(self, start: int, end: int) -> torch.Tensor:
+        """θ_outer[start:end] on the params' device: a view of the anchor, or (``anchor_on_cpu``) a copy
+        staged on the device (one bucket of transient memory); an update made in place on it
+        reaches θ_outer through ``store_anchor_bucket``."""
+        if not self.config.anchor_on_cpu:
+            return self.anchor[start:end]
+        return self.anchor[start:end].to(self.device, copy=True, non_blocking=self.anchor.is_pinned())
+
+    def store_anchor_bucket(self, start: int, end: int, bucket: torch.Tensor) -> None:
+        """θ_outer[start:end] ← ``bucket`` (from ``anchor_bucket``; nothing to do for a view of it).
+
+        From a GPU the copy into pinned memory is asynchronous on the current stream; ``anchor_ready``
+        waits for it before the host reads θ_outer (``step`` ends with it)."""
+        if not self.config.anchor_on_cpu:
+            return
+        pinned = self.anchor.is_pinned() and bucket.device.type == "cuda"
+        self.anchor[start:end].copy_(bucket, non_blocking=pinned)
+        self._anchor_copies_pending |= pinned
+
+    def anchor_ready(self) -> None:
+        """Wait for the copies ``store_anchor_bucket`` left in flight (one host sync per outer step)."""
+        if self._anchor_copies_pending:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._anchor_copies_pending = False
+
     def pseudo_gradient(self, start: int, end: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Δ[start:end] = θ_outer − θ_local for one bucket (fresh buffer unless ``out``)."""
         if out is None:
             out = torch.empty(end - start, dtype=torch.float32, device=self.device)
         self.params.read(start, end, out)
-        return torch.sub(self.anchor[start:end], out, out=out)
+        return torch.sub(self.anchor_bucket(start, end), out, out=out)
 
-    def write_back(self, start: int, end: int) -> None:
-        """θ_local ← θ_outer on one bucket."""
-        self.params.write(start, end, self.anchor[start:end])
+    def write_back(self, start: int, end: int, anchor: Optional[torch.Tensor] = None) -> None:
+        """θ_local ← θ_outer on one bucket (``anchor``: that bucket of θ_outer already on the device)."""
+        self.params.write(start, end, self.anchor_bucket(start, end) if anchor is None else anchor)
 
     def reset_to_anchor(self) -> None:
         """θ_local ← θ_outer on every bucket (a skipped round discards the local progress)."""
@@ -272,6 +312,7 @@ class OuterStrategy(abc.ABC):
         proceed, nonfinite_tensor = self.nonfinite_verdict(stats)
         if proceed:
             self._outer_step(stats, nonfinite_tensor)
+        self.anchor_ready()
         self.outer_steps += 1
         stats.bytes_sent = self.counter.bytes_sent - before[0]
         stats.bytes_received = self.counter.bytes_received - before[1]

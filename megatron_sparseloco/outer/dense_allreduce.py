@@ -82,9 +82,11 @@ def dense_outer_step_(strategy: OuterStrategy, stats: OuterStepStats, comm_dtype
         mean_delta = mean_pseudo_gradient_(strategy, s, e, work[: e - s], comm_dtype, stats, delta_sq)
         with strategy._timer(stats, "time_apply_s"):
             mom = None if momentum_buf is None else momentum_buf[s:e]
-            update = outer_sgd_(strategy.anchor[s:e], mean_delta, mom, lr, momentum, nesterov)
+            anchor = strategy.anchor_bucket(s, e)
+            update = outer_sgd_(anchor, mean_delta, mom, lr, momentum, nesterov)
+            strategy.store_anchor_bucket(s, e, anchor)
             upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
-            strategy.write_back(s, e)
+            strategy.write_back(s, e, anchor)
     stats.delta_norm = float(delta_sq.sqrt().item())
     stats.update_norm = lr * float(upd_sq.sqrt().item())
 
@@ -117,7 +119,9 @@ def dense_launch_(strategy: OuterStrategy, stats: OuterStepStats, comm_dtype: st
             for (s, e), wire in zip(strategy.buckets(), wires):
                 mean_delta = _mean_from_wire(strategy, work[s:e], wire)
                 mom = None if momentum_buf is None else momentum_buf[s:e]
-                update = outer_sgd_(strategy.anchor[s:e], mean_delta, mom, lr, momentum, nesterov)
+                anchor = strategy.anchor_bucket(s, e)
+                update = outer_sgd_(anchor, mean_delta, mom, lr, momentum, nesterov)
+                strategy.store_anchor_bucket(s, e, anchor)
                 upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
         stats.delta_norm = float(delta_sq.sqrt().item())
         stats.update_norm = lr * float(upd_sq.sqrt().item())
@@ -130,6 +134,7 @@ class DenseAllReduceStrategy(OuterStrategy):
     keep a ``momentum`` buffer (None: no momentum); the config has a ``comm_dtype`` field."""
 
     supports_overlap = True
+    supports_anchor_on_cpu = True
     #: outer SGD momentum buffer over ``params`` (None: the algorithm keeps none)
     momentum: Optional[torch.Tensor] = None
 

@@ -304,6 +304,7 @@ class SparseLoCo(OuterStrategy):
     name = "sparseloco"
     config_class = SparseLoCoConfig
     has_error_feedback = True
+    supports_anchor_on_cpu = True
 
     def __init__(self, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
                  config: Optional[SparseLoCoConfig] = None, names: Optional[Sequence[str]] = None,
@@ -439,9 +440,11 @@ class SparseLoCo(OuterStrategy):
             elif self.world_size > 1:
                 agg.div_(self.world_size)
         mom = None if self.momentum is None else self.momentum[s:e]
-        update = outer_sgd_(self.anchor[s:e], agg, mom, cfg.lr, cfg.momentum, cfg.nesterov)
+        anchor = self.anchor_bucket(s, e)
+        update = outer_sgd_(anchor, agg, mom, cfg.lr, cfg.momentum, cfg.nesterov)
+        self.store_anchor_bucket(s, e, anchor)
         if write:
-            self.write_back(s, e)
+            self.write_back(s, e, anchor)
         return kept_union, clip_min, update
 
     # Both the blocking step and the delayed one (``_launch_round``) run each bucket through the

@@ -4,6 +4,7 @@
         ...
     acc.peak["cpu"]        # most bytes allocated inside the block and alive at once
     acc.live["cpu"]        # bytes allocated inside the block still alive at its end
+    acc.allocated["cpu"]   # all bytes allocated inside the block (freed or not)
 
 A ``TorchDispatchMode``: every aten op's output whose storage is none of its inputs' storages is a
 new allocation (views, in-place ops and ``copy_`` into an existing tensor are not); it counts until
@@ -39,6 +40,7 @@ class TensorAccounting(TorchDispatchMode):
         super().__init__()
         self.live: Dict[str, int] = defaultdict(int)
         self.peak: Dict[str, int] = defaultdict(int)
+        self.allocated: Dict[str, int] = defaultdict(int)
         self._held: Dict[int, tuple] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -55,6 +57,7 @@ class TensorAccounting(TorchDispatchMode):
             place, n = _place(t), storage.nbytes()
             self._held[key] = (place, n)
             self.live[place] += n
+            self.allocated[place] += n
             self.peak[place] = max(self.peak[place], self.live[place])
             weakref.finalize(storage, self._freed, key)
         return out
