@@ -87,6 +87,7 @@ def dense_outer_step_(strategy: OuterStrategy, stats: OuterStepStats, comm_dtype
             strategy.store_anchor_bucket(s, e, anchor)
             upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
             strategy.write_back(s, e, anchor)
+            del anchor, update   # a staged bucket of θ_outer (anchor_on_cpu) is freed before the next one
     stats.delta_norm = float(delta_sq.sqrt().item())
     stats.update_norm = lr * float(upd_sq.sqrt().item())
 
@@ -123,6 +124,7 @@ def dense_launch_(strategy: OuterStrategy, stats: OuterStepStats, comm_dtype: st
                 update = outer_sgd_(anchor, mean_delta, mom, lr, momentum, nesterov)
                 strategy.store_anchor_bucket(s, e, anchor)
                 upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
+                del anchor, update
         stats.delta_norm = float(delta_sq.sqrt().item())
         stats.update_norm = lr * float(upd_sq.sqrt().item())
 
