@@ -207,10 +207,12 @@ class OuterLoopOptimizer:
         self._exposed_at_launch = 0.0
         #: per fragment, the drivers of its strategies
         self.fragment_delayed: List[List[DelayedOuter]] = [[] for _ in range(P)]
+        #: the outer step whose round was launched last (its collectives wait for every rank: ``_wait_all``)
+        self._launched_step = 0
         if self.config.overlap_steps > 0 and self.strategies:
             comm = CommThread(self.strategies[0].device)
-            self.fragment_delayed = [[DelayedOuter(s, self.config.overlap(), comm) for s in ss]
-                                     for ss in self.fragment_strategies]
+            self.fragment_delayed = [[DelayedOuter(s, self.config.overlap(), comm, before_communicate=self._wait_all)
+                                      for s in ss] for ss in self.fragment_strategies]
             self.delayed = [d for dd in self.fragment_delayed for d in dd]
 
     # ------------------------------------------------------------------ the loop
@@ -297,11 +299,12 @@ class OuterLoopOptimizer:
     def _lost_worker_named(self, step_no: int):
         """A collective failure inside the block (timeout, closed peer) becomes the watch's
         ``WorkerLostError`` naming the workers that never reached outer step ``step_no`` (W > 1);
-        ``NonFiniteError`` and single-worker errors pass through unchanged."""
+        ``NonFiniteError``, the arrival barrier's own ``WorkerLostError`` and single-worker errors pass
+        through unchanged."""
         try:
             yield
         except (RuntimeError, dist.DistBackendError) as exc:
-            if self.num_workers > 1 and not isinstance(exc, NonFiniteError):
+            if self.num_workers > 1 and not isinstance(exc, (NonFiniteError, WorkerLostError)):
                 raise self.watch.fail(step_no, exc, self.config.outer_timeout_s or 0.0) from exc
             raise
 
@@ -345,7 +348,8 @@ class OuterLoopOptimizer:
             timer.start()
         t0 = time.perf_counter()
         step_no = self.outer_steps + 1
-        self.watch.barrier(step_no)   # every rank arrived, or WorkerLostError naming who did not
+        self.watch.arrive(step_no)   # the round's collectives wait for every rank first (``_wait_all``)
+        self._launched_step = step_no
         with self._lost_worker_named(step_no):
             # every round goes to the comm thread in the same order on every rank: see DelayedOuter.launch
             for d in delayed:
@@ -357,6 +361,10 @@ class OuterLoopOptimizer:
         self._exposed_at_launch = time.perf_counter() - t0
         if timer is not None:
             timer.stop()
+
+    def _wait_all(self) -> None:
+        """On the comm thread, before a launched round's first collective: every rank arrived at it."""
+        self.watch.wait_all(self._launched_step)
 
     def _any_reset_in_worker(self, delayed: Sequence[DelayedOuter]) -> bool:
         """Did a launch reset a shard of this worker (its params were not finite)? Every rank of the

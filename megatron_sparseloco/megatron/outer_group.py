@@ -64,20 +64,23 @@ def _default_store():
 class OuterStepWatch:
     """The arrival barrier before every outer step, and the names of the workers that never came.
 
-    Before an outer step issues its first collective, every rank of the job (all workers, all shard
-    positions: N ranks) runs ``barrier(step)`` on the job's rendezvous store, host-side:
+    Every rank of the job (all workers, all shard positions: N ranks) arrives at each outer step in
+    the job's rendezvous store, host-side:
 
         set   sparseloco/outer/<step>/rank<r>          (this rank arrived)
         n ← add(sparseloco/outer/<step>/arrived, 1)    (the rank with n = N sets .../<step>/all)
-        wait  sparseloco/outer/<step>/all              (at most --sparseloco-outer-timeout seconds)
 
-    Three store requests per rank and step, no collective. When the wait times out, the rank reads
-    which ``rank<r>`` keys are absent, names those ranks' workers and raises ``WorkerLostError``
-    before it issued any collective of the step, so the error is raised on every surviving rank
-    even where a failed collective would end the process unnamed (NCCL's watchdog with
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``) or hang (a stopped peer keeps its sockets open).
-    Keys of step k − 1 are deleted once every rank has arrived at step k (no rank can still be
-    waiting on them then), so the store holds the keys of at most two steps.
+    and, before it issues the step's first collective, waits for ``.../<step>/all``
+    (``--sparseloco-outer-timeout`` seconds at most): a blocking step on the training thread
+    (``barrier``), a delayed one (``--sparseloco-overlap-steps``) on the thread that runs the round's
+    collectives, so the training thread never waits for the slowest worker there (``arrive`` at
+    launch, ``wait_all`` before the round). A handful of store requests per rank and step, no
+    collective. When the wait times out, the rank reads which ``rank<r>`` keys are absent, names
+    those ranks' workers and raises ``WorkerLostError`` having issued no collective of the step, so
+    the error is raised on every waiting rank even where a failed collective would end the process
+    unnamed (NCCL's watchdog with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``) or hang (a stopped peer
+    keeps its sockets open). Every rank has finished waiting for step k − 1 before anyone arrives
+    at step k, so arriving at k deletes the keys of k − 1: the store holds those of two steps at most.
     """
 
     PREFIX = "sparseloco/outer"
@@ -91,6 +94,8 @@ class OuterStepWatch:
         self.workers = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank() if group is not None else 0
         self.world = dist.get_world_size() if group is not None else 1
+        #: (step, None when every rank arrived / the error raised) of the last ``wait_all``
+        self._outcome: Optional[tuple] = None
         #: global rank -> worker index (one object all-gather at construction)
         self.worker_of: List[int] = [0] * self.world
         if group is not None:
@@ -100,24 +105,43 @@ class OuterStepWatch:
         return f"{self.PREFIX}/{step}/{name}"
 
     def barrier(self, step: int) -> None:
-        """Arrive at outer step ``step`` and wait until every rank of the job has (module docstring)."""
+        """Arrive at outer step ``step`` and wait until every rank of the job has (class docstring)."""
+        self.arrive(step)
+        self.wait_all(step)
+
+    def arrive(self, step: int) -> None:
+        """This rank's arrival at ``step``, without waiting (a few store requests). The rank that
+        completes the count marks the step complete and deletes the previous step's shared keys;
+        every rank deletes its own key of the previous step."""
         if self.store is None:
             return
         try:
             self.store.set(self._key(step, f"rank{self.rank}"), str(self.worker))
-            last = self.store.add(self._key(step, "arrived"), 1) == self.world
-            if last:
+            if self.store.add(self._key(step, "arrived"), 1) == self.world:
                 self.store.set(self._key(step, "all"), "1")
-            self.store.wait([self._key(step, "all")], timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:  # the wait timed out, or the store went away with its host
-            raise self.lost(step, exc) from exc
-        try:
-            self.store.delete_key(self._key(step - 1, f"rank{self.rank}"))
-            if last:
                 for name in ("arrived", "all"):
                     self.store.delete_key(self._key(step - 1, name))
-        except RuntimeError:  # a store without delete_key keeps them: nothing else depends on it
-            pass
+            self.store.delete_key(self._key(step - 1, f"rank{self.rank}"))
+        except RuntimeError as exc:  # the store went away with its host
+            self._outcome = (step, self.lost(step, exc))
+            raise self._outcome[1] from exc
+
+    def wait_all(self, step: int) -> None:
+        """Wait (``timeout_s`` at most) until every rank arrived at ``step``; ``WorkerLostError`` naming the
+        missing ones otherwise. Once per step: a second call returns, or raises the same error, at once
+        (several strategies of one round wait for it in turn)."""
+        if self.store is None:
+            return
+        if self._outcome is not None and self._outcome[0] == step:
+            if self._outcome[1] is not None:
+                raise self._outcome[1]
+            return
+        try:
+            self.store.wait([self._key(step, "all")], timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:  # the wait timed out, or the store went away with its host
+            self._outcome = (step, self.lost(step, exc))
+            raise self._outcome[1] from exc
+        self._outcome = (step, None)
 
     def missing_ranks(self, step: int) -> List[int]:
         """Global ranks whose arrival at ``step`` is not in the store ([] when that cannot be told)."""
