@@ -1,4 +1,5 @@
-"""Fault injection on real megatron-core workers (CPU, gloo): a dead worker, a diverged worker."""
+"""Fault injection on real megatron-core workers (CPU, gloo): a dead worker, a diverged worker, and the arrival
+barrier that names a lost worker before any outer collective (unit, and the real megatron.training loop)."""
 from __future__ import annotations
 
 import os
