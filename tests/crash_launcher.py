@@ -19,12 +19,13 @@ CRASH_RANK = int(os.environ["CRASH_RANK"])
 _orig_outer_step = outer_opt.OuterLoopOptimizer.outer_step
 
 
-def _crashing_outer_step(self):
+def _crashing_outer_step(self, *args, **kwargs):
     if dist.get_rank() == CRASH_RANK and self.outer_steps + 1 == CRASH_STEP:
+        self.watch.barrier(CRASH_STEP)   # arrives like every rank, then dies mid-step
         self.strategies[0].step()
         print(f"crash_launcher: rank {CRASH_RANK} dies inside outer step {CRASH_STEP}", flush=True)
         os._exit(17)
-    return _orig_outer_step(self)
+    return _orig_outer_step(self, *args, **kwargs)
 
 
 outer_opt.OuterLoopOptimizer.outer_step = _crashing_outer_step

@@ -24,8 +24,14 @@ after every outer step to ``<dir>/outer<step>_rank<r>.pt`` (then they hold θ_ou
 of ``train`` to ``<dir>/start_rank<r>.pt`` (what a load put there) — also with the plugin off.
 
 Fault injection (env ``STALL_RANK=r``, ``STALL_AT_ITER=n``): global rank r stops itself with SIGSTOP
-at the start of iteration n (a stalled worker: alive, connections open, silent); a rank whose
-train_step raises prints ``semantics_launcher: rank <r> failed t=<time>: <error>``. A slow GPU
+at the start of iteration n (a stalled worker: alive, connections open, silent), or with
+``STALL_SIGNAL=KILL`` is killed by SIGKILL (a lost worker: its connections close); a rank whose
+train_step raises prints ``semantics_launcher: rank <r> failed t=<time>: <error>``, and one whose
+outer step raises first prints ``semantics_launcher: rank <r> issued <n> collective(s) in the failed
+outer step <k>, which raised after <s> s``. ``WATCHDOG=1`` does what NCCL's watchdog does with
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (examples/slurm/sparseloco.sbatch): a collective that fails
+takes the process down at once (``semantics_launcher: watchdog: ...``, exit code 6), before any
+Python code could name the missing worker. A slow GPU
 (env ``SLOW_RANK=r``, ``SLOW_FORWARD_S=s``): global rank r sleeps s seconds in every forward step it runs.
 """
 import functools
@@ -46,6 +52,8 @@ OUT = os.environ["SEMANTICS_OUT"]
 #: optional fault injection: this global rank stops itself (SIGSTOP) at the start of that iteration
 STALL_RANK = int(os.environ.get("STALL_RANK", "-1"))
 STALL_AT = int(os.environ.get("STALL_AT_ITER", "0"))
+STALL_SIGNAL = getattr(signal, "SIG" + os.environ.get("STALL_SIGNAL", "STOP"))
+WATCHDOG = os.environ.get("WATCHDOG") == "1"
 DUMP = os.environ.get("SEMANTICS_DUMP") == "1"
 #: optional slow GPU: this global rank sleeps this long in every forward step
 SLOW_RANK = int(os.environ.get("SLOW_RANK", "-1"))
@@ -87,7 +95,14 @@ def _install():
 
             def spy(*args, **kwargs):
                 self.where.append(_where())
-                return inner(*args, **kwargs)
+                if not WATCHDOG:
+                    return inner(*args, **kwargs)
+                try:
+                    return inner(*args, **kwargs)
+                except BaseException as exc:
+                    print(f"semantics_launcher: watchdog: rank {dist.get_rank()}: {name} failed ({type(exc).__name__}: "
+                          f"{exc}); taking the process down", flush=True)
+                    os._exit(6)
             return spy
 
         def __enter__(self):
@@ -100,6 +115,7 @@ def _install():
     def outer_step(self, *args, **kwargs):   # (a fragment's index with --sparseloco-fragments)
         spy = state["spy"]
         n0 = len(spy.calls) if spy is not None else 0
+        t0 = time.monotonic()
         publish = type(self).publish
         in_worker = []  # [start, end) of the in-worker param all-gather that ends the step
 
@@ -114,6 +130,12 @@ def _install():
             if DUMP:
                 _dump(self.model_chunks, f"outer{self.outer_steps}")
             return out
+        except BaseException:
+            if spy is not None:
+                print(f"semantics_launcher: rank {dist.get_rank()} issued {len(spy.calls) - n0} collective(s) in the "
+                      f"failed outer step {self.outer_steps + 1}, which raised after {time.monotonic() - t0:.2f} s",
+                      flush=True)
+            raise
         finally:
             del self.publish
             if spy is not None:
@@ -159,9 +181,10 @@ def _install():
             state["first"] = len(spy.calls)  # record from the first iteration on
         state["iteration"] = state.get("iteration", 0) + 1
         if STALL_RANK == dist.get_rank() and state["iteration"] == STALL_AT:
-            print(f"semantics_launcher: rank {STALL_RANK} stalls (SIGSTOP) at iteration {STALL_AT} t={time.time():.3f}",
+            how = signal.Signals(STALL_SIGNAL).name
+            print(f"semantics_launcher: rank {STALL_RANK} stalls ({how}) at iteration {STALL_AT} t={time.time():.3f}",
                   flush=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            os.kill(os.getpid(), STALL_SIGNAL)
         try:
             return orig_train_step(*a, **kw)
         except BaseException as exc:

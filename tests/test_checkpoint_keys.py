@@ -41,9 +41,20 @@ def test_save_and_load_keys_say_what_they_hold():
     assert list(saved) == ["dense"]
     assert set(saved["dense"]) == {"outer.anchor", "outer.momentum", "inner.main_param"}
     assert set(saved["dense"]["outer.anchor"]) == set(KEYS)
-    assert saved["dense"]["outer.anchor"][KEYS[0]].key == f"optimizer.sparseloco.worker0.outer.anchor.{KEYS[0]}"
+    assert {sh.key for sh in saved["dense"]["outer.anchor"][KEYS[0]]} == {f"optimizer.sparseloco.worker0.outer.anchor.{KEYS[0]}"}
     request = ckpt.build_load_request([strategy], [shards], 0, metas, None)
     assert {k: set(v) for k, v in request["dense"].items()} == {k: set(v) for k, v in saved["dense"].items()}
+    # θ_outer identical on every worker (diloco): one key for all workers, worker w's copy is replica w
+    shared = ckpt.build_save_state([strategy], [shards], 1, metas, shared=True)
+    anchor = {sh.key for sh in shared["dense"]["outer.anchor"][KEYS[0]]}
+    assert anchor == {f"optimizer.sparseloco.outer.anchor.{KEYS[0]}"}
+    momentum = {sh.key for sh in shared["dense"]["outer.momentum"][KEYS[0]]}
+    assert momentum == {f"optimizer.sparseloco.worker1.outer.momentum.{KEYS[0]}"}
+    states = {"states": {"dense": sorted(saved["dense"])}}
+    request = ckpt.build_load_request([strategy], [shards], 1, metas, {"format": 3, **states}, shared=True)
+    assert request["dense"]["outer.anchor"][KEYS[0]].key == f"optimizer.sparseloco.outer.anchor.{KEYS[0]}"
+    old = ckpt.build_load_request([strategy], [shards], 1, metas, {"format": 2, **states}, shared=True)  # per worker
+    assert old["dense"]["outer.anchor"][KEYS[0]].key == f"optimizer.sparseloco.worker1.outer.anchor.{KEYS[0]}"
 
 
 @pytest.mark.parametrize("member_key", ["dense", "m0"])  # "m0": checkpoints written before members had names

@@ -6,7 +6,8 @@ Real megatron.training runs (examples/pretrain_gpt.py), 2 SparseLoCo workers, H 
   (two inner steps into round 2: error feedback, θ_outer, Adam moments all non-trivial).
 - B: 2 ranks (each worker = 1 rank, micro-batch 2) loads A@7 and saves it again without training:
   every worker's per-element outer and inner state must come out bitwise equal to A's, although
-  each rank now holds a whole worker's elements instead of half of them.
+  each rank now holds a whole worker's elements instead of half of them; θ_outer, identical on
+  both workers, is in the checkpoint once.
 - C: 4 ranks again load B@7 and train to 12: the same iterations, θ_outer and main-param
   fingerprints as A — the state survived 2 → 1 → 2 ranks per worker.
 - D: 2 ranks as *one* worker asked to load A@7: refused before anything is read, naming the flag.
@@ -71,8 +72,11 @@ def test_resume_with_other_intra_worker_dp_size_keeps_outer_state(tmp_path, corp
     assert outer_keys == sorted(k for k in tens_b if k.startswith(PREFIX))
     states = {k[len(PREFIX):].split(".")[0] + "." + ".".join(k[len(PREFIX):].split(".")[1:3]) for k in outer_keys}
     for w in (0, 1):
-        for s in ("outer.anchor", "outer.error_feedback", "inner.main_param", "inner.exp_avg", "inner.exp_avg_sq"):
+        for s in ("outer.error_feedback", "inner.main_param", "inner.exp_avg", "inner.exp_avg_sq"):
             assert f"worker{w}.{s}" in states, (w, s, sorted(states))
+    # θ_outer, identical on both workers, is written once (no per-worker copy)
+    assert any(k.startswith(PREFIX + "outer.anchor.") for k in outer_keys)
+    assert not any(".outer.anchor." in k for k in outer_keys if ".worker" in k), outer_keys
     for k in outer_keys:
         assert tens_a[k].dtype == tens_b[k].dtype and torch.equal(tens_a[k].view(torch.uint8),
                                                                  tens_b[k].view(torch.uint8)), k

@@ -133,3 +133,18 @@ def test_crash_inside_outer_step_resumes_from_last_complete_checkpoint(tmp_path,
     for ra, rb in zip(ref["per_rank"], resumed["per_rank"]):
         assert ra["theta_outer_fingerprint"] == rb["theta_outer_fingerprint"]
         assert ra["main_params_fingerprint"] == rb["main_params_fingerprint"]
+
+
+@pytest.mark.timeout(900)
+def test_anchor_on_cpu_trains_and_resumes_bitwise_like_the_device_anchor(tmp_path, corpus):
+    """--sparseloco-anchor-on-cpu in the real loop: the run with θ_outer in host memory ends with the
+    very θ_outer, fp32 main params and losses of the run with θ_outer on the params' device, and a
+    resume from its mid-round checkpoint (θ_outer saved from and loaded into host memory) ends bitwise
+    the same again."""
+    _, plain = _run(tmp_path, corpus, "plain", [])
+    res_a, sum_a, res_b, sum_b = save_and_resume(tmp_path, corpus, ["--sparseloco-anchor-on-cpu"])
+    assert_resumed_bitwise(res_a, sum_a, res_b, sum_b)
+    assert "θ_outer" in "\n".join(res_a["log_lines"]) and "pinned host memory" in "\n".join(res_a["log_lines"])
+    for rp, ra in zip(plain["per_rank"], sum_a["per_rank"]):
+        assert rp["theta_outer_fingerprint"] == ra["theta_outer_fingerprint"]
+        assert rp["main_params_fingerprint"] == ra["main_params_fingerprint"]

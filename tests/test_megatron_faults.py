@@ -1,10 +1,16 @@
-"""Fault injection on real megatron-core workers (CPU, gloo): a dead worker, a diverged worker."""
+"""Fault injection on real megatron-core workers (CPU, gloo): a dead worker, a diverged worker, and the arrival
+barrier that names a lost worker before any outer collective (unit, and the real megatron.training loop)."""
 from __future__ import annotations
 
 import os
+import re
+import signal
+import subprocess
 import time
 
-from megatron_sparseloco.testing.multirank import run_ranks
+import pytest
+
+from megatron_sparseloco.testing.multirank import free_port, run_ranks
 
 SEQ, MBS, VOCAB = 32, 2, 128
 
@@ -45,7 +51,7 @@ def _dead_worker_rank(rank, world, H, timeout_s):
 
 
 def test_dead_worker_fails_the_others_with_its_name():
-    timeout_s = 20.0
+    timeout_s = 6.0
     res = run_ranks(_dead_worker_rank, 2, args=(3, timeout_s), timeout=180, expect_dead=(1,))
     assert res[1] is None
     err = res[0]["error"]
@@ -103,3 +109,152 @@ def _identical_start_rank(rank, world):
 def test_workers_must_start_identical():
     res = run_ranks(_identical_start_rank, 2, timeout=180)
     assert all(r is not None and "initial parameters" in r for r in res), res
+
+
+def _arrival_barrier_rank(rank, world, timeout_s):
+    """2 workers x 2 shard positions (worker = rank // 2). Steps 1-3: everyone arrives (at step 2 the
+    ranks of position 1 only arrive, as ranks without a collective in a delayed round do, and do not
+    wait); step 4: rank 3 (worker 1, position 1) never does."""
+    import torch.distributed as dist
+
+    from megatron_sparseloco.megatron.outer_group import OuterStepWatch, WorkerLostError
+    from megatron_sparseloco.testing.collective_spy import CollectiveSpy
+    group, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    watch = OuterStepWatch(group, rank // 2, timeout_s)
+    for step in (1, 2, 3):
+        if step == 2 and rank % 2 == 1:
+            watch.arrive(step)
+        else:
+            watch.barrier(step)
+    dist.barrier()   # every rank has passed step 3: its deletions are done
+    key = lambda step, name: f"{OuterStepWatch.PREFIX}/{step}/{name}"  # noqa: E731
+    names = [f"rank{r}" for r in range(world)] + ["arrived", "all"]
+    left = {step: [n for n in names if watch.store.check([key(step, n)])] for step in (1, 2, 3)}
+    dist.barrier()   # everyone has looked before step 4's arrivals delete step 3's keys
+    out = {"left": left, "worker_of": watch.worker_of, "error": None}
+    if rank == 3:
+        return out
+    t0 = time.monotonic()
+    with CollectiveSpy() as spy:
+        try:
+            watch.barrier(4)
+        except WorkerLostError as exc:
+            out["error"] = str(exc)
+        waited = time.monotonic() - t0
+        try:   # a second strategy of the round asks again: the same error at once
+            watch.wait_all(4)
+        except WorkerLostError as exc:
+            out["again"] = (str(exc) == out["error"], time.monotonic() - t0 - waited)
+    out.update(waited_s=waited, collectives=list(spy.calls))
+    return out
+
+
+def test_arrival_barrier_names_missing_worker_on_every_rank_before_any_collective():
+    """Every surviving rank — the missing rank's own worker-mate and the other worker's ranks at both
+    shard positions — raises WorkerLostError naming worker 1 and global rank 3 after the timeout,
+    with no collective issued, and raises it again at once when asked again; ranks that only arrive
+    let the others pass; the store keeps only the last step's keys."""
+    timeout_s = 3.0
+    res = run_ranks(_arrival_barrier_rank, 4, args=(timeout_s,), timeout=120)
+    for rank, r in enumerate(res):
+        assert r["worker_of"] == [0, 0, 1, 1]
+        assert r["left"][1] == [] and r["left"][2] == [], r["left"]   # old steps' keys deleted
+        assert r["left"][3] == [f"rank{q}" for q in range(4)] + ["arrived", "all"]
+        if rank == 3:
+            continue
+        err = r["error"]
+        assert err is not None and "worker(s) [1] (global rank(s) [3]) never reached outer step 4" in err, err
+        assert f"global rank {rank}, worker {rank // 2}" in err and "--sparseloco-outer-timeout" in err, err
+        assert "before issuing any collective" in err and "Fix:" in err, err
+        assert r["collectives"] == []
+        assert timeout_s - 0.5 <= r["waited_s"] < timeout_s + 10, r["waited_s"]
+        assert r["again"][0] and r["again"][1] < 1.0, r["again"]
+
+
+#: what examples/slurm/sparseloco.sbatch exports: NCCL's watchdog takes a process down when a collective
+#: fails or times out (TORCH_NCCL_ASYNC_ERROR_HANDLING=1); semantics_launcher's WATCHDOG=1 does the same on gloo
+SBATCH_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_DEBUG": "WARN",
+              "WATCHDOG": "1"}
+
+
+def _launch_two_nodes(tmp_path, env, timeout_s, H, extra=(), grace_s=3.0):
+    """The real megatron.training loop (tests/semantics_launcher.py) on two "nodes", one launcher and
+    one rank each (worker w = node w), as a two-node torchrun with a static rendezvous: a lost rank
+    stops only its own node. When node 0 has ended, node 1 is stopped as srun --kill-on-bad-exit does.
+    Returns ({node: exit code}, {node: output})."""
+    from megatron_sparseloco.demo import REPO_ROOT, build_command
+    from megatron_sparseloco.testing.prefork import use_prefork
+    launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "semantics_launcher.py")
+    cmd = build_command({"train": "unused", "valid": "unused"}, nproc=2, workers=2, algorithm="diloco",
+                        inner_steps=H, train_iters=400, eval_interval=1000, eval_iters=1, log_interval=1,
+                        micro_batch_size=2, seq_length=32,
+                        extra=["--num-layers", "2", "--hidden-size", "64", "--mock-data", "--split", "98,1,1",
+                               "--sparseloco-outer-timeout", str(timeout_s)] + list(extra))
+    i = cmd.index("--train-data-path")
+    del cmd[i:i + 4]
+    i = cmd.index("megatron_sparseloco.run")
+    cmd[i - 1:i + 1] = [launcher]
+    cmd = use_prefork(cmd)
+    i = cmd.index("--standalone")
+    port = free_port()
+    run_env = {**os.environ, **env, "SEMANTICS_OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1",
+               "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs, logs = {}, {}
+    for node in (0, 1):
+        node_cmd = cmd[:i] + ["--nnodes", "2", "--node-rank", str(node), "--master-port", str(port),
+                              "--nproc-per-node", "1"] + cmd[i + 3:]
+        logs[node] = open(tmp_path / f"node{node}.log", "w+")
+        procs[node] = subprocess.Popen(node_cmd, cwd=REPO_ROOT, env=run_env, stdout=logs[node],
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+    codes = {}
+    try:
+        codes[0] = procs[0].wait(timeout=240)
+        try:
+            codes[1] = procs[1].wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(procs[1].pid, signal.SIGKILL)
+            codes[1] = procs[1].wait()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    out = {}
+    for node, f in logs.items():
+        f.seek(0)
+        out[node] = f.read()
+        f.close()
+    return codes, out
+
+
+@pytest.mark.multirank
+@pytest.mark.megatron
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault,tau", [("KILL", 0), ("STOP", 0), ("KILL", 1)])
+def test_arrival_barrier_names_lost_worker_in_megatron_loop_before_any_collective(tmp_path, fault, tau):
+    """Worker 1 (rank 1, node 1) is killed (SIGKILL: its sockets close) or stopped (SIGSTOP: they stay
+    open) at iteration 3 of a 5-iteration round, under the sbatch's watchdog settings. Worker 0 runs
+    its inner steps, waits at the first outer step's arrival barrier for --sparseloco-outer-timeout,
+    names worker 1 and global rank 1 and exits non-zero having issued no collective of the step (a
+    collective with the lost peer would have fired the watchdog, unnamed). With
+    --sparseloco-overlap-steps 1 the wait runs on the comm thread before the round's first
+    collective, and the error is raised at the round's completion, one inner step later."""
+    timeout_s = 8
+    extra = ["--sparseloco-overlap-steps", str(tau)] if tau else []
+    codes, out = _launch_two_nodes(tmp_path, {**SBATCH_ENV, "STALL_RANK": "1", "STALL_AT_ITER": "3",
+                                              "STALL_SIGNAL": fault}, timeout_s, H=5, extra=extra)
+    log0 = out[0]
+    assert codes[0] != 0 and codes[1] != 0, (codes, log0[-3000:], out[1][-2000:])
+    stall = re.search(rf"rank 1 stalls \(SIG{fault}\) at iteration 3", out[1])
+    failed = re.search(r"semantics_launcher: rank 0 failed t=[0-9.]+: WorkerLostError: (.*)", log0)
+    assert stall and failed, (log0[-3000:], out[1][-2000:])
+    message = failed.group(1)
+    assert "worker(s) [1] (global rank(s) [1]) never reached outer step 1" in message, message
+    assert "--sparseloco-outer-timeout" in message and "Fix:" in message, message
+    assert "semantics_launcher: watchdog" not in log0, log0[-3000:]
+    if tau:
+        return
+    spent = re.search(r"semantics_launcher: rank 0 issued 0 collective\(s\) in the failed outer step 1, which raised "
+                      r"after ([0-9.]+) s", log0)
+    assert spent, log0[-3000:]
+    assert timeout_s <= float(spent.group(1)) < timeout_s + 10, spent.group(0)   # the barrier's wait, then out

@@ -8,8 +8,8 @@ checked (issue 16):
   that allows it;
 - inner_isolation: no collective whose group spans two workers between outer steps (loss
   reduction, timer barriers, rerun-machine flags are worker-local);
-- stalled: a worker stopped with SIGSTOP fails the healthy workers within
-  --sparseloco-outer-timeout + a margin, naming the missing worker and its rank;
+- stalled: a worker stopped with SIGSTOP (or killed) is named at the next outer step's arrival
+  barrier: tests/test_megatron_faults.py (two launchers, the sbatch's watchdog settings);
 - tied / virtual_pipeline: PP 2 (and 2 virtual stages per rank) keep the tied embedding and
   output layer bitwise identical;
 - precision_aware: --use-precision-aware-optimizer / --optimizer-cpu-offload refused by flag
@@ -148,30 +148,6 @@ def test_inner_isolation_no_cross_worker_collective_in_training_loop(tmp_path):
     assert_identical_replicas(ranks)
     # Megatron's line still reports a finite loss (now the worker's own).
     assert res["train_loss"] and all(loss == loss for _, loss in res["train_loss"]), tail(res)
-
-
-# ------------------------------------------------------------------------------------------ stalled
-@pytest.mark.multirank
-@pytest.mark.megatron
-@pytest.mark.timeout(300)
-def test_stalled_worker_fails_the_job_fast_naming_it(tmp_path):
-    """Worker 1 (rank 1) stops itself (SIGSTOP) at iteration 3 of a 5-iteration round: the healthy
-    worker must get through its inner steps and fail the first outer step within the timeout,
-    naming worker 1 and global rank 1 (before: it hung in the per-step loss all-reduce)."""
-    timeout_s = 10
-    res, _ = launch(tmp_path, "stall", workers=2, algorithm="diloco", H=5, iters=400,
-                    extra=["--sparseloco-outer-timeout", str(timeout_s)],
-                    env={"STALL_RANK": "1", "STALL_AT_ITER": "3"}, timeout=150)
-    log = "\n".join(res["log_lines"])
-    assert res["returncode"] not in (0, "timeout"), tail(res)
-    stall = re.search(r"rank 1 stalls \(SIGSTOP\) at iteration 3 t=([0-9.]+)", log)
-    failed = re.search(r"semantics_launcher: rank 0 failed t=([0-9.]+): WorkerLostError: (.*)", log)
-    assert stall and failed, tail(res)
-    message = failed.group(2)
-    assert "worker(s) [1] (global rank(s) [1]) never reached outer step 1" in message, message
-    assert "--sparseloco-outer-timeout" in message, message
-    waited = float(failed.group(1)) - float(stall.group(1))
-    assert waited < timeout_s + 15, waited
 
 
 # ------------------------------------------------------------------------------------------ tied

@@ -9,13 +9,15 @@ What a worker must keep across a restart, beyond what Megatron saves:
 - scalars: the inner-call counter (so a resume in the middle of an inner loop runs the outer step
   at the same iteration), outer steps, Adam ``step`` per worker, cumulative byte counters.
 
-Per-element state is stored in **model space** (``model_space``): one ``ShardedTensor`` per
-(worker, state, parameter), shaped and sharded like the model parameter, key
-``optimizer.sparseloco.worker{w}.{state}.{param key}``. Within a worker, the rank holding a
-param's first element collects the other pieces and writes it (a parallel save, memory balanced);
-on load every rank reads the whole parameters it holds a piece of and slices its range. So a
-checkpoint resumes with a different intra-worker data-parallel size (the per-element state lands
-on the new owners bit for bit); the worker count must stay the same.
+Per-element state is stored in **model space** (``model_space``): one parameter-shaped tensor per
+(worker, state, parameter), sharded like the model parameter, key
+``optimizer.sparseloco.worker{w}.{state}.{param key}``; θ_outer of a strategy that keeps it
+identical on every worker (sparseloco, diloco, average) once for all workers, key
+``optimizer.sparseloco.outer.anchor.{param key}``. Each rank writes its own pieces as views of the
+live state (the boxes of its flat range: ``build_save_state``), so a save allocates nothing for the
+outer state and sends nothing; on load every rank reads the whole parameters it holds a piece of
+and slices its range. So a checkpoint resumes with a different intra-worker data-parallel size (the
+per-element state lands on the new owners bit for bit); the worker count must stay the same.
 
 Scalars: the job-wide ones and the layout facts go into Megatron's content metadata (key
 ``sparseloco``, read back before the load is planned, so a mismatched worker count or algorithm
@@ -40,12 +42,17 @@ import torch.distributed as dist
 
 from megatron_sparseloco.megatron.fragments import per_tensor_state, state_numel
 from megatron_sparseloco.megatron.main_params import MainParamShards
-from megatron_sparseloco.megatron.model_space import gather_owned_whole_params, owned_piece, piece_table
+from megatron_sparseloco.megatron.model_space import flat_range_boxes, owned_piece, piece_table
 
 OUTER_KEY = "sparseloco"            # in the optimizer's (sharded) state dict
 METADATA_KEY = "sparseloco"         # in Megatron's checkpoint content metadata
 STATE_PREFIX = "optimizer.sparseloco"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+#: formats this version loads: 2 kept θ_outer per worker (``worker{w}.outer.anchor``), 3 once (``SHARED``)
+READABLE_FORMATS = (2, 3)
+#: states every worker holds bitwise equal when the strategy is ``identical_across_workers``:
+#: written once per shard position, under a key without the worker
+SHARED_STATES = ("outer.anchor",)
 
 
 class OuterStateLayoutError(ValueError):
@@ -112,15 +119,13 @@ def _inner_elementwise_names(shards: MainParamShards) -> List[str]:
     return names or []
 
 
-def elementwise_state(shards: MainParamShards, strategy,
-                      local_main_params: Optional[List[torch.Tensor]] = None) -> Dict[str, List[torch.Tensor]]:
+def elementwise_state(shards: MainParamShards, strategy) -> Dict[str, List[torch.Tensor]]:
     """``{state name: [live tensor holding shard i's elements]}`` for one member optimizer.
 
     ``outer.*``: slices of the strategy's flat vectors (``strategy.params`` is ``shards.tensors``
     in order; with ``--sparseloco-fragments`` a ``fragments.MemberFragments`` gives each tensor's
-    slice of its fragment's strategy, so the layout is the same for every P); ``inner.main_param``: the fp32 main-param shards — or ``local_main_params``, the
-    worker's θ_local set aside while a save has put θ_outer into the live shards
-    (``OuterLoopOptimizer.model_holds_outer_params``); ``inner.*``: Adam moments.
+    slice of its fragment's strategy, so the layout is the same for every P); ``inner.main_param``:
+    the fp32 main-param shards; ``inner.*``: Adam moments.
     """
     out: Dict[str, List[torch.Tensor]] = {}
     if strategy is not None:
@@ -128,7 +133,7 @@ def elementwise_state(shards: MainParamShards, strategy,
             raise AssertionError("strategy does not cover the member's main-param shards")
         for k, v in per_tensor_state(strategy).items():
             out[f"outer.{k}"] = v
-    out["inner.main_param"] = list(local_main_params if local_main_params is not None else shards.tensors)
+    out["inner.main_param"] = list(shards.tensors)
     inner = _inner_optimizer(shards)
     for k in _inner_elementwise_names(shards):
         out[f"inner.{k}"] = [inner.state[t][k] for t in shards.tensors]
@@ -181,8 +186,15 @@ def _sharded_like(meta, key: str, data: torch.Tensor, group_rank: Optional[int])
     return out
 
 
-def _key(worker: int, state: str, meta) -> str:
-    return f"{STATE_PREFIX}.worker{worker}.{state}.{meta.key}"
+def _key(worker: Optional[int], state: str, meta) -> str:
+    """The checkpoint key of one state of one param: per worker, or (``worker=None``) shared by all."""
+    who = "" if worker is None else f"worker{worker}."
+    return f"{STATE_PREFIX}.{who}{state}.{meta.key}"
+
+
+def _state_owner(worker: int, state: str, shared: bool) -> Optional[int]:
+    """``worker`` for a per-worker state, None for one written once per shard position."""
+    return None if shared and state in SHARED_STATES else worker
 
 
 def param_slot(meta) -> str:
@@ -230,38 +242,144 @@ def _check_unique_param_keys(labels_and_keys) -> None:
         seen[key] = label
 
 
-def build_save_state(strategies_by_member, shards_list, worker: int, metas: Dict[int, object],
-                     local_main_params: Optional[List[List[torch.Tensor]]] = None) -> Dict[str, dict]:
-    """Sharded tensors of the whole params this rank owns, for every per-element state.
+def _with_replica(rid, last: int):
+    """``rid`` (a model param's replica id) with its data-parallel component set to ``last``."""
+    return (*rid[:-1], last) if isinstance(rid, tuple) else (rid if rid != 0 else last)
 
-    ``metas``: ``model_param_metadata`` of the model's sharded state dict. Point-to-point within
-    each member's shard group (``model_space``); every rank writes what it owns.
-    ``local_main_params`` (per member): the worker's θ_local when the live shards hold θ_outer.
+
+def _param_regions(meta, key: str, shape) -> List[tuple]:
+    """Where the elements of one local model param go in the checkpoint under ``key``: a list of
+    (template ShardedTensor, box offset in the param, box size) tiling the param. A plain param is
+    one box, the param's own sharding; a ``ShardedTensorFactory`` (SwiGLU's fused w / v halves,
+    Mamba's in_proj parts) is asked what it makes of the param: its ``build_fn`` on a ``meta``
+    tensor of the param's shape returns the ShardedTensors as views, whose storage offsets are the
+    boxes."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    shape = tuple(shape)
+    if isinstance(meta, ShardedTensor):
+        return [(replace(meta, key=key, data=None), (0,) * len(shape), shape)]
+    probe = torch.empty(shape, device="meta")
+    strides = probe.stride()
+    out = []
+    for sub in nested_values(meta.build_fn(key, probe, meta.replica_id, None)):
+        view = sub.data
+        if view.stride() != strides and view.numel() > 1:
+            raise NotImplementedError(f"{type(meta).__name__} of {meta.key} builds a view that is not a box of the "
+                                      "param; the outer-loop checkpoint cannot place its state")
+        offset, rest = [], view.storage_offset()
+        for st in strides:
+            offset.append(rest // st)
+            rest %= st
+        out.append((replace(sub, data=None), tuple(offset), tuple(view.shape)))
+    return out
+
+
+def _piece_chunks(template, box_offset, box_size, piece: torch.Tensor, start: int, end: int, shape,
+                  replica_id) -> List[object]:
+    """The ShardedTensors of this rank's piece ``piece`` (elements [start, end) of the param) that
+    fall inside one region: views of ``piece`` (a copy only where a factory splits an inner axis),
+    irregular chunks of the region's global tensor, the prepended axes folded into singleton axes."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    prepend = template.prepend_axis_num
+    flat = piece.reshape(-1)
+    out = []
+    for run_off, run_size, a, b in flat_range_boxes(shape, start, end):
+        lo = [max(r, o) for r, o in zip(run_off, box_offset)]
+        hi = [min(r + n, o + m) for r, n, o, m in zip(run_off, run_size, box_offset, box_size)]
+        if any(h <= l for l, h in zip(lo, hi)):
+            continue
+        run = flat[a - start:b - start].view(run_size)
+        data = run[tuple(slice(l - r, h - r) for l, h, r in zip(lo, hi, run_off))]
+        if not data.is_contiguous():
+            data = data.contiguous()
+        size = tuple(h - l for l, h in zip(lo, hi))
+        data = data.view((1,) * prepend + size)
+        offset = tuple(template.global_offset[:prepend]) + tuple(
+            g + l - o for g, l, o in zip(template.global_offset[prepend:], lo, box_offset))
+        out.append(ShardedTensor(key=template.key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
+                                 global_shape=tuple(template.global_shape), global_offset=offset,
+                                 axis_fragmentations=None, replica_id=replica_id, prepend_axis_num=0))
+    return out
+
+
+def exchange_outer_and_local(strategy) -> None:
+    """θ_local (the strategy's shards) ↔ θ_outer (its anchor), one shard tensor at a time (its own inverse).
+
+    Exact copies; extra memory one shard tensor, at most the largest parameter."""
+    with torch.no_grad():
+        for t, lo, hi in zip(strategy.params.tensors, strategy.params.offsets, strategy.params.offsets[1:]):
+            held = t.detach().clone()
+            t.copy_(strategy.anchor[lo:hi].view_as(t))
+            strategy.anchor[lo:hi].copy_(held.view(-1))
+            del held   # before the next tensor's copy: one at a time
+
+
+def outer_in_shards_overrides(shards_list, strategies_by_member) -> List[Dict[str, List[torch.Tensor]]]:
+    """After ``exchange_outer_and_local``: per member, the tensors that now hold θ_outer (the shards)
+    and θ_local (the anchor), for ``build_save_state``'s ``overrides``."""
+    out = []
+    for shards, strategy in zip(shards_list, strategies_by_member):
+        state = per_tensor_state(strategy)
+        out.append({"outer.anchor": list(shards.tensors), "inner.main_param": state["anchor"]} if "anchor" in state
+                   else {})
+    return out
+
+
+def build_save_state(strategies_by_member, shards_list, worker: int, metas: Dict[int, object],
+                     overrides: Optional[List[Dict[str, List[torch.Tensor]]]] = None,
+                     shared: bool = False) -> Dict[str, dict]:
+    """Sharded tensors of this rank's pieces of every per-element state, as views of the live state.
+
+    Every state of every param this rank holds a piece of is saved in the param's coordinates as
+    the boxes of its flat range (``model_space.flat_range_boxes``): chunks of one parameter-shaped
+    tensor per (worker, state, param) that views this rank's live tensors, so building the save
+    copies nothing (and sends nothing); the writer reads each chunk from the live state. Inside a
+    worker the ranks' chunks tile each param once (data-parallel replica 0 on every rank).
+
+    ``shared``: the strategy keeps θ_outer identical on every worker (``SHARED_STATES``): it is
+    keyed without the worker and worker w's chunks carry replica id w, so one worker's copy is
+    written per shard position. ``metas``: ``model_param_metadata`` of the model's sharded state
+    dict. ``overrides`` (per member, ``{state: tensors}``): live tensors that hold a state in place
+    of its usual ones (during a save the shards hold θ_outer, ``OuterLoopOptimizer``).
     """
     out: Dict[str, dict] = {}
     for mi, (key, shards, strategy) in enumerate(zip(member_keys(shards_list), shards_list, strategies_by_member)):
-        local = local_main_params[mi] if local_main_params is not None else None
-        table = piece_table(shards)
+        states = elementwise_state(shards, strategy)
+        if overrides is not None:
+            states.update(overrides[mi])
         split = shards.shard_group is not None
         member: Dict[str, dict] = {}
-        for name, pieces in sorted(elementwise_state(shards, strategy, local).items()):
-            member[name] = {}
-            for j, whole in gather_owned_whole_params(shards, table, pieces).items():
-                meta = _metadata_of(metas, shards.all_model_params[j], f"#{j}")
-                # the only copy in the shard group: main replica there (0); other model-parallel
-                # replicas (a param replicated over TP) keep their model replica id
-                member[name][param_slot(meta)] = _sharded_like(meta, _key(worker, name, meta), whole,
-                                                               0 if split else None)
+        for name, pieces in sorted(states.items()):
+            owner = _state_owner(worker, name, shared)
+            chunks: Dict[str, list] = {}
+            for i, (p, (start, end), piece) in enumerate(zip(shards.model_params, shards.ranges, pieces)):
+                if piece.numel() != end - start:
+                    raise ValueError(f"{name} of {shards.names[i]}: {piece.numel()} elements for range [{start}, {end})")
+                meta = _metadata_of(metas, p, shards.names[i])
+                rid = meta.replica_id
+                if split:  # pieces are unique inside the worker; a shared state's copy of worker w is replica w
+                    rid = _with_replica(rid, 0 if owner is not None else worker)
+                for template, box_off, box_size in _param_regions(meta, _key(owner, name, meta), p.shape):
+                    chunks.setdefault(param_slot(meta), []).extend(
+                        _piece_chunks(template, box_off, box_size, piece, start, end, p.shape, rid))
+            member[name] = chunks
         out[key] = member
     return out
 
 
 def build_load_request(strategies_by_member, shards_list, worker: int, metas: Dict[int, object],
-                       saved: Optional[dict]) -> Dict[str, dict]:
+                       saved: Optional[dict], shared: bool = False) -> Dict[str, dict]:
     """Empty sharded tensors for the whole params this rank holds pieces of.
 
     dist_checkpointing wants one main reader per tensor: the param's owner (``model_space``).
+    ``shared``: the strategy keeps θ_outer identical on every worker; it is read from the key
+    without the worker unless the checkpoint's format predates that (2: one copy per worker).
     """
+    if saved is not None and int(saved.get("format", FORMAT_VERSION)) < 3:
+        shared = False
     out: Dict[str, dict] = {}
     for mi, (key, shards, strategy) in enumerate(zip(member_keys(shards_list), shards_list, strategies_by_member)):
         live = elementwise_state(shards, strategy)
@@ -281,8 +399,11 @@ def build_load_request(strategies_by_member, shards_list, worker: int, metas: Di
             member[name] = {}
             for p, t, meta in zip(shards.model_params, tensors, metas_i):
                 data = torch.empty(p.shape, dtype=t.dtype, device=t.device)
+                owner = _state_owner(worker, name, shared)
                 reader = (0 if table.owner_of(p) == table.me else table.me) if split else None
-                member[name][param_slot(meta)] = _sharded_like(meta, _key(worker, name, meta), data, reader)
+                if reader is not None and owner is None and worker != 0:  # a shared state: worker 0's owner reads
+                    reader += 1
+                member[name][param_slot(meta)] = _sharded_like(meta, _key(owner, name, meta), data, reader)
         out[key] = member
     return out
 
@@ -409,9 +530,10 @@ def _saved_fact(saved: dict, key: str):
 def check_saved_metadata(saved: dict, num_workers: int, algorithms: List[str], facts: Optional[dict] = None) -> None:
     """Fail before anything is read when the checkpoint's outer state cannot fit this run."""
     version = saved.get("format")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMATS:
         raise OuterStateLayoutError(f"checkpoint outer state has format {version!r}, this version reads "
-                                    f"{FORMAT_VERSION}. Fix: resume with the megatron_sparseloco that saved it")
+                                    f"{' and '.join(map(str, READABLE_FORMATS))}. Fix: resume with the "
+                                    "megatron_sparseloco that saved it")
     if int(saved["num_workers"]) != num_workers:
         raise OuterStateLayoutError(
             f"checkpoint was saved by {saved['num_workers']} workers, this run has {num_workers}. Fix: resume with "

@@ -1,24 +1,28 @@
-"""Per-element optimizer state in model space: whole parameters, not a rank's flat shard.
+"""Per-element optimizer state in model space: pieces of whole parameters, not a rank's flat shard.
 
 A worker's distributed optimizer splits every parameter's elements between the ranks of its
 data-parallel group; rank r holds the flat range ``[start_r, end_r)`` of parameter p
 (``MainParamShards.ranges``). Any per-element state that follows those shards — θ_outer, error
 feedback, outer momentum, the fp32 main params, Adam moments — is therefore laid out by the
-worker's data-parallel size. To store it independently of that size we reassemble whole params:
+worker's data-parallel size. To store it independently of that size it is written in the
+parameter's own coordinates:
 
-    owner(p) = the rank holding p's first element
-    whole_p[start_r:end_r] = piece_r         sent by every other holder r to owner(p)
+    [start_r, end_r) of a row-major tensor of shape (d_0, …, d_{n−1})
+        = at most 2·(n − 1) + 1 boxes, each a contiguous run of the range  (``flat_range_boxes``)
 
-Only params that cross a shard boundary need messages (point-to-point, one batch per state);
-most params have a single holder. Each rank ends up with the whole params it owns — about its
-own share of the state, so memory stays balanced — and writes them: a parallel save. The copy is
-exact (no arithmetic), so −0.0, NaN payloads and every bit survive.
+e.g. a partial first row, a block of whole rows, a partial last row for a matrix. Each box is a
+view of the rank's live state (no copy, no message) and goes into the checkpoint as one chunk of
+the parameter-shaped tensor at its offset; the ranks' boxes tile the parameter exactly, so the
+checkpoint holds every element once, bit for bit (−0.0, NaN payloads included).
 
-Loading needs no communication: a rank reads the whole params it holds a piece of and slices
-``whole_p.view(-1)[start:end]`` — for whatever ranges the *new* layout gives it.
+Loading reads by coordinates, whatever chunks were written: a rank reads the whole parameters it
+holds a piece of and slices ``whole_p.view(-1)[start:end]`` — for whatever ranges the *new* layout
+gives it (``owned_piece``); ``piece_table`` names each parameter's owner (the holder of its first
+element), the main reader.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
@@ -70,43 +74,39 @@ def piece_table(shards: MainParamShards) -> PieceTable:
     return PieceTable(holders, dist.get_rank(group), index)
 
 
-def gather_owned_whole_params(shards: MainParamShards, table: PieceTable,
-                              pieces: Sequence[torch.Tensor]) -> Dict[int, torch.Tensor]:
-    """``{param index: whole tensor}`` for the params this rank owns; the other holders send it their pieces.
+Box = Tuple[Tuple[int, ...], Tuple[int, ...], int, int]
 
-    ``pieces[i]`` holds this rank's elements ``shards.ranges[i]`` of ``shards.model_params[i]``.
-    Point-to-point within ``shards.shard_group``: every rank holding a piece of an owned-elsewhere
-    param must call it (with the same state) — i.e. all ranks of the group, in the same order.
-    """
-    if len(pieces) != len(shards.model_params):
-        raise ValueError(f"{len(pieces)} pieces for {len(shards.model_params)} shards")
-    my_piece: Dict[int, torch.Tensor] = {}
-    for p, (a, b), piece in zip(shards.model_params, shards.ranges, pieces):
-        if piece.numel() != b - a:
-            raise ValueError(f"piece of {piece.numel()} elements for range [{a}, {b})")
-        my_piece[table.index[id(p)]] = piece.reshape(-1)
-    dtypes = {t.dtype for t in my_piece.values()}
-    if len(dtypes) > 1:
-        raise ValueError(f"pieces of one state in several dtypes: {sorted(map(str, dtypes))}")
-    group = shards.shard_group
-    out: Dict[int, torch.Tensor] = {}
-    ops = []
-    for j in sorted(my_piece):
-        hs, p = table.holders[j], shards.all_model_params[j]
-        if table.owner(j) == table.me:
-            whole = torch.empty(p.numel(), dtype=my_piece[j].dtype, device=my_piece[j].device)
-            for r, a, b in hs:
-                if r == table.me:
-                    whole[a:b].copy_(my_piece[j])
-                else:
-                    ops.append(dist.P2POp(dist.irecv, whole[a:b], dist.get_global_rank(group, r), group))
-            out[j] = whole.view(p.shape)
-        else:
-            peer = dist.get_global_rank(group, table.owner(j))
-            ops.append(dist.P2POp(dist.isend, my_piece[j].contiguous(), peer, group))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+
+def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> List[Box]:
+    """The flat range ``[start, end)`` of a row-major tensor of ``shape`` as boxes ``(offset, size,
+    flat start, flat end)``, in order, each a contiguous run of the range (module docstring)."""
+    shape = tuple(int(d) for d in shape)
+    if not 0 <= start <= end <= math.prod(shape):
+        raise ValueError(f"range [{start}, {end}) is not inside a tensor of shape {shape}")
+    if start == end:
+        return []
+    if len(shape) <= 1:
+        return [((start,) if shape else (), (end - start,) if shape else (), start, end)]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (end - 1) // inner     # rows holding the first / last element
+    out: List[Box] = []
+
+    def within(row: int, lo: int, hi: int) -> None:      # [lo, hi) inside one row
+        for off, size, a, b in flat_range_boxes(shape[1:], lo - row * inner, hi - row * inner):
+            out.append(((row,) + off, (1,) + size, a + row * inner, b + row * inner))
+
+    if first == last and (start % inner or end % inner):
+        within(first, start, end)
+        return out
+    lo_row = first if start % inner == 0 else first + 1
+    hi_row = last + 1 if end % inner == 0 else last
+    if start % inner:
+        within(first, start, lo_row * inner)
+    if hi_row > lo_row:
+        out.append(((lo_row,) + (0,) * (len(shape) - 1), (hi_row - lo_row,) + shape[1:], lo_row * inner,
+                    hi_row * inner))
+    if end % inner:
+        within(last, hi_row * inner, end)
     return out
 
 
@@ -115,4 +115,4 @@ def owned_piece(whole: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return whole.reshape(-1)[start:end]
 
 
-__all__: List[str] = ["PieceTable", "piece_table", "gather_owned_whole_params", "owned_piece"]
+__all__: List[str] = ["PieceTable", "piece_table", "flat_range_boxes", "owned_piece"]

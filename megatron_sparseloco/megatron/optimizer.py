@@ -94,8 +94,9 @@ class OuterLoopOptimizer(ForwardingOptimizer):
         # without outer state, --no-load-optim, --finetune).
         self._anchor_at_first_step = True
         self._param_keys: Dict[int, str] = {}   # id(model param) -> checkpoint key, set by sharded_state_dict
-        #: per member, this worker's θ_local while a checkpoint save has put θ_outer in the params
-        self._local_during_save: Optional[List[List[torch.Tensor]]] = None
+        #: per member, while a checkpoint save has put θ_outer in the params: the live tensors that hold
+        #: θ_outer and θ_local then (``checkpointing.build_save_state``'s ``overrides``)
+        self._save_overrides: Optional[List[Dict[str, List[torch.Tensor]]]] = None
 
     # ------------------------------------------------------------------ placement and counters
     num_workers = property(lambda self: self.placement.num_workers, doc="W, the workers of the job.")
@@ -207,8 +208,11 @@ class OuterLoopOptimizer(ForwardingOptimizer):
         timers = getattr(getattr(self.members[0], "config", None), "timers", None) if self.members else None
         return timers("sparseloco-outer-sync", log_level=1) if timers is not None else None
 
-    def lost_worker_named(self, step_no: int, arrive: bool = False):
-        return lost_worker_named(self.num_workers, self.watch, self.config.outer_timeout_s or 0.0, step_no, arrive)
+    def lost_worker_named(self, step_no: int, begin: Optional[str] = None):
+        return lost_worker_named(self.num_workers, self.watch, self.config.outer_timeout_s or 0.0, step_no, begin)
+
+    def wait_all(self, step_no: int) -> None:
+        self.watch.wait_all(step_no)
 
     def check_consistency(self) -> None:
         """Raise ``DivergenceError`` when θ_outer differs between workers; global rank 0 prints a pass line."""

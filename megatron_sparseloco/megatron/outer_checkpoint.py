@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, List
 
 import torch
 import torch.distributed as dist
@@ -39,35 +39,66 @@ def save_with_outer_params(opt: "OuterLoopOptimizer") -> Iterator[None]:
                                      one all-reduce over the workers at each save)
 
     while each worker's own θ_local goes into its per-worker outer state
-    (``inner.main_param``), so a resume with the plugin stays bitwise. Costs one copy of this
-    rank's fp32 shard and two in-worker param all-gathers per save. With ``--sparseloco-overlap-steps``
-    and a round in flight the save waits for it and the model part is θ_outer,k+1. Nothing changes before
-    the first step (θ_outer is anchored on the params then) or for a rank without shards.
+    (``inner.main_param``), so a resume with the plugin stays bitwise. Costs two in-worker param
+    all-gathers per save (memory: below). With ``--sparseloco-overlap-steps`` and a round in flight
+    the save waits for it and the model part is θ_outer,k+1. Nothing changes before the first step
+    (θ_outer is anchored on the params then) or for a rank without shards.
+
+    Memory: where θ_outer is identical on every worker the shards and the anchor trade contents
+    one shard tensor at a time (``checkpointing.exchange_outer_and_local``; extra memory one tensor,
+    at most the largest parameter) and trade back afterwards; gasloc keeps θ_local in host memory
+    for the duration of the save (one shard of fp32 on the host) while the shards hold the mean.
     """
-    if opt._anchor_at_first_step or opt._local_during_save is not None or not opt.strategies:
+    if opt._anchor_at_first_step or opt._save_overrides is not None or not opt.strategies:
         yield
         return
     # τ >= 1 with a round in flight: θ_outer,k+1 first (what sharded_state_dict would do), so
     # the model part is the newest synced model; the merge stays due at H·k+τ.
     opt.wait_outer_step()
+    mean = not opt.identical_across_workers and opt.num_workers > 1
     with torch.no_grad():
-        opt._local_during_save = [[t.detach().clone() for t in sh.tensors] for sh in opt.shards]
-        for strategy in opt.strategies:
-            outer = strategy.anchor
-            if not opt.identical_across_workers and opt.num_workers > 1:
-                outer = as_outer_comm(opt.group).all_reduce_(outer.clone())   # not the outer step's bytes
-                outer.div_(opt.num_workers)
-            strategy.params.write(0, strategy.params.numel, outer)
+        local = _put_outer_in_shards(opt, mean)
         opt.publish()
     try:
         yield
     finally:
         with torch.no_grad():
-            for shards, local in zip(opt.shards, opt._local_during_save):
-                for t, saved in zip(shards.tensors, local):
-                    t.copy_(saved)
-            opt._local_during_save = None
+            if mean:
+                for shards, lc in zip(opt.shards, local):
+                    for t, saved in zip(shards.tensors, lc):
+                        t.copy_(saved)
+            else:
+                for strategy in opt.strategies:
+                    ckpt.exchange_outer_and_local(strategy)
+            opt._save_overrides = None
             opt.publish()
+
+
+def _put_outer_in_shards(opt: "OuterLoopOptimizer", mean: bool) -> List[List[torch.Tensor]]:
+    """θ_outer (gasloc: the workers' mean) into the shards; returns the host copies of θ_local (gasloc)."""
+    local: List[List[torch.Tensor]] = []
+    if mean:
+        pin = opt.strategies[0].device.type == "cuda"
+        local = [[torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in sh.tensors]
+                 for sh in opt.shards]
+        comm = as_outer_comm(opt.group)   # (not the outer step's bytes)
+        for strategy in opt.strategies:
+            strategy.params.write(0, strategy.params.numel, strategy.anchor)
+        for sh in opt.shards:
+            for t in sh.tensors:
+                comm.all_reduce_(t)
+                t.div_(opt.num_workers)
+        opt._save_overrides = [{"inner.main_param": lc} for lc in local]
+    else:
+        for strategy in opt.strategies:
+            ckpt.exchange_outer_and_local(strategy)
+        opt._save_overrides = ckpt.outer_in_shards_overrides(opt.shards, opt.strategy_of)
+    return local
+
+
+def outer_shared(opt: "OuterLoopOptimizer") -> bool:
+    """θ_outer is identical on every worker, so checkpoints keep one copy per shard position."""
+    return bool(opt.strategies) and all(s.capabilities.identical_across_workers for s in opt.strategies)
 
 
 def metadata(opt: "OuterLoopOptimizer") -> dict:
@@ -126,7 +157,7 @@ def sharded_state_dict(opt: "OuterLoopOptimizer", model_sharded_state_dict, is_l
                               opt._param_keys)
     sd[ckpt.OUTER_KEY] = {
         "tensors": ckpt.build_save_state(opt.strategy_of, opt.shards, opt.worker_index, metas,
-                                         opt._local_during_save),
+                                         opt._save_overrides, shared=outer_shared(opt)),
         "ranks": ckpt.gather_rank_records(record),
         "scalars": saved_facts,
     }
@@ -145,7 +176,7 @@ def _load_request(opt: "OuterLoopOptimizer", sd: dict, content, metas) -> dict:
             if not dist.is_initialized() or dist.get_rank() == 0:
                 print(change, flush=True)
     sd[ckpt.OUTER_KEY] = {"tensors": ckpt.build_load_request(opt.strategy_of, opt.shards, opt.worker_index,
-                                                             metas, saved)}
+                                                             metas, saved, shared=outer_shared(opt))}
     return sd
 
 

@@ -5,13 +5,16 @@ collectives time out after ``--sparseloco-outer-timeout`` seconds instead of Meg
 timeout, so a dead or stalled worker fails the others promptly. Every rank must call it (it
 creates all such groups, in the same order, on every rank).
 
-``OuterStepWatch`` names the missing worker: before entering an outer step each rank writes
-``sparseloco/outer/<step>/<worker>/<position>`` to the job's rendezvous store (a few bytes to the
-store, no collective). When the step's collective fails or times out, the rank reads which
-workers never arrived and raises ``WorkerLostError`` naming them.
+``OuterStepWatch`` names a missing worker before anything can hang: before an outer step's first
+collective every rank arrives in the job's rendezvous store and waits there, host-side, for all
+the others (``--sparseloco-outer-timeout`` at most); a rank that times out raises
+``WorkerLostError`` naming the workers (and their global ranks) that never arrived, having issued
+no collective of the step. A collective that fails later in the step (a worker died inside it) is
+reported through the same class.
 """
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from typing import List, Optional
 
@@ -59,35 +62,118 @@ def _default_store():
 
 
 class OuterStepWatch:
-    """Arrival markers in the rendezvous store, read back when an outer step fails."""
+    """The arrival barrier before every outer step, and the names of the workers that never came.
 
-    def __init__(self, group: Optional[dist.ProcessGroup], position: int):
+    Every rank of the job (all workers, all shard positions: N ranks) arrives at each outer step in
+    the job's rendezvous store, host-side:
+
+        set   sparseloco/outer/<step>/rank<r>          (this rank arrived)
+        n ← add(sparseloco/outer/<step>/arrived, 1)    (the rank with n = N sets .../<step>/all)
+
+    and, before it issues the step's first collective, waits for ``.../<step>/all``
+    (``--sparseloco-outer-timeout`` seconds at most): a blocking step on the training thread
+    (``barrier``), a delayed one (``--sparseloco-overlap-steps``) on the thread that runs the round's
+    collectives, so the training thread never waits for the slowest worker there (``arrive`` at
+    launch, ``wait_all`` before the round). A handful of store requests per rank and step, no
+    collective. When the wait times out, the rank reads which ``rank<r>`` keys are absent, names
+    those ranks' workers and raises ``WorkerLostError`` having issued no collective of the step, so
+    the error is raised on every waiting rank even where a failed collective would end the process
+    unnamed (NCCL's watchdog with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``) or hang (a stopped peer
+    keeps its sockets open). Every rank has finished waiting for step k − 1 before anyone arrives
+    at step k, so arriving at k deletes the keys of k − 1: the store holds those of two steps at most.
+    """
+
+    PREFIX = "sparseloco/outer"
+
+    def __init__(self, group: Optional[dist.ProcessGroup], position: int, timeout_s: float = 600.0):
         self.group = group
         self.position = position
+        self.timeout_s = float(timeout_s)
         self.store = _default_store() if group is not None else None
         self.worker = dist.get_rank(group) if group is not None else 0
         self.workers = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank() if group is not None else 0
+        self.world = dist.get_world_size() if group is not None else 1
+        #: (step, None when every rank arrived / the error raised) of the last ``wait_all``
+        self._outcome: Optional[tuple] = None
+        #: global rank -> worker index (one object all-gather at construction)
+        self.worker_of: List[int] = [0] * self.world
+        if group is not None:
+            dist.all_gather_object(self.worker_of, self.worker)
 
-    def _key(self, step: int, worker: int) -> str:
-        return f"sparseloco/outer/{step}/{worker}/{self.position}"
+    def _key(self, step: int, name: str) -> str:
+        return f"{self.PREFIX}/{step}/{name}"
+
+    def barrier(self, step: int) -> None:
+        """Arrive at outer step ``step`` and wait until every rank of the job has (class docstring)."""
+        self.arrive(step)
+        self.wait_all(step)
 
     def arrive(self, step: int) -> None:
-        if self.store is not None:
-            self.store.set(self._key(step, self.worker), "1")
+        """This rank's arrival at ``step``, without waiting (a few store requests). The rank that
+        completes the count marks the step complete and deletes the previous step's shared keys;
+        every rank deletes its own key of the previous step."""
+        if self.store is None:
+            return
+        try:
+            self.store.set(self._key(step, f"rank{self.rank}"), str(self.worker))
+            if self.store.add(self._key(step, "arrived"), 1) == self.world:
+                self.store.set(self._key(step, "all"), "1")
+                for name in ("arrived", "all"):
+                    self.store.delete_key(self._key(step - 1, name))
+            self.store.delete_key(self._key(step - 1, f"rank{self.rank}"))
+        except RuntimeError as exc:  # the store went away with its host
+            self._outcome = (step, self.lost(step, exc))
+            raise self._outcome[1] from exc
 
-    def missing(self, step: int) -> List[int]:
+    def wait_all(self, step: int) -> None:
+        """Wait (``timeout_s`` at most) until every rank arrived at ``step``; ``WorkerLostError`` naming the
+        missing ones otherwise. Once per step: a second call returns, or raises the same error, at once
+        (several strategies of one round wait for it in turn)."""
+        if self.store is None:
+            return
+        if self._outcome is not None and self._outcome[0] == step:
+            if self._outcome[1] is not None:
+                raise self._outcome[1]
+            return
+        try:
+            self.store.wait([self._key(step, "all")], timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:  # the wait timed out, or the store went away with its host
+            self._outcome = (step, self.lost(step, exc))
+            raise self._outcome[1] from exc
+        self._outcome = (step, None)
+
+    def missing_ranks(self, step: int) -> List[int]:
+        """Global ranks whose arrival at ``step`` is not in the store ([] when that cannot be told)."""
         if self.store is None:
             return []
         try:
-            return [w for w in range(self.workers) if not self.store.check([self._key(step, w)])]
-        except Exception:  # the store's host died with the worker: we cannot tell who is missing
+            return [r for r in range(self.world) if not self.store.check([self._key(step, f"rank{r}")])]
+        except RuntimeError:  # the store's host died with the worker: we cannot tell who is missing
             return []
 
+    def _who(self, step: int) -> Optional[str]:
+        ranks = self.missing_ranks(step)
+        if not ranks:
+            return None
+        workers = sorted({self.worker_of[r] for r in ranks})
+        return f"worker(s) {workers} (global rank(s) {ranks}) never reached outer step {step}"
+
+    def lost(self, step: int, exc: BaseException) -> "WorkerLostError":
+        """The barrier's error: the missing workers and their ranks, printed on this rank at once."""
+        who = self._who(step) or f"the rendezvous store did not answer at outer step {step}"
+        err = WorkerLostError(
+            f"{who}; this rank (global rank {self.rank}, worker {self.worker}) waited {self.timeout_s:g} s "
+            f"(--sparseloco-outer-timeout) and stops before issuing any collective of the step "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Fix: restart the job from "
+            "the last complete checkpoint (a dead worker cannot rejoin mid-run); if the worker is only slow, "
+            "raise --sparseloco-outer-timeout")
+        print(f"sparseloco | error: {err}", file=sys.stderr, flush=True)
+        return err
+
     def fail(self, step: int, exc: BaseException, timeout_s: float) -> WorkerLostError:
-        missing = self.missing(step)
-        ranks = [dist.get_global_rank(self.group, w) for w in missing] if self.group is not None else []
-        who = (f"worker(s) {missing} (global rank(s) {ranks}) never reached outer step {step}" if missing
-               else f"a worker dropped out during outer step {step}")
+        """A collective of outer step ``step`` failed after the barrier (a worker died inside the step)."""
+        who = self._who(step) or f"a worker dropped out during outer step {step}"
         return WorkerLostError(
             f"{who}; this worker ({self.worker}) gave up after at most {timeout_s:.0f} s "
             f"(--sparseloco-outer-timeout). Cause: {type(exc).__name__}: {exc}. "

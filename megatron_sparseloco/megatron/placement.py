@@ -45,12 +45,12 @@ class WorkerPlacement:
         if W == 1:
             rank = dist.get_rank() if dist.is_initialized() else 0
             size = dist.get_world_size() if dist.is_initialized() else 1
-            return cls(1, single_rank_group(), 0, rank, size, OuterStepWatch(None, rank))
+            return cls(1, single_rank_group(), 0, rank, size, OuterStepWatch(None, rank, timeout_s or 600.0))
         base = group if group is not None else cross_worker_group(model_chunks)
         outer = build_outer_group(base, timeout_s or 600.0) if timeout_s is not None or own_group else base
         worker_ranks = intra_worker_group()
         rank, size = dist.get_rank(worker_ranks), dist.get_world_size(worker_ranks)
-        return cls(W, outer, dist.get_rank(outer), rank, size, OuterStepWatch(outer, rank))
+        return cls(W, outer, dist.get_rank(outer), rank, size, OuterStepWatch(outer, rank, timeout_s or 600.0))
 
 
 __all__ = ["WorkerPlacement"]

@@ -31,6 +31,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence
 
 import torch.distributed as dist
 
+from megatron_sparseloco.megatron.outer_group import WorkerLostError
 from megatron_sparseloco.megatron.schedule import RoundSchedule
 from megatron_sparseloco.outer.base import NonFiniteError, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.overlap import CommThread, DelayedOuter, OverlapConfig
@@ -76,17 +77,19 @@ class RoundHooks(Protocol):
     def check_consistency(self) -> None: ...
     def any_reset_in_worker(self, reset: bool) -> bool: ...
     def megatron_timer(self): ...
-    def lost_worker_named(self, step_no: int, arrive: bool = False) -> contextlib.AbstractContextManager: ...
+    def lost_worker_named(self, step_no: int, begin: Optional[str] = None) -> contextlib.AbstractContextManager: ...
+    def wait_all(self, step_no: int) -> None: ...
 
 
 class FragmentRound:
     """The strategies of one fragment on this rank and, with τ ≥ 1, their delayed-application drivers."""
 
     def __init__(self, index: int, strategies: List[OuterStrategy], overlap: OverlapConfig,
-                 comm: Optional[CommThread]):
+                 comm: Optional[CommThread], before_communicate: Callable[[], None]):
         self.index = index
         self.strategies = strategies
-        self.delayed = [DelayedOuter(s, overlap, comm) for s in strategies] if comm is not None else []
+        self.delayed = ([DelayedOuter(s, overlap, comm, before_communicate=before_communicate) for s in strategies]
+                        if comm is not None else [])
         #: a launched round not yet waited for (on every rank, with or without strategies)
         self.unwaited = False
 
@@ -135,7 +138,10 @@ class OuterRounds:
         self.consistency_interval = consistency_interval if identical else 0
         strategies = [s for ss in fragment_strategies for s in ss]
         self.comm = CommThread(strategies[0].device) if overlap.steps > 0 and strategies else None
-        self.fragments = [FragmentRound(p, ss, overlap, self.comm) for p, ss in enumerate(fragment_strategies)]
+        #: the outer step whose delayed round was launched last (its collectives wait for every rank first)
+        self._launched_step = 0
+        self.fragments = [FragmentRound(p, ss, overlap, self.comm, self._wait_all)
+                          for p, ss in enumerate(fragment_strategies)]
         self.fragment_syncs: List[int] = [0] * len(self.fragments)
         self.log = OuterLog()
         #: dense-equivalent elements of one round (the fragment's share with P > 1)
@@ -155,7 +161,7 @@ class OuterRounds:
         """The blocking round of ``fragment``; ends in ``_committed``."""
         t0 = self._start_timer()
         step_no = self.log.outer_steps + 1
-        with self.hooks.lost_worker_named(step_no, arrive=True):
+        with self.hooks.lost_worker_named(step_no, begin="barrier"):
             stats = self.fragments[fragment].step()
         self._committed(fragment, stats, t0, time.perf_counter)
         return stats
@@ -163,7 +169,8 @@ class OuterRounds:
     def launch(self, fragment: int) -> None:
         """End of a round with τ ≥ 1: every strategy's launch; publishes the params where a launch reset them."""
         t0 = self._start_timer()
-        with self.hooks.lost_worker_named(self.log.outer_steps + 1, arrive=True):
+        self._launched_step = self.log.outer_steps + 1
+        with self.hooks.lost_worker_named(self._launched_step, begin="arrive"):
             reset = self.fragments[fragment].launch()
         if self.hooks.any_reset_in_worker(reset):   # some shard of this worker reset θ_local ← θ_outer,k
             if fragment == 0:
@@ -238,6 +245,11 @@ class OuterRounds:
             else:
                 self.launch(p)
 
+    def _wait_all(self) -> None:
+        """On the comm thread, before a launched round's first collective: every rank arrived at it
+        (``outer_group.OuterStepWatch``: a missing worker is named before any collective is issued)."""
+        self.hooks.wait_all(self._launched_step)
+
     def merge_due_from_counter(self, calls: int) -> None:
         """After a checkpoint load: each driver's merge is due iff its fragment launched in the last τ steps."""
         for p, frag in enumerate(self.fragments):
@@ -255,17 +267,21 @@ class OuterRounds:
 
 
 @contextlib.contextmanager
-def lost_worker_named(num_workers: int, watch, timeout_s: float, step_no: int, arrive: bool) -> Iterator[None]:
+def lost_worker_named(num_workers: int, watch, timeout_s: float, step_no: int, begin: Optional[str]) -> Iterator[None]:
     """A collective failure inside the block (timeout, closed peer) becomes the watch's
     ``WorkerLostError`` naming the workers that never reached outer step ``step_no`` (W > 1);
-    ``NonFiniteError`` and single-worker errors pass through unchanged. ``arrive``: the block begins
-    the round (its arrival is recorded first)."""
-    if arrive:
+    ``NonFiniteError``, the arrival barrier's own ``WorkerLostError`` and single-worker errors pass
+    through unchanged. ``begin``: the block begins the round — ``"barrier"``: every rank of the job
+    arrives and waits for all (a blocking round: a missing worker is named before any collective);
+    ``"arrive"``: its arrival is recorded (a delayed round: the comm thread waits, ``wait_all``)."""
+    if begin == "barrier":
+        watch.barrier(step_no)
+    elif begin == "arrive":
         watch.arrive(step_no)
     try:
         yield
     except (RuntimeError, dist.DistBackendError) as exc:
-        if num_workers > 1 and not isinstance(exc, NonFiniteError):
+        if num_workers > 1 and not isinstance(exc, (NonFiniteError, WorkerLostError)):
             raise watch.fail(step_no, exc, timeout_s) from exc
         raise
 

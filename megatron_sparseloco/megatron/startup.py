@@ -41,6 +41,8 @@ def resolved_settings(args) -> Dict[str, object]:
     timeout = args.sparseloco_outer_timeout
     out["outer timeout"] = (f"{timeout:g} s" if timeout is not None else
                             f"{getattr(args, 'distributed_timeout_minutes', 10):g} min (Megatron's --distributed-timeout-minutes)")
+    if getattr(args, "sparseloco_anchor_on_cpu", False):
+        out["θ_outer"] = "in pinned host memory (--sparseloco-anchor-on-cpu)"
     P = getattr(args, "sparseloco_fragments", None) or 1
     if P > 1:  # (the per-outer-step numbers below are per round: the sum of the P fragment syncs)
         H = args.sparseloco_inner_steps

@@ -57,6 +57,13 @@ class OuterConfig:
                                             "workers, or abort.")
     """What a NaN/Inf pseudo-gradient does (module docstring): skip the round, or raise ``NonFiniteError``."""
 
+    anchor_on_cpu: bool = flag_field(
+        False, flag="anchor-on-cpu", store_true=True,
+        help="Keep θ_outer in pinned host memory instead of on the GPU (4 B less GPU memory per parameter element "
+             "of the shard; each bucket is staged on the GPU for the outer step; results bitwise identical).")
+    """θ_outer in (pinned) host memory instead of on the params' device; each bucket is staged on the
+    device for the step (``OuterStrategy.anchor_bucket``); only for strategies with
+    ``Capabilities.supports_anchor_on_cpu`` (a config whose strategy lacks it refuses it in ``validate``)."""
     rule_fields: Tuple[str, ...] = config_field((), type=tuple)
     """Fields whose value ``resolve_for_workers`` set from a rule of the number of workers
     (``default_rules``): a round with fewer contributors than W evaluates the rule again."""
@@ -220,7 +227,15 @@ class OuterStrategy(abc.ABC, Generic[ConfigT]):
         self.counter = self.comm.counter
         self.device = params[0].device
         self.outer_steps = 0
-        self.anchor = torch.empty(self.params.numel, dtype=torch.float32, device=self.device)
+        if self.config.anchor_on_cpu and not self.capabilities.supports_anchor_on_cpu:
+            raise ConfigError(f"anchor_on_cpu: {self.name} reaches θ_outer on the device in its own step, it cannot "
+                              "stay in host memory", "anchor_on_cpu", "drop --sparseloco-anchor-on-cpu")
+        #: θ_outer: on the params' device, or (``anchor_on_cpu``) in host memory, pinned when that
+        #: device is a GPU
+        self.anchor = torch.empty(self.params.numel, dtype=torch.float32,
+                                  device="cpu" if self.config.anchor_on_cpu else self.device,
+                                  pin_memory=self.config.anchor_on_cpu and self.device.type == "cuda")
+        self._anchor_copies_pending = False
         #: per-element buffers other components keep over ``params`` and want checkpointed with the
         #: strategy (the launch snapshot of delayed application, ``outer/overlap.py``)
         self.attached_state: Dict[str, torch.Tensor] = {}
@@ -272,16 +287,41 @@ class OuterStrategy(abc.ABC, Generic[ConfigT]):
         for s in range(0, n, b):
             yield s, min(n, s + b)
 
+    def anchor_bucket(self, start: int, end: int) -> torch.Tensor:
+        """θ_outer[start:end] on the params' device: a view of the anchor, or (``anchor_on_cpu``) a copy
+        staged on the device (one bucket of transient memory); an update made in place on it
+        reaches θ_outer through ``store_anchor_bucket``."""
+        if not self.config.anchor_on_cpu:
+            return self.anchor[start:end]
+        return self.anchor[start:end].to(self.device, copy=True, non_blocking=self.anchor.is_pinned())
+
+    def store_anchor_bucket(self, start: int, end: int, bucket: torch.Tensor) -> None:
+        """θ_outer[start:end] ← ``bucket`` (from ``anchor_bucket``; nothing to do for a view of it).
+
+        From a GPU the copy into pinned memory is asynchronous on the current stream; ``anchor_ready``
+        waits for it before the host reads θ_outer (every round ends with it)."""
+        if not self.config.anchor_on_cpu:
+            return
+        pinned = self.anchor.is_pinned() and bucket.device.type == "cuda"
+        self.anchor[start:end].copy_(bucket, non_blocking=pinned)
+        self._anchor_copies_pending |= pinned
+
+    def anchor_ready(self) -> None:
+        """Wait for the copies ``store_anchor_bucket`` left in flight (one host sync per round)."""
+        if self._anchor_copies_pending:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._anchor_copies_pending = False
+
     def pseudo_gradient(self, start: int, end: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Δ[start:end] = θ_outer − θ_local for one bucket (fresh buffer unless ``out``)."""
         if out is None:
             out = torch.empty(end - start, dtype=torch.float32, device=self.device)
         self.params.read(start, end, out)
-        return torch.sub(self.anchor[start:end], out, out=out)
+        return torch.sub(self.anchor_bucket(start, end), out, out=out)
 
-    def write_back(self, start: int, end: int) -> None:
-        """θ_local ← θ_outer on one bucket."""
-        self.params.write(start, end, self.anchor[start:end])
+    def write_back(self, start: int, end: int, anchor: Optional[torch.Tensor] = None) -> None:
+        """θ_local ← θ_outer on one bucket (``anchor``: that bucket of θ_outer already on the device)."""
+        self.params.write(start, end, self.anchor_bucket(start, end) if anchor is None else anchor)
 
     def reset_to_anchor(self) -> None:
         """θ_local ← θ_outer on every bucket (a skipped round discards the local progress)."""

@@ -42,8 +42,11 @@ class ConfigError(ValueError):
 
     def __init__(self, problem: str, field: Optional[str] = None, fix: Optional[str] = None):
         self.problem, self.field, self.fix = problem, field, fix
-        text = render_refs(problem, _in_words) if fix is None else \
-            f"{render_refs(problem, _in_words)}; fix: {render_refs(fix, _in_words)}"
+        text = render_refs(problem, _in_words)
+        if field is not None and not problem.startswith(field):
+            text = f"{field}: {text}"      # the Python layer names the field (the flag layer names the flag)
+        if fix is not None:
+            text = f"{text}; fix: {render_refs(fix, _in_words)}"
         super().__init__(text)
 
 

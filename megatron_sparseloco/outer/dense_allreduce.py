@@ -96,7 +96,10 @@ class DensePlan(RoundPlan):
             work.div_(self.n_contributors)
         lr, momentum, nesterov = self.dense.sgd_settings()
         mom = None if self.dense.momentum is None else self.dense.momentum[s:e]
-        update = outer_sgd_(self.dense.anchor[s:e], work, mom, lr, momentum, nesterov)
+        anchor = self.dense.anchor_bucket(s, e)
+        update = outer_sgd_(anchor, work, mom, lr, momentum, nesterov)
+        self.dense.store_anchor_bucket(s, e, anchor)
+        self.staged[b] = anchor
         self.upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
 
     def finish(self) -> None:
@@ -110,7 +113,7 @@ class DenseAllReduceStrategy(OuterStrategy[DenseConfigT]):
     """A strategy whose round is ``DensePlan``: subclasses give ``sgd_settings`` and may keep a
     ``momentum`` buffer (None: no momentum); the config is a ``DenseConfig``."""
 
-    capabilities = Capabilities(supports_overlap=True)
+    capabilities = Capabilities(supports_overlap=True, supports_anchor_on_cpu=True)
     #: outer SGD momentum buffer over ``params`` (None: the algorithm keeps none)
     momentum: Optional[torch.Tensor] = None
 

@@ -215,6 +215,10 @@ class GASLoCConfig(OuterConfig):
 
     def validate(self) -> "GASLoCConfig":
         super().validate()
+        if self.anchor_on_cpu:
+            raise ConfigError("gasloc updates its workers' own θ_outer on the GPU inside its gossip rounds, so it "
+                              "cannot stay in host memory", "anchor_on_cpu",
+                              "drop it, or use --sparseloco-algorithm sparseloco / diloco / average")
         try:
             check_topology(self.topology, 1, self.mixing_weight)
         except ValueError as exc:

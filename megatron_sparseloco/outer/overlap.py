@@ -303,10 +303,11 @@ class DelayedOuter:
         for lo in range(0, n, b):
             hi = min(n, lo + b)
             cur = s.params.read(lo, hi, buf[:hi - lo])
+            anchor = s.anchor_bucket(lo, hi)
             if self.launch_params is not None:   # replay
-                cur.sub_(self.launch_params[lo:hi]).add_(s.anchor[lo:hi])   # (θ_now − θ_launch) + θ_outer,k+1
+                cur.sub_(self.launch_params[lo:hi]).add_(anchor)   # (θ_now − θ_launch) + θ_outer,k+1
             else:
-                cur.copy_(torch.lerp(s.anchor[lo:hi], cur, self.config.alpha))
+                cur.copy_(torch.lerp(anchor, cur, self.config.alpha))
             s.params.write(lo, hi, cur)
         self.merge_due = False
         return time.perf_counter() - t0

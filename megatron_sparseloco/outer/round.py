@@ -71,6 +71,9 @@ class Capabilities:
     #: the workers agree on the non-finite verdict before the exchange (one all-reduce of a flag);
     #: False where the exchange carries it (gossip: the flag rides on the proposals)
     agrees_nonfinite_before_step: bool = True
+    #: reaches θ_outer only through ``anchor_bucket`` / ``store_anchor_bucket`` / ``write_back`` /
+    #: ``pseudo_gradient``, so it may live in host memory (``OuterConfig.anchor_on_cpu``)
+    supports_anchor_on_cpu: bool = False
 
 
 class PhaseClock:
@@ -151,6 +154,9 @@ class RoundPlan(abc.ABC):
         self.depth = len(self.ranges) if held else self.PIPELINE_DEPTH
         self.clock = clock_of(stats, strategy.device)
         self.received: Dict[int, Any] = {}
+        #: bucket → θ_outer of it on the params' device as ``apply`` left it (``anchor_on_cpu``: the
+        #: staged copy), for the write-back that follows, so θ_outer is staged once per apply
+        self.staged: Dict[int, torch.Tensor] = {}
 
     def _phase(self, attr: str):
         return self.clock.phase(attr) if self.timed_phases else contextlib.nullcontext()
@@ -191,6 +197,7 @@ class RoundPlan(abc.ABC):
         if pending is not None:
             self._apply_waited(*pending, write_back=write_back)
         self.finish()
+        self.strategy.anchor_ready()
         self.clock.resolve()
 
     def _apply_waited(self, b: int, started: Pending, write_back: bool) -> None:
@@ -198,8 +205,7 @@ class RoundPlan(abc.ABC):
             received = started.wait()
         with self._phase("time_apply_s"):
             self.apply(b, received)
-            if write_back:
-                self.strategy.write_back(*self.ranges[b])
+            self._write_back(b, write_back)
 
     def compress_all(self) -> None:
         """Held schedule, at launch: every bucket's compress."""
@@ -218,10 +224,16 @@ class RoundPlan(abc.ABC):
         with self._phase("time_apply_s"):
             for b in range(len(self.ranges)):
                 self.apply(b, self.received.pop(b))
-                if write_back:
-                    self.strategy.write_back(*self.ranges[b])
+                self._write_back(b, write_back)
         self.finish()
+        self.strategy.anchor_ready()
         self.clock.resolve()
+
+    def _write_back(self, b: int, write_back: bool) -> None:
+        """θ_local ← θ_outer on bucket b (from the staged copy ``apply`` left, if any); the staged copy is freed."""
+        staged = self.staged.pop(b, None)
+        if write_back:
+            self.strategy.write_back(*self.ranges[b], anchor=staged)
 
 
 class WholeStepPlan(RoundPlan):

@@ -364,6 +364,9 @@ class SparseLoCoPlan(RoundPlan):
         n = e - s
         rs_out = None if self.rs_out is None else self.rs_out[b]
         self.sl._apply_bucket(s, e, plan, received, local, rs_out, self.work[:n], self.counts[:n], self.tot)
+        staged, self.sl._staged = self.sl._staged, None
+        if staged is not None:
+            self.staged[b] = staged
 
     def finish(self) -> None:
         self.tot.into(self.stats, self.sl.config, self.sl.params.numel, self.sl.reduce_scatter is not None,
@@ -396,6 +399,8 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
         cfg = self.config
         #: the running round's contributors and outer lr (``SparseLoCoPlan``)
         self.round_workers, self.round_lr = self.world_size, cfg.lr
+        #: θ_outer of the bucket ``_finish_bucket`` just updated, on the params' device (for its write-back)
+        self._staged: Optional[torch.Tensor] = None
         self.codec = cfg.codec()
         #: tensor chunking: the buckets and their segments (None in flat chunking)
         self.plans: Optional[List[BucketPlan]] = None
@@ -536,7 +541,10 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
             elif n > 1:
                 agg.div_(n)
         mom = None if self.momentum is None else self.momentum[s:e]
-        update = outer_sgd_(self.anchor[s:e], agg, mom, lr, cfg.momentum, cfg.nesterov)
+        anchor = self.anchor_bucket(s, e)
+        update = outer_sgd_(anchor, agg, mom, lr, cfg.momentum, cfg.nesterov)
+        self.store_anchor_bucket(s, e, anchor)
+        self._staged = anchor
         return kept_union, clip_min, update
 
     # The round (``SparseLoCoPlan``) runs each bucket through three phases: ``_compress_bucket``
@@ -611,7 +619,7 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
         err.index_put_((idx,), err[idx] + local.values[back])
 
     # ------------------------------------------------------------------ the round
-    capabilities = Capabilities(has_error_feedback=True, supports_overlap=True)
+    capabilities = Capabilities(has_error_feedback=True, supports_overlap=True, supports_anchor_on_cpu=True)
 
     def begin_round(self, stats: OuterStepStats, nonfinite_tensor: Optional[str], held: bool,
                     snapshot: bool = False) -> RoundPlan:

@@ -2,7 +2,8 @@
 
     python -m megatron_sparseloco.testing.prefork serve SOCKET          # the warm process (conftest starts it)
     python -m megatron_sparseloco.testing.prefork [--standalone] --nproc-per-node N [--master-port P]
-                                                  [-m] TARGET ARGS...     # a launch, as torchrun's CLI
+                                                  [--nnodes M --node-rank R] [-m] TARGET ARGS...
+                                                  # a launch, as torchrun's CLI
 
 Why: on the 2-core CI machine a real-loop test spends most of its time importing. Each rank of a
 torchrun launch imports torch and megatron (about 7 CPU-seconds, so 14 s of wall time for 4 ranks
@@ -19,6 +20,9 @@ directory, plus ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, 
 store hosted by the launcher (``TORCHELASTIC_USE_AGENT_STORE``, as torchrun's agent); ``sys.path`` as
 ``python -m TARGET`` (working directory first) or ``python TARGET`` (the script's directory first)
 would set it, with the client's ``PYTHONPATH``; ``sys.argv``; fresh numpy / Python RNG state.
+Several nodes (``--nnodes M --node-rank R --master-port P``, one client per node, as torchrun
+with a static rendezvous): node R's ranks are global ranks R·N … R·N + N − 1, node 0's launcher
+hosts the store on P, and each launcher stops only its own ranks on a failure (a lost node).
 One difference, for speed: megatron's dist-checkpoint write-results queue is an in-process
 ``queue.Queue`` (megatron creates a spawn-context ``Manager``, a server process that re-imports the
 pretrain script at the first save); enough for synchronous saves, and an ``--async-save`` run fails
@@ -88,14 +92,17 @@ def _parse_launch(argv):
     p = argparse.ArgumentParser(prog="python -m megatron_sparseloco.testing.prefork", allow_abbrev=False)
     p.add_argument("--standalone", action="store_true")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True)
-    p.add_argument("--nnodes", default="1")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
     p.add_argument("--master-port", "--master_port", type=int, default=None)
     p.add_argument("-m", dest="module", action="store_true")
     p.add_argument("target")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
-    if str(a.nnodes) != "1":
-        p.error("only one node (--nnodes 1)")
+    if a.nnodes > 1 and a.master_port is None:
+        p.error("--nnodes > 1 needs --master-port (the node-0 launcher hosts the store there)")
+    if not 0 <= a.node_rank < a.nnodes:
+        p.error(f"--node-rank {a.node_rank} is outside 0..{a.nnodes - 1}")
     return a
 
 
@@ -109,8 +116,8 @@ def client(argv) -> int:
         if time.monotonic() > deadline:
             sys.exit(f"prefork: no server socket at {path} after 120 s")
         time.sleep(0.1)
-    job = {"nproc": a.nproc_per_node, "master_port": a.master_port, "module": a.module, "target": a.target,
-           "args": a.args, "env": dict(os.environ), "cwd": os.getcwd()}
+    job = {"nproc": a.nproc_per_node, "nnodes": a.nnodes, "node_rank": a.node_rank, "master_port": a.master_port,
+           "module": a.module, "target": a.target, "args": a.args, "env": dict(os.environ), "cwd": os.getcwd()}
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
     data = json.dumps(job).encode()
@@ -188,11 +195,12 @@ def _launch(conn) -> int:
     os.dup2(fds[2], 2)                                     # the launcher's own messages: to the client
     port = job["master_port"] or free_port()
     n = job["nproc"]
+    nnodes, node = job.get("nnodes", 1), job.get("node_rank", 0)
     pids = {}
     for rank in range(n):
         pid = os.fork()
         if pid == 0:
-            _rank_main(job, fds, rank, n, port)            # never returns
+            _rank_main(job, fds, rank, n, port, node, nnodes)   # never returns
         pids[pid] = rank
     for fd in fds:
         os.close(fd)
@@ -201,8 +209,9 @@ def _launch(conn) -> int:
     import datetime
 
     import torch.distributed as dist
-    store = dist.TCPStore("127.0.0.1", port, n, is_master=True, wait_for_workers=False,  # noqa: F841
-                          timeout=datetime.timedelta(seconds=1800))
+    if node == 0:   # the other nodes' ranks connect to node 0's store, as with torchrun's static rendezvous
+        store = dist.TCPStore("127.0.0.1", port, n * nnodes, is_master=True, wait_for_workers=False,  # noqa: F841
+                              timeout=datetime.timedelta(seconds=1800))
     codes, failed_at = {}, None
     while len(codes) < n:
         try:
@@ -236,7 +245,7 @@ def _signal_alive(pids, codes, sig) -> None:
                 pass
 
 
-def _rank_main(job, fds, rank: int, world: int, port: int) -> None:
+def _rank_main(job, fds, rank: int, world: int, port: int, node: int = 0, nnodes: int = 1) -> None:
     code = 1
     try:
         for i, fd in enumerate(fds):
@@ -246,8 +255,9 @@ def _rank_main(job, fds, rank: int, world: int, port: int) -> None:
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         env = dict(job["env"])
-        env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                    "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+        local, rank, world = rank, node * world + rank, world * nnodes
+        env.update({"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world),
+                    "LOCAL_WORLD_SIZE": str(world // nnodes), "GROUP_RANK": str(node), "ROLE_RANK": str(rank),
                     "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                     "TORCHELASTIC_USE_AGENT_STORE": "True",
                     "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"})
