@@ -26,12 +26,15 @@ from __future__ import annotations
 import math
 import os
 from functools import partial
-from typing import Dict, Iterator, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 
 def _have_cuda() -> bool:
