@@ -100,7 +100,8 @@ def summarize_counters(per_rank: List[dict]) -> dict:
         "bytes_received_per_worker": sum(w["bytes_received"] for w in workers.values()) / len(workers),
         "dense_fp32_bytes_equivalent": dense,
         "compression_ratio_vs_fp32": (dense / bytes_sent_per_worker) if bytes_sent_per_worker else None,
-        "bits_per_param_per_step": (8.0 * bytes_sent_per_worker / (numel * outer_steps)) if numel and outer_steps else None,
+        "bits_per_param_per_step": ((8.0 * bytes_sent_per_worker / (numel * outer_steps))
+                                    if numel and outer_steps else None),
         "workers": {str(k): v for k, v in sorted(workers.items())},
         "per_rank": sorted(per_rank, key=lambda c: c["rank"]),
     }
@@ -118,7 +119,8 @@ def write_outer_summary(path: str) -> Optional[dict]:
     if dist.get_rank() != 0:
         return None
     present = [c for c in gathered if c is not None]
-    summary = summarize_counters(present) if present else {"outer_steps": 0, "note": "no OuterLoopOptimizer (plugin off?)"}
+    summary = (summarize_counters(present) if present
+               else {"outer_steps": 0, "note": "no OuterLoopOptimizer (plugin off?)"})
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".partial"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -258,7 +260,8 @@ def main(argv=None) -> int:
     data = build_dataset(a.data, max_bytes=a.max_bytes, log=lambda m: print(m, flush=True))
     prefixes = {s: os.path.join(a.data, PREFIXES[s]) for s in ("train", "valid")}
     cmd = build_command(prefixes, nproc=DEMO_RANKS, workers=DEMO_WORKERS, micro_batch_size=DEMO_MICRO_BATCH,
-                        seq_length=DEMO_SEQ, algorithm=a.algorithm, inner_steps=a.inner_steps, train_iters=a.train_iters,
+                        seq_length=DEMO_SEQ, algorithm=a.algorithm, inner_steps=a.inner_steps,
+                        train_iters=a.train_iters,
                         eval_interval=a.eval_interval, eval_iters=a.eval_iters, log_interval=a.log_interval,
                         extra=["--sparseloco-outer-lr", str(a.outer_lr)] if a.outer_lr is not None else None)
     os.makedirs(a.out, exist_ok=True)
@@ -292,7 +295,8 @@ def main(argv=None) -> int:
         "workers": DEMO_WORKERS,
         "ranks": DEMO_RANKS,
         "iterations": res["iterations"][-1] if res["iterations"] else 0,
-        "tokens_trained": (res["iterations"][-1] if res["iterations"] else 0) * DEMO_RANKS * DEMO_MICRO_BATCH * DEMO_SEQ,
+        "tokens_trained": ((res["iterations"][-1] if res["iterations"] else 0)
+                           * DEMO_RANKS * DEMO_MICRO_BATCH * DEMO_SEQ),
         "train_split_tokens": data.tokens("train"),
         "held_out_split_tokens": data.tokens("valid"),
         "wall_time_s": res["wall_time_s"],
@@ -308,7 +312,8 @@ def main(argv=None) -> int:
     ratio = summary["compression_ratio_vs_fp32"]
     print("\n=== SparseLoCo demo summary ===")
     print(f"  held-out loss (final, Megatron)  : {summary['held_out_loss']}")
-    print(f"  iterations / outer steps         : {summary['iterations']} / {summary['outer_steps']} (H={a.inner_steps})")
+    print(f"  iterations / outer steps         : {summary['iterations']} / {summary['outer_steps']} "
+          f"(H={a.inner_steps})")
     print(f"  bytes sent per worker            : {fmt_bytes(summary['bytes_sent_per_worker'])}")
     print(f"  dense fp32 DiLoCo would send     : {fmt_bytes(summary['dense_fp32_bytes_equivalent'])}")
     print(f"  compression vs fp32              : {'n/a' if ratio is None else f'{ratio:.1f}x'}")

@@ -244,12 +244,13 @@ def encode_bucket(x: torch.Tensor, plan: BucketPlan, name: str = "bucket") -> to
 def read_bucket_table(payload: torch.Tensor, plan: BucketPlan) -> list[int]:
     """Check the header and table against ``plan``; return each segment's index length."""
     if payload.numel() < BUCKET_HEADER_BYTES:
-        raise PayloadError(f"bucket payload has {payload.numel()} bytes, fewer than the {BUCKET_HEADER_BYTES}-byte header")
+        raise PayloadError(
+            f"bucket payload has {payload.numel()} bytes, fewer than the {BUCKET_HEADER_BYTES}-byte header")
     raw = payload[:BUCKET_HEADER_BYTES].cpu().numpy().tobytes()
     magic, version, value_bits, coding, reserved, chunk, k, tile, n_seg, numel = BUCKET_HEADER.unpack(raw)
     if magic != MAGIC:
-        raise PayloadError(f"bucket payload magic is {magic!r}, expected {MAGIC!r}: not a per-tensor SparseLoCo payload "
-                           "(do all workers use the same --sparseloco-chunking?)")
+        raise PayloadError(f"bucket payload magic is {magic!r}, expected {MAGIC!r}: not a per-tensor SparseLoCo "
+                           "payload (do all workers use the same --sparseloco-chunking?)")
     if version != VERSION:
         raise PayloadError(f"bucket payload format version {version} is not supported (this codec reads {VERSION})")
     c = plan.codec

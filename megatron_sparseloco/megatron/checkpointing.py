@@ -118,7 +118,8 @@ def elementwise_state(shards: MainParamShards, strategy,
 
     ``outer.*``: slices of the strategy's flat vectors (``strategy.params`` is ``shards.tensors``
     in order; with ``--sparseloco-fragments`` a ``fragments.MemberFragments`` gives each tensor's
-    slice of its fragment's strategy, so the layout is the same for every P); ``inner.main_param``: the fp32 main-param shards — or ``local_main_params``, the
+    slice of its fragment's strategy, so the layout is the same for every P); ``inner.main_param``:
+    the fp32 main-param shards — or ``local_main_params``, the
     worker's θ_local set aside while a save has put θ_outer into the live shards
     (``OuterLoopOptimizer.model_holds_outer_params``); ``inner.*``: Adam moments.
     """

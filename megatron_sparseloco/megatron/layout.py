@@ -240,7 +240,8 @@ def _data_parallel_sizes(world: int, tp: int, pp: int, cp: int, ep: int, etp: in
     return dp, edp
 
 
-def _worker_groups(order: str, expert_sizes: dict, intra_e: int, workers: int) -> Tuple[List[List[int]], List[List[int]]]:
+def _worker_groups(order: str, expert_sizes: dict, intra_e: int,
+                   workers: int) -> Tuple[List[List[int]], List[List[int]]]:
     """Worker membership (parallel_state's intra distributed-optimizer-instance groups) and the
     cross-worker groups (its inter partial expert-DP groups = the inter-instance group)."""
     worker_ranks, acc = [], []
@@ -268,7 +269,8 @@ def _dense_intra_groups(order: str, dense_sizes: dict, worker_ranks: List[List[i
     rank_worker = {r: w for w, rs in enumerate(worker_ranks) for r in rs}
     for g in dense_intra:
         if len({rank_worker[r] for r in g}) != 1:
-            raise LayoutError(f"dense data-parallel slice {g} would span workers {sorted({rank_worker[r] for r in g})}; "
+            raise LayoutError(f"dense data-parallel slice {g} would span workers "
+                              f"{sorted({rank_worker[r] for r in g})}; "
                               f"this expert/dense combination (tp={tp}, cp={cp}, expert-tp={etp}, ep={ep}) cannot "
                               f"be split into {workers} workers: make expert-tp*ep a multiple of tp*cp")
     return dense_intra
@@ -315,7 +317,8 @@ def format_layout(lay: Layout, hostnames: Optional[List[str]] = None, max_groups
     host = (lambda n: hostnames[n]) if hostnames else (lambda n: f"node{n}")
     lines = [f"world size {lay.world_size} = {lay.nodes} nodes x {lay.gpus_per_node} GPUs; order {lay.order}; "
              f"tp={lay.tp} pp={lay.pp} cp={lay.cp} ep={lay.ep} expert-tp={lay.expert_tp}; "
-             f"data-parallel {lay.dp} (expert {lay.expert_dp}); {lay.workers} worker(s) of {lay.ranks_per_worker} ranks",
+             f"data-parallel {lay.dp} (expert {lay.expert_dp}); "
+             f"{lay.workers} worker(s) of {lay.ranks_per_worker} ranks",
              "workers (Megatron distributed-optimizer instances; all per-step traffic stays inside one):"]
     for w, rs in enumerate(lay.worker_ranks):
         lines.append(f"  worker {w}: site {lay.worker_sites[w]}, ranks {_ranges(rs)}, "
@@ -341,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=1, help="--context-parallel-size")
     p.add_argument("--ep", type=int, default=1, help="--expert-model-parallel-size")
     p.add_argument("--expert-tp", type=int, default=None, help="--expert-tensor-parallel-size (default: --tp)")
-    p.add_argument("--workers", type=int, default=1, help="--sparseloco-workers W (= --num-distributed-optimizer-instances)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="--sparseloco-workers W (= --num-distributed-optimizer-instances)")
     p.add_argument("--sites", default=None, help="site id per node, e.g. '0,0,1,1' (default: all nodes one site)")
     p.add_argument("--order", default=None, help=f"rank order (default {DEFAULT_ORDER})")
     p.add_argument("--use-tp-pp-dp-mapping", action="store_true", help=f"Megatron's flag: order {TP_PP_DP_ORDER}")

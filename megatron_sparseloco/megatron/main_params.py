@@ -84,7 +84,8 @@ def main_param_shards(optimizer) -> MainParamShards:
                 if main is None:
                     # Never skip a parameter silently: the outer step would not cover it.
                     raise AssertionError(
-                        f"{names.get(id(model_param), '?')}: {type(optimizer).__name__} keeps no fp32 main param for it "
+                        f"{names.get(id(model_param), '?')}: {type(optimizer).__name__} keeps no fp32 main param "
+                        "for it "
                         "(--use-precision-aware-optimizer / --optimizer-cpu-offload keep the masters in the "
                         "optimizer state), so the outer step cannot cover it. Fix: drop those flags")
                 if main.numel() == 0:
@@ -103,7 +104,8 @@ def main_param_shards(optimizer) -> MainParamShards:
         out.shard_group = optimizer.data_parallel_group
         # The shards must cover everything the optimizer updates on this rank.
         owned = sum(optimizer._get_model_param_range_map(p)["param"].size
-                    for group in (optimizer.model_float16_groups, optimizer.model_fp32_groups) for g in group for p in g)
+                    for group in (optimizer.model_float16_groups, optimizer.model_fp32_groups)
+                    for g in group for p in g)
         covered = sum(t.numel() for t in out.tensors)
         if covered != owned:
             raise AssertionError(f"{type(optimizer).__name__}: the outer step would cover {covered} of the {owned} "

@@ -23,7 +23,8 @@ def resolved_settings(args) -> Dict[str, object]:
     algo = args.sparseloco_algorithm
     out: Dict[str, object] = {"algorithm": algo, "workers W": args.sparseloco_workers}
     per_worker = getattr(args, "sparseloco_inner_steps_per_worker", None)
-    out["inner steps H"] = f"{args.sparseloco_inner_steps} (per worker {per_worker})" if per_worker else args.sparseloco_inner_steps
+    out["inner steps H"] = (f"{args.sparseloco_inner_steps} (per worker {per_worker})" if per_worker
+                            else args.sparseloco_inner_steps)
     specs = flagged_fields(outer_strategy_class(algo).config_class)
     values = {spec.name: getattr(args, dest_of(flag), None) for flag, spec in specs.items()}
     for flag, spec in specs.items():
@@ -40,7 +41,8 @@ def resolved_settings(args) -> Dict[str, object]:
                                 if args.sparseloco_consistency_check_interval else "off")
     timeout = args.sparseloco_outer_timeout
     out["outer timeout"] = (f"{timeout:g} s" if timeout is not None else
-                            f"{getattr(args, 'distributed_timeout_minutes', 10):g} min (Megatron's --distributed-timeout-minutes)")
+                            f"{getattr(args, 'distributed_timeout_minutes', 10):g} min "
+                            "(Megatron's --distributed-timeout-minutes)")
     P = getattr(args, "sparseloco_fragments", None) or 1
     if P > 1:  # (the per-outer-step numbers below are per round: the sum of the P fragment syncs)
         H = args.sparseloco_inner_steps
@@ -48,7 +50,8 @@ def resolved_settings(args) -> Dict[str, object]:
     return out
 
 
-def worker_map_lines(args, world_size: int, gpus_per_node: Optional[int] = None, sites: Optional[str] = None) -> List[str]:
+def worker_map_lines(args, world_size: int, gpus_per_node: Optional[int] = None,
+                     sites: Optional[str] = None) -> List[str]:
     """``worker w: ranks ..., nodes ...`` from the layout helper (no process group needed)."""
     from megatron_sparseloco.megatron.layout import LayoutError, _ranges, compute_layout
     gpn = gpus_per_node or world_size
@@ -58,14 +61,16 @@ def worker_map_lines(args, world_size: int, gpus_per_node: Optional[int] = None,
                              ep=getattr(args, "expert_model_parallel_size", 1) or 1,
                              expert_tp=getattr(args, "expert_tensor_parallel_size", None),
                              workers=args.sparseloco_workers,
-                             order="tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",
+                             order=("tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False)
+                                    else "tp-cp-ep-dp-pp"),
                              sites=sites or None)
     except (LayoutError, ValueError, TypeError) as exc:
         return [f"  (worker map unavailable: {exc})"]
     lines = []
     for w, ranks in enumerate(lay.worker_ranks):
         site = f", site {lay.worker_sites[w]}" if sites else ""
-        lines.append(f"  worker {w}: ranks {_ranges(ranks)} (nodes {','.join(str(n) for n in lay.worker_nodes[w])}{site})")
+        nodes = ",".join(str(n) for n in lay.worker_nodes[w])
+        lines.append(f"  worker {w}: ranks {_ranges(ranks)} (nodes {nodes}{site})")
     return lines
 
 

@@ -498,7 +498,8 @@ BRIDGES: List[Bridge] = [
             "plays that role and the 'CPU RNG changed inside fork' warning is meaningless.",
         evidence={
             f"{_CORE}.tensor_parallel.random:_get_cuda_rng_state": [r"torch\.cuda\.random\.get_rng_state"],
-            f"{_CORE}.tensor_parallel.random:_set_cuda_rng_state": [r"torch\.cuda\.default_generators|_cuda_setRNGState"],
+            f"{_CORE}.tensor_parallel.random:_set_cuda_rng_state":
+                [r"torch\.cuda\.default_generators|_cuda_setRNGState"],
             f"{_CORE}.tensor_parallel.random:CudaRNGStatesTracker.add": [r"torch\.cuda\.get_rng_state\(\)"],
             f"{_CORE}.tensor_parallel.random:model_parallel_cuda_manual_seed": [r"torch\.cuda\.manual_seed\("],
         },
@@ -678,7 +679,8 @@ BRIDGES: List[Bridge] = [
             "torch.cuda.device_count() > 0; inside this module torch.cuda reports one (CPU) device.",
         evidence={
             "megatron.training.initialize:_initialize_distributed":
-                [r"device_count = torch\.cuda\.device_count\(\)", r"if device_count > 0 and not skip_model_parallel_init"],
+                [r"device_count = torch\.cuda\.device_count\(\)",
+                 r"if device_count > 0 and not skip_model_parallel_init"],
             "megatron.training.initialize:_set_random_seed": [r"if torch\.cuda\.device_count\(\) > 0:"],
         },
         apply_fn=_proxy_torch("megatron.training.initialize", proxy=_CPU_TORCH_ONE_DEVICE),

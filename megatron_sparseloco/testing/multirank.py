@@ -145,6 +145,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
             report = "\n".join(f"----- rank {r} output (stacks at timeout) -----\n{logs[r]}" for r in range(world_size))
             raise RankTimeout(f"ranks {hung} still running after {timeout:.0f} s\n{report}")
         if errors:
-            report = "\n".join(f"----- rank {r} -----\n{msg}\n----- rank {r} output -----\n{logs[r]}" for r, msg in errors)
+            report = "\n".join(f"----- rank {r} -----\n{msg}\n----- rank {r} output -----\n{logs[r]}"
+                               for r, msg in errors)
             raise RankFailure(f"{len(errors)} rank(s) failed\n{report}")
         return results
