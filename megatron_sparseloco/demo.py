@@ -155,8 +155,8 @@ def parse_megatron_log(lines) -> dict:
         v = _VAL_RE.search(line)
         if v:
             where = v.group(1).strip()
-            it = re.search(r"iteration\s+(\d+)", where)
-            val.append({"iteration": int(it.group(1)) if it else None, "where": where,
+            at = re.search(r"iteration\s+(\d+)", where)
+            val.append({"iteration": int(at.group(1)) if at else None, "where": where,
                         "split": "test" if "test set" in where else "valid", "lm_loss": float(v.group(2))})
     return {"iterations": iters, "train_loss": train_losses, "validation": val}
 
@@ -215,6 +215,7 @@ def run_training(cmd: List[str], log_path: str, summary_path: str, timeout: floa
                                 text=True, bufsize=1, start_new_session=True)
 
         def pump():  # a thread, so a silent hang still hits the timeout below
+            assert proc.stdout is not None  # stdout=PIPE
             for line in proc.stdout:
                 log.write(line)
                 lines.append(line.rstrip("\n"))
@@ -224,7 +225,7 @@ def run_training(cmd: List[str], log_path: str, summary_path: str, timeout: floa
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
         try:
-            rc = proc.wait(timeout=timeout)
+            rc: int | str = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)          # the process group we started (start_new_session)
             proc.wait()

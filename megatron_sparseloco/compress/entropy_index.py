@@ -96,8 +96,8 @@ def decode_indices(section: torch.Tensor, chunk_ids: torch.Tensor, kept: torch.T
     r_max = max_rice_param(space)
     bad = param > r_max
     if bool(bad.any()):
-        at = int(torch.nonzero(bad)[0])
-        raise PayloadError(f"entropy index section: Rice parameter {int(param[at])} > {r_max} for chunk {at}")
+        c = int(torch.nonzero(bad)[0])
+        raise PayloadError(f"entropy index section: Rice parameter {int(param[c])} > {r_max} for chunk {c}")
     value_r = param[chunk_ids]
     n_rem = int(value_r.sum().item())
     sizes = ((n_unary + 7) // 8, (n_rem + 7) // 8)

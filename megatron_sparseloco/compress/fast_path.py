@@ -426,8 +426,8 @@ def _scatter_kernels(stacked, cfg, out, scales, counts):
     # reshape(-1) copies unless one row (then a view at a 4-byte offset): view as fp32 works for any row length
     side = stacked[:, HEADER_BYTES : geo.values_at].reshape(-1).view(torch.float32).view(n_workers, -1)
     if not bool(torch.isfinite(side).all()):
-        bad = int(torch.nonzero(~torch.isfinite(side).all(1))[0])
-        raise PayloadError(f"payload {bad}: side info (quantiser shift / centroids) holds NaN or Inf")
+        w = int(torch.nonzero(~torch.isfinite(side).all(1))[0])
+        raise PayloadError(f"payload {w}: side info (quantiser shift / centroids) holds NaN or Inf")
     kb = _next_pow2(cfg.k)
     wi = geo.index_width
     nbi = (wi + 14) // 8

@@ -36,6 +36,7 @@ worker), so a payload from a worker whose shards do not line up is refused, nami
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -117,13 +118,13 @@ def tile_edge(chunk: int) -> int:
 
 def segment_config(base: CodecConfig, geometry: str) -> CodecConfig:
     """The codec configuration of one segment (quantiser per segment: ``quant_group_chunks=0``)."""
-    common = dict(value_bits=base.value_bits, index_coding=base.index_coding)
+    make = functools.partial(CodecConfig, value_bits=base.value_bits, index_coding=base.index_coding)
     if geometry == "tile2d":
         t = tile_edge(base.chunk)
-        return CodecConfig(chunk=base.chunk, k=base.k, chunk_mode="tile", tile=t, **common)
+        return make(chunk=base.chunk, k=base.k, chunk_mode="tile", tile=t)
     if geometry == "dense":
-        return CodecConfig(chunk=base.chunk, k=base.chunk, chunk_mode="flat", **common)
-    return CodecConfig(chunk=base.chunk, k=base.k, chunk_mode="flat", **common)
+        return make(chunk=base.chunk, k=base.chunk, chunk_mode="flat")
+    return make(chunk=base.chunk, k=base.k, chunk_mode="flat")
 
 
 def segment_layout(seg: Segment, base: CodecConfig) -> ChunkLayout:
