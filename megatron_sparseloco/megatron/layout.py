@@ -263,7 +263,7 @@ def _dense_intra_groups(order: str, dense_sizes: dict, worker_ranks: List[List[i
     reduced across workers every step."""
     tp, cp, etp, ep = shape
     intra = dense_sizes["dp"] * cp // workers
-    dense_intra = []
+    dense_intra: List[List[int]] = []
     for g in _groups(order, dense_sizes, "dp-cp"):
         dense_intra.extend(g[i * intra:(i + 1) * intra] for i in range(workers))
     rank_worker = {r: w for w, rs in enumerate(worker_ranks) for r in rs}
@@ -298,19 +298,13 @@ def _site_of_worker(w: int, ranks: List[int], nodes: List[int], site_of_node: Li
 
 def _ranges(ranks: Sequence[int]) -> str:
     """[0,1,2,3,8,9] -> '0-3,8-9'."""
-    out, ranks = [], sorted(ranks)
-    start = prev = None
-    for r in ranks:
-        if start is None:
-            start = prev = r
-        elif r == prev + 1:
-            prev = r
+    runs: List[List[int]] = []  # [first, last] of each run of consecutive ranks
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
         else:
-            out.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = prev = r
-    if start is not None:
-        out.append(f"{start}-{prev}" if prev != start else f"{start}")
-    return ",".join(out)
+            runs.append([r, r])
+    return ",".join(f"{first}-{last}" if last != first else f"{first}" for first, last in runs)
 
 
 def format_layout(lay: Layout, hostnames: Optional[List[str]] = None, max_groups: int = 16) -> str:

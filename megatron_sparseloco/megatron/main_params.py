@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron_sparseloco.compress.segments import TensorSlice
 
@@ -35,7 +36,7 @@ class MainParamShards:
     model_params: List[torch.Tensor]       # the model parameter each tensor is a shard of
     ranges: List[Tuple[int, int]]          # [start, end) of tensors[i] in model_params[i].view(-1)
     all_model_params: List[torch.Tensor]   # every param the optimizer updates, same order on all its ranks
-    shard_group: Optional[object] = None   # ranks that split those params between them (None: not split)
+    shard_group: Optional[dist.ProcessGroup] = None  # ranks that split those params between them (None: not split)
 
     def slices(self) -> List[TensorSlice]:
         """What each tensor is a piece of: its model parameter's shape and the range held."""

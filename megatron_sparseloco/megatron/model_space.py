@@ -55,7 +55,7 @@ def piece_table(shards: MainParamShards) -> PieceTable:
     if not _split(shards):
         return PieceTable({j: [(0, a, b)] for j, a, b in mine}, 0, index)
     group = shards.shard_group
-    gathered: List[list] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
+    gathered: List[list] = [mine] * dist.get_world_size(group)  # placeholders: all_gather_object overwrites them
     dist.all_gather_object(gathered, mine, group=group)
     holders: Dict[int, List[Tuple[int, int, int]]] = {}
     for r, entries in enumerate(gathered):
@@ -99,9 +99,11 @@ def gather_owned_whole_params(shards: MainParamShards, table: PieceTable,
                 if r == table.me:
                     whole[a:b].copy_(my_piece[j])
                 else:
+                    assert group is not None  # another rank holds a piece: the params are split over it
                     ops.append(dist.P2POp(dist.irecv, whole[a:b], dist.get_global_rank(group, r), group))
             out[j] = whole.view(p.shape)
         else:
+            assert group is not None  # another rank owns it: the params are split over the group
             peer = dist.get_global_rank(group, table.owner(j))
             ops.append(dist.P2POp(dist.isend, my_piece[j].contiguous(), peer, group))
     if ops:

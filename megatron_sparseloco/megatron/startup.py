@@ -35,8 +35,9 @@ def resolved_settings(args) -> Dict[str, object]:
         rule = (getattr(args, "sparseloco_defaults_by_rule", None) or {}).get(spec.name)
         if rule:   # a default that follows the job's W (and k): say so, with the rule
             out[flag] = f"{value} (default for W = {args.sparseloco_workers}: {rule})"
-    if "k" in values and "chunk" in values and "topk" in out and out.get("chunk-size"):
-        out["topk"] = f"{values['k']} of {values['chunk']} ({100.0 * values['k'] / values['chunk']:.2f} % density)"
+    k, chunk = values.get("k"), values.get("chunk")
+    if k is not None and chunk and "topk" in out and out.get("chunk-size"):
+        out["topk"] = f"{k} of {chunk} ({100.0 * k / chunk:.2f} % density)"
     out["consistency check"] = (f"every {args.sparseloco_consistency_check_interval} outer steps"
                                 if args.sparseloco_consistency_check_interval else "off")
     timeout = args.sparseloco_outer_timeout
