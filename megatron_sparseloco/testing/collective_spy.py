@@ -56,7 +56,7 @@ def _group_of(name, args, kwargs):
 
 class CollectiveSpy:
     def __init__(self):
-        self.calls: List[Tuple[str, Tuple[int, ...]]] = []
+        self.calls: List[Tuple[str, Tuple[int | str, ...]]] = []  # ("?",): the ranks could not be read
         self._saved = []
 
     def _wrap(self, name, fn):
@@ -99,7 +99,7 @@ class CollectiveSpy:
             setattr(obj, name, fn)
         self._saved.clear()
 
-    def crossing(self, worker_of) -> List[Tuple[str, Tuple[int, ...]]]:
+    def crossing(self, worker_of) -> List[Tuple[str, Tuple[int | str, ...]]]:
         """Calls whose group holds ranks of more than one worker (``worker_of[rank]``)."""
         out = []
         for name, ranks in self.calls:
