@@ -86,9 +86,8 @@ def main_param_shards(optimizer) -> MainParamShards:
                     # Never skip a parameter silently: the outer step would not cover it.
                     raise AssertionError(
                         f"{names.get(id(model_param), '?')}: {type(optimizer).__name__} keeps no fp32 main param "
-                        "for it "
-                        "(--use-precision-aware-optimizer / --optimizer-cpu-offload keep the masters in the "
-                        "optimizer state), so the outer step cannot cover it. Fix: drop those flags")
+                        "for it (--use-precision-aware-optimizer / --optimizer-cpu-offload keep the masters in "
+                        "the optimizer state), so the outer step cannot cover it. Fix: drop those flags")
                 if main.numel() == 0:
                     continue
                 if main.dtype != torch.float32:
