@@ -1,5 +1,6 @@
 # megatron_sparseloco — developer entry points. Every target bootstraps .venv on a fresh machine.
 #   make test    the test suite (what CI runs)
+#   make lint    ruff over the repo, mypy over megatron_sparseloco/ (CI runs it before the tests)
 #   make demo    the main job: real Megatron pretraining on CPU with SparseLoCo, 4 ranks
 #   make bench   benchmarks (results under docs/results/)
 SHELL := /bin/bash
@@ -11,7 +12,7 @@ REQ_HASH := $(shell cat requirements/ci.txt setup.py pyproject.toml 2>/dev/null 
 STAMP := $(VENV)/.installed-$(REQ_HASH)
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast demo bench bench-smoke clean-venv
+.PHONY: venv test test-fast lint demo bench bench-smoke clean-venv
 
 venv: $(STAMP)
 
@@ -25,6 +26,11 @@ $(STAMP):
 
 test: venv
 	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS) tests
+
+# Settings in pyproject.toml ([tool.ruff], [tool.mypy]; mypy checks the files it names there).
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 demo: venv
 	$(PY) -m megatron_sparseloco.demo

@@ -59,6 +59,34 @@ def cuda_time(fn, repeats: int, setup=None) -> list[float]:
     return times
 
 
+def _time_ef_compress(row, checks, args, cfg, size: int, gen, dense: int) -> None:
+    """Times ``error_feedback_step`` on both paths and checks they agree. A function of its own so that
+    e, its copy and delta (3x the input) are freed before the decode section allocates."""
+    from megatron_sparseloco.compress import error_feedback_step
+    from megatron_sparseloco.compress import fast_path as fp
+
+    dev = gen.device
+    err0 = torch.randn(size, device=dev, generator=gen)
+    delta = torch.randn(size, device=dev, generator=gen)
+    err = torch.empty_like(err0)
+    reset = lambda: err.copy_(err0)  # noqa: E731
+    ef_bytes = 3 * dense  # read e, read delta, write e
+    if not args.skip_torch:
+        row("torch", "ef+compress", cuda_time(lambda: error_feedback_step(err, delta, args.beta, cfg), args.repeats, reset),
+            ef_bytes, "GB/s counts e+delta+e")
+    row("triton", "ef+compress", cuda_time(lambda: fp.error_feedback_step_fast(err, delta, args.beta, cfg), args.repeats,
+                                             reset), ef_bytes, "GB/s counts e+delta+e")
+    assert fp.last_dispatch["error_feedback_step"] == "triton", fp.last_dispatch
+    if not args.skip_torch:
+        reset()
+        p_ref, _ = error_feedback_step(err, delta, args.beta, cfg)
+        e_ref = err.clone()
+        reset()
+        p_fast, _ = fp.error_feedback_step_fast(err, delta, args.beta, cfg)
+        checks["ef+compress: payload bytes equal"] = torch.equal(p_ref, p_fast)
+        checks["ef+compress: error buffer equal"] = torch.equal(e_ref, err)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="2**30", help="elements (fp32), e.g. 2**30, 2^28, 1000000")
@@ -83,7 +111,7 @@ def main() -> int:
         print("codec_gpu.py: TRITON_INTERPRET=1 is set; unset it to time compiled kernels", file=sys.stderr)
         return 2
 
-    from megatron_sparseloco.compress import CodecConfig, encode, error_feedback_step, payload_nbytes
+    from megatron_sparseloco.compress import CodecConfig, encode, payload_nbytes
     from megatron_sparseloco.compress import fast_path as fp
 
     t_start = time.time()
@@ -138,28 +166,8 @@ def main() -> int:
             0.0, C=cfg.chunk, BLOCK=block, FUSE_EF=False, num_warps=warps)
         row("triton", f"select kernel (num_warps={warps})", cuda_time(launch, args.repeats), dense)
 
-    # ---- error feedback + compress
-    err0 = torch.randn(size, device=dev, generator=gen)
-    delta = torch.randn(size, device=dev, generator=gen)
-    err = torch.empty_like(err0)
-    reset = lambda: err.copy_(err0)  # noqa: E731
-    ef_bytes = 3 * dense  # read e, read delta, write e
-    if not args.skip_torch:
-        row("torch", "ef+compress", cuda_time(lambda: error_feedback_step(err, delta, args.beta, cfg), args.repeats, reset),
-            ef_bytes, "GB/s counts e+delta+e")
-    row("triton", "ef+compress", cuda_time(lambda: fp.error_feedback_step_fast(err, delta, args.beta, cfg), args.repeats,
-                                             reset), ef_bytes, "GB/s counts e+delta+e")
-    assert fp.last_dispatch["error_feedback_step"] == "triton", fp.last_dispatch
-    if not args.skip_torch:
-        reset()
-        p_ref, _ = error_feedback_step(err, delta, args.beta, cfg)
-        e_ref = err.clone()
-        reset()
-        p_fast, _ = fp.error_feedback_step_fast(err, delta, args.beta, cfg)
-        checks["ef+compress: payload bytes equal"] = torch.equal(p_ref, p_fast)
-        checks["ef+compress: error buffer equal"] = torch.equal(e_ref, err)
-        del e_ref
-    del err0, err, delta
+    # ---- error feedback + compress (its three size-long buffers are freed when the helper returns)
+    _time_ef_compress(row, checks, args, cfg, size, gen, dense)
 
     # ---- decode + scatter-add of W workers
     payloads = []

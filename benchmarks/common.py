@@ -13,13 +13,12 @@
 """
 from __future__ import annotations
 
-import math
 import os
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -431,12 +430,11 @@ def train_torchft_diloco(rank: int, world: int, model: ModelCfg, run: RunCfg, pa
     """
     from datetime import timedelta
 
-    import torch.distributed as dist
     from torchft.local_sgd import DiLoCo
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
-    from megatron_sparseloco.testing.megatron_harness import build_tiny_gpt, init_megatron, forward_step
+    from megatron_sparseloco.testing.megatron_harness import build_tiny_gpt, init_megatron
 
     init_megatron(seed=run.seed)  # TP=1: the bare GPTModel never talks to other ranks
     gpt = build_tiny_gpt(num_layers=model.layers, hidden=model.hidden, heads=model.heads,

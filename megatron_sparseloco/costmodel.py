@@ -475,7 +475,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--sites", type=int, default=2, help="hierarchical: site groups G (each W must be a multiple)")
     p.add_argument("--lan-gbps", type=float, default=LAN_BANDWIDTH_BPS / 1e9,
                    help="hierarchical: the sites' LAN bandwidth, Gbit/s")
-    p.add_argument("--lan-latency-ms", type=float, default=LAN_LATENCY_S * 1e3, help="hierarchical: one-way LAN latency")
+    p.add_argument("--lan-latency-ms", type=float, default=LAN_LATENCY_S * 1e3,
+                   help="hierarchical: one-way LAN latency")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     args = p.parse_args(argv)
     if args.params is not None:

@@ -100,7 +100,8 @@ def summarize_counters(per_rank: List[dict]) -> dict:
         "bytes_received_per_worker": sum(w["bytes_received"] for w in workers.values()) / len(workers),
         "dense_fp32_bytes_equivalent": dense,
         "compression_ratio_vs_fp32": (dense / bytes_sent_per_worker) if bytes_sent_per_worker else None,
-        "bits_per_param_per_step": (8.0 * bytes_sent_per_worker / (numel * outer_steps)) if numel and outer_steps else None,
+        "bits_per_param_per_step": ((8.0 * bytes_sent_per_worker / (numel * outer_steps))
+                                    if numel and outer_steps else None),
         "workers": {str(k): v for k, v in sorted(workers.items())},
         "per_rank": sorted(per_rank, key=lambda c: c["rank"]),
     }
@@ -118,7 +119,8 @@ def write_outer_summary(path: str) -> Optional[dict]:
     if dist.get_rank() != 0:
         return None
     present = [c for c in gathered if c is not None]
-    summary = summarize_counters(present) if present else {"outer_steps": 0, "note": "no OuterLoopOptimizer (plugin off?)"}
+    summary = (summarize_counters(present) if present
+               else {"outer_steps": 0, "note": "no OuterLoopOptimizer (plugin off?)"})
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".partial"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -153,8 +155,8 @@ def parse_megatron_log(lines) -> dict:
         v = _VAL_RE.search(line)
         if v:
             where = v.group(1).strip()
-            it = re.search(r"iteration\s+(\d+)", where)
-            val.append({"iteration": int(it.group(1)) if it else None, "where": where,
+            at = re.search(r"iteration\s+(\d+)", where)
+            val.append({"iteration": int(at.group(1)) if at else None, "where": where,
                         "split": "test" if "test set" in where else "valid", "lm_loss": float(v.group(2))})
     return {"iterations": iters, "train_loss": train_losses, "validation": val}
 
@@ -213,6 +215,7 @@ def run_training(cmd: List[str], log_path: str, summary_path: str, timeout: floa
                                 text=True, bufsize=1, start_new_session=True)
 
         def pump():  # a thread, so a silent hang still hits the timeout below
+            assert proc.stdout is not None  # stdout=PIPE
             for line in proc.stdout:
                 log.write(line)
                 lines.append(line.rstrip("\n"))
@@ -222,7 +225,7 @@ def run_training(cmd: List[str], log_path: str, summary_path: str, timeout: floa
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
         try:
-            rc = proc.wait(timeout=timeout)
+            rc: int | str = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)          # the process group we started (start_new_session)
             proc.wait()
@@ -258,7 +261,8 @@ def main(argv=None) -> int:
     data = build_dataset(a.data, max_bytes=a.max_bytes, log=lambda m: print(m, flush=True))
     prefixes = {s: os.path.join(a.data, PREFIXES[s]) for s in ("train", "valid")}
     cmd = build_command(prefixes, nproc=DEMO_RANKS, workers=DEMO_WORKERS, micro_batch_size=DEMO_MICRO_BATCH,
-                        seq_length=DEMO_SEQ, algorithm=a.algorithm, inner_steps=a.inner_steps, train_iters=a.train_iters,
+                        seq_length=DEMO_SEQ, algorithm=a.algorithm, inner_steps=a.inner_steps,
+                        train_iters=a.train_iters,
                         eval_interval=a.eval_interval, eval_iters=a.eval_iters, log_interval=a.log_interval,
                         extra=["--sparseloco-outer-lr", str(a.outer_lr)] if a.outer_lr is not None else None)
     os.makedirs(a.out, exist_ok=True)
@@ -292,7 +296,8 @@ def main(argv=None) -> int:
         "workers": DEMO_WORKERS,
         "ranks": DEMO_RANKS,
         "iterations": res["iterations"][-1] if res["iterations"] else 0,
-        "tokens_trained": (res["iterations"][-1] if res["iterations"] else 0) * DEMO_RANKS * DEMO_MICRO_BATCH * DEMO_SEQ,
+        "tokens_trained": ((res["iterations"][-1] if res["iterations"] else 0)
+                           * DEMO_RANKS * DEMO_MICRO_BATCH * DEMO_SEQ),
         "train_split_tokens": data.tokens("train"),
         "held_out_split_tokens": data.tokens("valid"),
         "wall_time_s": res["wall_time_s"],
@@ -308,7 +313,8 @@ def main(argv=None) -> int:
     ratio = summary["compression_ratio_vs_fp32"]
     print("\n=== SparseLoCo demo summary ===")
     print(f"  held-out loss (final, Megatron)  : {summary['held_out_loss']}")
-    print(f"  iterations / outer steps         : {summary['iterations']} / {summary['outer_steps']} (H={a.inner_steps})")
+    print(f"  iterations / outer steps         : {summary['iterations']} / {summary['outer_steps']} "
+          f"(H={a.inner_steps})")
     print(f"  bytes sent per worker            : {fmt_bytes(summary['bytes_sent_per_worker'])}")
     print(f"  dense fp32 DiLoCo would send     : {fmt_bytes(summary['dense_fp32_bytes_equivalent'])}")
     print(f"  compression vs fp32              : {'n/a' if ratio is None else f'{ratio:.1f}x'}")

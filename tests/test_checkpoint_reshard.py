@@ -13,7 +13,6 @@ Real megatron.training runs (examples/pretrain_gpt.py), 2 SparseLoCo workers, H 
 - D: 2 ranks as *one* worker asked to load A@7: refused before anything is read, naming the flag.
 """
 import json
-import os
 import shutil
 
 import pytest

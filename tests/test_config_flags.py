@@ -10,9 +10,8 @@
 * the defaults resolved per algorithm are the config classes' defaults.
 """
 import argparse
-import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from megatron_sparseloco.megatron.arguments import (LOOP, LoopFlags, SparseLoCoA
                                                     dest_of, flag_table, option, takers, validate_sparseloco_args)
 from megatron_sparseloco.megatron.strategy_from_args import strategy_factory_from_args
 from megatron_sparseloco.outer.base import OuterConfig, OuterStepStats, OuterStrategy
-from megatron_sparseloco.outer.config_fields import FieldSpec, field_specs, flag_field, flagged_fields
+from megatron_sparseloco.outer.config_fields import FieldSpec, flag_field, flagged_fields
 from megatron_sparseloco.outer.registry import (outer_strategy_classes, register_outer_strategy,
                                                 unregister_outer_strategy)
 

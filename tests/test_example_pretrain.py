@@ -7,7 +7,6 @@ counters that ``megatron_sparseloco.demo.write_outer_summary`` gathers from ever
 """
 import json
 import math
-import os
 import re
 
 import pytest

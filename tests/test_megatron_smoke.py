@@ -135,7 +135,7 @@ def _reduced_grads(ddp, params, group) -> torch.Tensor:
     """
     import torch.distributed as dist
 
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    size = dist.get_world_size(group)
     full = {}
     for buf in ddp.buffers + ddp.expert_parallel_buffers:
         base = buf.grad_data

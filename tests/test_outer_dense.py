@@ -14,7 +14,6 @@ from megatron_sparseloco.outer import (
     DiLoCo,
     DiLoCoConfig,
     ModelAveraging,
-    NonFiniteError,
     available_outer_strategies,
     build_outer_strategy,
 )

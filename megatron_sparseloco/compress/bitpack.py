@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-_BYTE_WEIGHTS = {}
+_BYTE_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
 def _weights(device: torch.device) -> torch.Tensor:

@@ -289,7 +289,8 @@ def _check_strictly_increasing(local: torch.Tensor, chunk_ids: torch.Tensor) -> 
     if bool(bad.any()):
         at = int(torch.nonzero(bad)[0]) + 1
         kind = "duplicate" if int(local[at]) == int(local[at - 1]) else "unsorted"
-        raise PayloadError(f"payload indices in chunk {int(chunk_ids[at])}: {kind} index {int(local[at])} at position {at}")
+        raise PayloadError(f"payload indices in chunk {int(chunk_ids[at])}: {kind} index {int(local[at])} "
+                           f"at position {at}")
 
 
 def decode_dense(payload: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

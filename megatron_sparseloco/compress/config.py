@@ -62,7 +62,8 @@ class CodecConfig:
                 f"CodecConfig.value_bits must be one of {QUANTISED_VALUE_BITS + RAW_VALUE_BITS}, got {self.value_bits}"
             )
         if self.index_coding not in INDEX_CODINGS:
-            raise CodecConfigError(f"CodecConfig.index_coding must be one of {INDEX_CODINGS}, got {self.index_coding!r}")
+            raise CodecConfigError(
+                f"CodecConfig.index_coding must be one of {INDEX_CODINGS}, got {self.index_coding!r}")
         if self.chunk_mode not in CHUNK_MODES:
             raise CodecConfigError(f"CodecConfig.chunk_mode must be one of {CHUNK_MODES}, got {self.chunk_mode!r}")
         if self.tile < 1:

@@ -96,8 +96,8 @@ def decode_indices(section: torch.Tensor, chunk_ids: torch.Tensor, kept: torch.T
     r_max = max_rice_param(space)
     bad = param > r_max
     if bool(bad.any()):
-        at = int(torch.nonzero(bad)[0])
-        raise PayloadError(f"entropy index section: Rice parameter {int(param[at])} > {r_max} for chunk {at}")
+        c = int(torch.nonzero(bad)[0])
+        raise PayloadError(f"entropy index section: Rice parameter {int(param[c])} > {r_max} for chunk {c}")
     value_r = param[chunk_ids]
     n_rem = int(value_r.sum().item())
     sizes = ((n_unary + 7) // 8, (n_rem + 7) // 8)
@@ -112,7 +112,8 @@ def decode_indices(section: torch.Tensor, chunk_ids: torch.Tensor, kept: torch.T
     zeros = torch.nonzero(bytes_to_bits(unary_bytes, n_unary) == 0).reshape(-1)
     if zeros.numel() != n_values or (n_values and int(zeros[-1]) != n_unary - 1) or (not n_values and n_unary):
         raise PayloadError(
-            f"entropy index section: unary stream of {n_unary} bits holds {zeros.numel()} codewords, expected {n_values}"
+            f"entropy index section: unary stream of {n_unary} bits holds {zeros.numel()} codewords, "
+            f"expected {n_values}"
         )
     quotient = torch.diff(zeros, prepend=zeros.new_full((1,), -1)) - 1
     rem_all = bytes_to_bits(rem_bytes, n_rem).to(torch.int64)

@@ -26,10 +26,12 @@ def error_feedback_step(
     ``delta``'s shape (which tile mode reads), so pass the parameter-shaped ``delta``.
     """
     if not isinstance(error, torch.Tensor) or error.dtype != torch.float32 or not error.is_contiguous():
-        raise ValueError(f"error_feedback_step({name!r}): error must be a contiguous float32 tensor (it is updated in place)")
+        raise ValueError(
+            f"error_feedback_step({name!r}): error must be a contiguous float32 tensor (it is updated in place)")
     if error.numel() != delta.numel():
         raise ValueError(
-            f"error_feedback_step({name!r}): error has {error.numel()} elements, delta has {delta.numel()}; they must match"
+            f"error_feedback_step({name!r}): error has {error.numel()} elements, delta has {delta.numel()}; "
+            "they must match"
         )
     if error.device != delta.device:
         raise ValueError(f"error_feedback_step({name!r}): error is on {error.device}, delta on {delta.device}")

@@ -144,7 +144,8 @@ def device_unsupported_reason(device: torch.device) -> str | None:
         return None
     if device.type == "cpu" and _interpret():
         if os.environ.get(INTERPRETER_SWITCH, "0") != "1":
-            return f"CPU tensor under TRITON_INTERPRET=1 without {INTERPRETER_SWITCH}=1 (interpreted kernels are for tests)"
+            return (f"CPU tensor under TRITON_INTERPRET=1 without {INTERPRETER_SWITCH}=1 "
+                    "(interpreted kernels are for tests)")
         if not _triton_interpreted():
             return "TRITON_INTERPRET=1 was set after triton was imported; set it before the first import"
         return None
@@ -243,7 +244,8 @@ def _encode_kernels(x_flat, cfg, name, delta_flat=None, beta=0.0, error_out=None
     codes = torch.empty(kept, dtype=torch.uint8, device=dev)
     bsum = torch.empty(n_vblocks * n_bins, dtype=torch.float64, device=dev)
     bcnt = torch.empty(n_vblocks * n_bins, dtype=torch.int32, device=dev)
-    _launch(K.quant_kernel, (n_vblocks,), vals, stats, codes, bsum, bcnt, kept, N_BINS=n_bins, BLOCK=vblock, num_warps=4)
+    _launch(K.quant_kernel, (n_vblocks,), vals, stats, codes, bsum, bcnt, kept,
+            N_BINS=n_bins, BLOCK=vblock, num_warps=4)
     bin_sum = bsum.view(n_vblocks, n_bins).sum(0)
     bin_cnt = bcnt.view(n_vblocks, n_bins).sum(0, dtype=torch.int64).to(torch.float64)
     lookup = torch.where(bin_cnt > 0, bin_sum / bin_cnt.clamp_min(1), torch.zeros_like(bin_sum))
@@ -338,7 +340,8 @@ def decode_scatter_add_fast(
     """
     if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.dim() != 1:
         raise ValueError("decode_scatter_add_fast: out must be a 1-D float32 tensor")
-    rows = list(payloads) if not isinstance(payloads, torch.Tensor) else list(payloads.unbind(0)) if payloads.dim() == 2 else None
+    rows = (list(payloads) if not isinstance(payloads, torch.Tensor)
+            else list(payloads.unbind(0)) if payloads.dim() == 2 else None)
     if rows is None:
         raise ValueError("decode_scatter_add_fast: payloads must be a list of 1-D uint8 tensors or a 2-D uint8 tensor")
     reason = _scatter_reason(rows, out, scales, counts)
@@ -371,7 +374,8 @@ def _scatter_reason(rows, out, scales, counts) -> str | None:
             return "payloads differ in length"
         if p.numel() < HEADER_BYTES:
             return "a payload is shorter than the header (the torch path reports the details)"
-    if scales is not None and (scales.dtype != torch.float32 or scales.device != out.device or scales.numel() != len(rows)):
+    if scales is not None and (scales.dtype != torch.float32 or scales.device != out.device
+                               or scales.numel() != len(rows)):
         return "scales is not a float32 tensor of one value per payload on out's device"
     if counts is not None and (counts.shape != out.shape or counts.device != out.device or not counts.is_contiguous()):
         return "counts does not match out"
@@ -422,8 +426,8 @@ def _scatter_kernels(stacked, cfg, out, scales, counts):
     # reshape(-1) copies unless one row (then a view at a 4-byte offset): view as fp32 works for any row length
     side = stacked[:, HEADER_BYTES : geo.values_at].reshape(-1).view(torch.float32).view(n_workers, -1)
     if not bool(torch.isfinite(side).all()):
-        bad = int(torch.nonzero(~torch.isfinite(side).all(1))[0])
-        raise PayloadError(f"payload {bad}: side info (quantiser shift / centroids) holds NaN or Inf")
+        w = int(torch.nonzero(~torch.isfinite(side).all(1))[0])
+        raise PayloadError(f"payload {w}: side info (quantiser shift / centroids) holds NaN or Inf")
     kb = _next_pow2(cfg.k)
     wi = geo.index_width
     nbi = (wi + 14) // 8

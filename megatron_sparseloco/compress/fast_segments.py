@@ -197,6 +197,7 @@ def decode_scatter_add_bucket_fast(payloads: Sequence[torch.Tensor], plan: Bucke
         if not use_kernel:
             for w in range(W):
                 if w == skip:
+                    assert skip_decoded is not None, "skip names a worker whose decode skip_decoded must give"
                     m = (skip_decoded.indices >= seg.offset) & (skip_decoded.indices < seg.offset + seg.numel)
                     idx, val = skip_decoded.indices[m] - seg.offset, skip_decoded.values[m]
                 else:
@@ -218,10 +219,12 @@ def decode_scatter_add_bucket_fast(payloads: Sequence[torch.Tensor], plan: Bucke
             r = seg.numel // seg.cols
             _tile_view(out[sl], r, seg.cols, t).copy_(scratch.view(r // t, seg.cols // t, t, t))
             if counts is not None:
+                assert c_scratch is not None  # allocated above exactly when counts is given
                 _tile_view(counts[sl], r, seg.cols, t).copy_(c_scratch.view(r // t, seg.cols // t, t, t))
         else:
             out[sl].copy_(scratch)
             if counts is not None:
+                assert c_scratch is not None  # allocated above exactly when counts is given
                 counts[sl].copy_(c_scratch)
     last_dispatch["decode_scatter_add"] = "triton" if all(kernel_segs) else "mixed"
     return out

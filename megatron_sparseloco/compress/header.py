@@ -75,11 +75,13 @@ class Header:
         if len(raw) < HEADER_BYTES:
             raise PayloadError(f"payload has {len(raw)} bytes, fewer than the {HEADER_BYTES}-byte header")
         (magic, version, value_bits, coding, geometry, dtype, flags, reserved0,
-         chunk, k, tile, groups, reserved1, numel, rows, cols, index_bytes) = HEADER.unpack(raw[:HEADER_BYTES])  # fmt: skip
+         chunk, k, tile, groups, reserved1,
+         numel, rows, cols, index_bytes) = HEADER.unpack(raw[:HEADER_BYTES])  # fmt: skip
         if magic != MAGIC:
             raise PayloadError(f"payload magic is {magic!r}, expected {MAGIC!r}: not a SparseLoCo codec payload")
         if version != VERSION:
-            raise PayloadError(f"payload format version {version} is not supported (this codec reads version {VERSION})")
+            raise PayloadError(
+                f"payload format version {version} is not supported (this codec reads version {VERSION})")
         if coding not in _ID_TO_CODING:
             raise PayloadError(f"payload header: unknown index coding id {coding}")
         if geometry not in _ID_TO_GEOMETRY:

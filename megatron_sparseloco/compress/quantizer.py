@@ -33,7 +33,8 @@ def side_words(n_bins: int) -> int:
     return 1 + n_bins if n_bins else 0
 
 
-def quantise(values: torch.Tensor, group_ids: torch.Tensor, n_groups: int, n_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantise(values: torch.Tensor, group_ids: torch.Tensor, n_groups: int,
+             n_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise fp32 ``values`` whose quantiser group is ``group_ids`` (int64, same length).
 
     Returns ``codes`` (int64 in ``[0, n_bins)``) and ``side`` (fp32 ``[n_groups, 1 + n_bins]``).

@@ -36,6 +36,7 @@ worker), so a payload from a worker whose shards do not line up is refused, nami
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -117,13 +118,13 @@ def tile_edge(chunk: int) -> int:
 
 def segment_config(base: CodecConfig, geometry: str) -> CodecConfig:
     """The codec configuration of one segment (quantiser per segment: ``quant_group_chunks=0``)."""
-    common = dict(value_bits=base.value_bits, index_coding=base.index_coding)
+    make = functools.partial(CodecConfig, value_bits=base.value_bits, index_coding=base.index_coding)
     if geometry == "tile2d":
         t = tile_edge(base.chunk)
-        return CodecConfig(chunk=base.chunk, k=base.k, chunk_mode="tile", tile=t, **common)
+        return make(chunk=base.chunk, k=base.k, chunk_mode="tile", tile=t)
     if geometry == "dense":
-        return CodecConfig(chunk=base.chunk, k=base.chunk, chunk_mode="flat", **common)
-    return CodecConfig(chunk=base.chunk, k=base.k, chunk_mode="flat", **common)
+        return make(chunk=base.chunk, k=base.chunk, chunk_mode="flat")
+    return make(chunk=base.chunk, k=base.k, chunk_mode="flat")
 
 
 def segment_layout(seg: Segment, base: CodecConfig) -> ChunkLayout:
@@ -244,12 +245,13 @@ def encode_bucket(x: torch.Tensor, plan: BucketPlan, name: str = "bucket") -> to
 def read_bucket_table(payload: torch.Tensor, plan: BucketPlan) -> list[int]:
     """Check the header and table against ``plan``; return each segment's index length."""
     if payload.numel() < BUCKET_HEADER_BYTES:
-        raise PayloadError(f"bucket payload has {payload.numel()} bytes, fewer than the {BUCKET_HEADER_BYTES}-byte header")
+        raise PayloadError(
+            f"bucket payload has {payload.numel()} bytes, fewer than the {BUCKET_HEADER_BYTES}-byte header")
     raw = payload[:BUCKET_HEADER_BYTES].cpu().numpy().tobytes()
     magic, version, value_bits, coding, reserved, chunk, k, tile, n_seg, numel = BUCKET_HEADER.unpack(raw)
     if magic != MAGIC:
-        raise PayloadError(f"bucket payload magic is {magic!r}, expected {MAGIC!r}: not a per-tensor SparseLoCo payload "
-                           "(do all workers use the same --sparseloco-chunking?)")
+        raise PayloadError(f"bucket payload magic is {magic!r}, expected {MAGIC!r}: not a per-tensor SparseLoCo "
+                           "payload (do all workers use the same --sparseloco-chunking?)")
     if version != VERSION:
         raise PayloadError(f"bucket payload format version {version} is not supported (this codec reads {VERSION})")
     c = plan.codec

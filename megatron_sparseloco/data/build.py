@@ -205,7 +205,7 @@ def build_dataset(out: str, source: Optional[str] = None, max_bytes: Optional[in
     t0 = time.time()
     splits = {}
     for split in SPLITS:
-        info = _write_split(source, by_split[split], os.path.join(out, PREFIXES[split]))
+        info: Dict[str, object] = dict(_write_split(source, by_split[split], os.path.join(out, PREFIXES[split])))
         info["prefix"] = PREFIXES[split]
         info["files"] = [rel for rel, _, _ in by_split[split]]
         splits[split] = info
@@ -220,8 +220,8 @@ def build_dataset(out: str, source: Optional[str] = None, max_bytes: Optional[in
         "build_seconds": round(time.time() - t0, 3),
     }
     tmp = manifest_path + ".partial"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1)
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(manifest, fh, indent=1)
     os.replace(tmp, manifest_path)
     log(f"[data] {out}: {splits['train']['documents']} train files ({splits['train']['tokens']} tokens), "
         f"{splits['valid']['documents']} held-out files ({splits['valid']['tokens']} tokens) from {source} "

@@ -45,5 +45,6 @@ class ByteTokenizer:
         arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64)
         arr = arr[arr != EOD_ID]
         if arr.size and (arr.min() < 0 or arr.max() >= NUM_BYTES):
-            raise ValueError(f"token ids outside 0..{NUM_BYTES - 1} (and EOD {EOD_ID}): {arr[(arr < 0) | (arr >= NUM_BYTES)][:5]}")
+            raise ValueError(f"token ids outside 0..{NUM_BYTES - 1} (and EOD {EOD_ID}): "
+                             f"{arr[(arr < 0) | (arr >= NUM_BYTES)][:5]}")
         return arr.astype(np.uint8).tobytes()

@@ -30,7 +30,7 @@ import argparse
 from typing import Collection, Dict, List, Optional, Sequence, Set, Type
 
 from megatron_sparseloco.megatron.loop_config import AUTO, OuterLoopConfig
-from megatron_sparseloco.outer.base import OuterStrategy
+from megatron_sparseloco.outer.base import OuterConfig, OuterStrategy
 from megatron_sparseloco.outer.config_fields import (ConfigError, FieldSpec, field_specs, flagged_fields,
                                                      render_refs)
 from megatron_sparseloco.outer.registry import available_outer_strategies, outer_strategy_class, outer_strategy_classes
@@ -110,7 +110,7 @@ def _argparse_kwargs(flag: str, specs: Sequence[FieldSpec]) -> dict:
     choices: List = []
     for s in specs:
         choices += [c for c in (s.choices or ()) if c not in choices]
-    kw = dict(type=first.type, default=None, help=help_text)
+    kw: Dict[str, object] = dict(type=first.type, default=None, help=help_text)
     if choices and all(s.choices for s in specs):
         kw["choices"] = sorted(choices) if first.type in (int, float) else choices
     return kw
@@ -146,6 +146,7 @@ def _render(field_to_flag: Dict[str, FieldSpec]):
         spec = field_to_flag.get(name)
         if spec is None:
             return None
+        assert spec.flag is not None, f"{name}: field_to_flag holds flagged fields only"
         opt = option(spec.flag)
         if value is None:
             return opt
@@ -163,7 +164,7 @@ def argument_error(exc: ConfigError, config_class: type, algo: str) -> SparseLoC
     by_field = {s.name: s for s in field_specs(config_class) if s.flag is not None}
     render = _render(by_field)
     spec = by_field.get(exc.field) if exc.field else None
-    where = option(spec.flag) if spec is not None else f"--sparseloco-algorithm {algo}"
+    where = option(spec.flag) if spec is not None and spec.flag is not None else f"--sparseloco-algorithm {algo}"
     fix = render_refs(exc.fix, render) if exc.fix else "change the value"
     return SparseLoCoArgumentError(f"{where}: {render_refs(exc.problem, render)}. Fix: {fix}")
 
@@ -182,7 +183,7 @@ def _refuse_flags_without_algorithm(args: argparse.Namespace) -> None:
             f"Fix: add --sparseloco-algorithm {{{','.join(algorithms())}}} or drop those flags")
 
 
-def _refuse_flag_not_taken(flag: str, value, algo: str, config_class: type, table) -> None:
+def _refuse_flag_not_taken(flag: str, value, algo: str, config_class: type[OuterConfig], table) -> None:
     """``flag`` given although ``algo``'s config has no field for it (an implied value is accepted as is)."""
     implied = config_class.implied_flags
     others = [a for a in takers(flag, table) if a != algo]

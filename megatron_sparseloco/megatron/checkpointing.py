@@ -136,13 +136,14 @@ def elementwise_state(shards: MainParamShards, strategy) -> Dict[str, List[torch
     out["inner.main_param"] = list(shards.tensors)
     inner = _inner_optimizer(shards)
     for k in _inner_elementwise_names(shards):
+        assert inner is not None  # the names come from it
         out[f"inner.{k}"] = [inner.state[t][k] for t in shards.tensors]
     return out
 
 
 def _adam_steps(shards: MainParamShards, keys: Dict[int, str]) -> Dict[str, float]:
     inner = _inner_optimizer(shards)
-    out = {}
+    out: Dict[str, float] = {}
     if inner is None:
         return out
     for t, p in zip(shards.tensors, shards.model_params):
@@ -357,7 +358,8 @@ def build_save_state(strategies_by_member, shards_list, worker: int, metas: Dict
             chunks: Dict[str, list] = {}
             for i, (p, (start, end), piece) in enumerate(zip(shards.model_params, shards.ranges, pieces)):
                 if piece.numel() != end - start:
-                    raise ValueError(f"{name} of {shards.names[i]}: {piece.numel()} elements for range [{start}, {end})")
+                    raise ValueError(f"{name} of {shards.names[i]}: {piece.numel()} elements for range "
+                                     f"[{start}, {end})")
                 meta = _metadata_of(metas, p, shards.names[i])
                 rid = meta.replica_id
                 if split:  # pieces are unique inside the worker; a shared state's copy of worker w is replica w
@@ -425,6 +427,7 @@ def restore_state(strategies_by_member, shards_list, loaded: Dict[str, dict], ke
                     if name.startswith("inner.") and name != "inner.main_param":
                         # Fresh tensors, never copy_ into what is there: megatron-core 0.19.2's load
                         # (no Apex/TE) gives every param state the *same* tensor for some entries.
+                        assert inner is not None  # live holds inner.* states only when there is one
                         inner.state[shards.tensors[i]][name[len("inner."):]] = src.clone().view(t.shape)
                     else:
                         t.view(-1).copy_(src)
@@ -449,7 +452,7 @@ def gather_rank_records(record: dict) -> Dict[str, dict]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     records = [record]
     if world > 1:
-        records = [None] * world
+        records = [record] * world  # placeholders: all_gather_object overwrites every entry
         dist.all_gather_object(records, record)
     workers: Dict[str, dict] = {}
     for r in sorted(records, key=lambda r: (r["worker"], r["worker_rank"])):

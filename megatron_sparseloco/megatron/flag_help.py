@@ -72,7 +72,8 @@ def default_text(dest: str) -> str:
     owners, classes = A.flag_table().get(flag, {}), outer_strategy_classes()
     rules = {a: classes[a].config_class.default_rules.get(owners[a].name) for a in values if a in owners}
     if any(rules.values()):   # a default that depends on the job (e.g. on W): the rule, in words
-        return ", ".join(f"{a} {': '.join(rules[a]) if rules.get(a) else _fmt(v)}" for a, v in values.items())
+        shown = {a: ": ".join(rule) if (rule := rules.get(a)) else _fmt(v) for a, v in values.items()}
+        return ", ".join(f"{a} {text}" for a, text in shown.items())
     distinct = {repr(v) for v in values.values()}
     if len(distinct) == 1:
         return _fmt(next(iter(values.values())))
@@ -98,8 +99,8 @@ def notes(dest: str) -> List[str]:
     for name, spec in owners.items():
         if name == A.LOOP or not spec.requires:
             continue
-        cls = outer_strategy_classes()[name].config_class
-        render = A._render({s.name: s for s in A.field_specs(cls) if s.flag})
+        config_class = outer_strategy_classes()[name].config_class
+        render = A._render({s.name: s for s in A.field_specs(config_class) if s.flag})
         needs = " ".join(render(k, repr(v)) or f"{k}={v!r}" for k, v in spec.requires.items())
         out.append(f"{name}: only with {needs}" if len(owners) > 1 else f"only with {needs}")
     for name, cls in outer_strategy_classes().items():
@@ -137,7 +138,8 @@ def flag_syntax(a: argparse.Action) -> str:
         return name
     if a.choices:
         return f"{name} {{{','.join(str(c) for c in a.choices)}}}"
-    metavar = {int: "N", float: "X"}.get(a.type, "LIST" if a.dest.endswith("per_worker") else "VALUE")
+    metavars: Dict[object, str] = {int: "N", float: "X"}
+    metavar = metavars.get(a.type, "LIST" if a.dest.endswith("per_worker") else "VALUE")
     return f"{name} {metavar}"
 
 

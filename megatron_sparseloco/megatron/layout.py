@@ -240,7 +240,8 @@ def _data_parallel_sizes(world: int, tp: int, pp: int, cp: int, ep: int, etp: in
     return dp, edp
 
 
-def _worker_groups(order: str, expert_sizes: dict, intra_e: int, workers: int) -> Tuple[List[List[int]], List[List[int]]]:
+def _worker_groups(order: str, expert_sizes: dict, intra_e: int,
+                   workers: int) -> Tuple[List[List[int]], List[List[int]]]:
     """Worker membership (parallel_state's intra distributed-optimizer-instance groups) and the
     cross-worker groups (its inter partial expert-DP groups = the inter-instance group)."""
     worker_ranks, acc = [], []
@@ -262,13 +263,14 @@ def _dense_intra_groups(order: str, dense_sizes: dict, worker_ranks: List[List[i
     reduced across workers every step."""
     tp, cp, etp, ep = shape
     intra = dense_sizes["dp"] * cp // workers
-    dense_intra = []
+    dense_intra: List[List[int]] = []
     for g in _groups(order, dense_sizes, "dp-cp"):
         dense_intra.extend(g[i * intra:(i + 1) * intra] for i in range(workers))
     rank_worker = {r: w for w, rs in enumerate(worker_ranks) for r in rs}
     for g in dense_intra:
         if len({rank_worker[r] for r in g}) != 1:
-            raise LayoutError(f"dense data-parallel slice {g} would span workers {sorted({rank_worker[r] for r in g})}; "
+            raise LayoutError(f"dense data-parallel slice {g} would span workers "
+                              f"{sorted({rank_worker[r] for r in g})}; "
                               f"this expert/dense combination (tp={tp}, cp={cp}, expert-tp={etp}, ep={ep}) cannot "
                               f"be split into {workers} workers: make expert-tp*ep a multiple of tp*cp")
     return dense_intra
@@ -296,26 +298,21 @@ def _site_of_worker(w: int, ranks: List[int], nodes: List[int], site_of_node: Li
 
 def _ranges(ranks: Sequence[int]) -> str:
     """[0,1,2,3,8,9] -> '0-3,8-9'."""
-    out, ranks = [], sorted(ranks)
-    start = prev = None
-    for r in ranks:
-        if start is None:
-            start = prev = r
-        elif r == prev + 1:
-            prev = r
+    runs: List[List[int]] = []  # [first, last] of each run of consecutive ranks
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
         else:
-            out.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = prev = r
-    if start is not None:
-        out.append(f"{start}-{prev}" if prev != start else f"{start}")
-    return ",".join(out)
+            runs.append([r, r])
+    return ",".join(f"{first}-{last}" if last != first else f"{first}" for first, last in runs)
 
 
 def format_layout(lay: Layout, hostnames: Optional[List[str]] = None, max_groups: int = 16) -> str:
     host = (lambda n: hostnames[n]) if hostnames else (lambda n: f"node{n}")
     lines = [f"world size {lay.world_size} = {lay.nodes} nodes x {lay.gpus_per_node} GPUs; order {lay.order}; "
              f"tp={lay.tp} pp={lay.pp} cp={lay.cp} ep={lay.ep} expert-tp={lay.expert_tp}; "
-             f"data-parallel {lay.dp} (expert {lay.expert_dp}); {lay.workers} worker(s) of {lay.ranks_per_worker} ranks",
+             f"data-parallel {lay.dp} (expert {lay.expert_dp}); "
+             f"{lay.workers} worker(s) of {lay.ranks_per_worker} ranks",
              "workers (Megatron distributed-optimizer instances; all per-step traffic stays inside one):"]
     for w, rs in enumerate(lay.worker_ranks):
         lines.append(f"  worker {w}: site {lay.worker_sites[w]}, ranks {_ranges(rs)}, "
@@ -341,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=1, help="--context-parallel-size")
     p.add_argument("--ep", type=int, default=1, help="--expert-model-parallel-size")
     p.add_argument("--expert-tp", type=int, default=None, help="--expert-tensor-parallel-size (default: --tp)")
-    p.add_argument("--workers", type=int, default=1, help="--sparseloco-workers W (= --num-distributed-optimizer-instances)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="--sparseloco-workers W (= --num-distributed-optimizer-instances)")
     p.add_argument("--sites", default=None, help="site id per node, e.g. '0,0,1,1' (default: all nodes one site)")
     p.add_argument("--order", default=None, help=f"rank order (default {DEFAULT_ORDER})")
     p.add_argument("--use-tp-pp-dp-mapping", action="store_true", help=f"Megatron's flag: order {TP_PP_DP_ORDER}")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron_sparseloco.compress.segments import TensorSlice
 
@@ -35,7 +36,7 @@ class MainParamShards:
     model_params: List[torch.Tensor]       # the model parameter each tensor is a shard of
     ranges: List[Tuple[int, int]]          # [start, end) of tensors[i] in model_params[i].view(-1)
     all_model_params: List[torch.Tensor]   # every param the optimizer updates, same order on all its ranks
-    shard_group: Optional[object] = None   # ranks that split those params between them (None: not split)
+    shard_group: Optional[dist.ProcessGroup] = None  # ranks that split those params between them (None: not split)
 
     def slices(self) -> List[TensorSlice]:
         """What each tensor is a piece of: its model parameter's shape and the range held."""
@@ -84,9 +85,9 @@ def main_param_shards(optimizer) -> MainParamShards:
                 if main is None:
                     # Never skip a parameter silently: the outer step would not cover it.
                     raise AssertionError(
-                        f"{names.get(id(model_param), '?')}: {type(optimizer).__name__} keeps no fp32 main param for it "
-                        "(--use-precision-aware-optimizer / --optimizer-cpu-offload keep the masters in the "
-                        "optimizer state), so the outer step cannot cover it. Fix: drop those flags")
+                        f"{names.get(id(model_param), '?')}: {type(optimizer).__name__} keeps no fp32 main param "
+                        "for it (--use-precision-aware-optimizer / --optimizer-cpu-offload keep the masters in "
+                        "the optimizer state), so the outer step cannot cover it. Fix: drop those flags")
                 if main.numel() == 0:
                     continue
                 if main.dtype != torch.float32:
@@ -103,7 +104,8 @@ def main_param_shards(optimizer) -> MainParamShards:
         out.shard_group = optimizer.data_parallel_group
         # The shards must cover everything the optimizer updates on this rank.
         owned = sum(optimizer._get_model_param_range_map(p)["param"].size
-                    for group in (optimizer.model_float16_groups, optimizer.model_fp32_groups) for g in group for p in g)
+                    for group in (optimizer.model_float16_groups, optimizer.model_fp32_groups)
+                    for g in group for p in g)
         covered = sum(t.numel() for t in out.tensors)
         if covered != owned:
             raise AssertionError(f"{type(optimizer).__name__}: the outer step would cover {covered} of the {owned} "

@@ -59,7 +59,7 @@ def piece_table(shards: MainParamShards) -> PieceTable:
     if not _split(shards):
         return PieceTable({j: [(0, a, b)] for j, a, b in mine}, 0, index)
     group = shards.shard_group
-    gathered: List[list] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
+    gathered: List[list] = [mine] * dist.get_world_size(group)  # placeholders: all_gather_object overwrites them
     dist.all_gather_object(gathered, mine, group=group)
     holders: Dict[int, List[Tuple[int, int, int]]] = {}
     for r, entries in enumerate(gathered):

@@ -29,13 +29,14 @@ def build_outer_group(base_group: Optional[dist.ProcessGroup], timeout_s: float)
     if base_group is None:
         return None
     mine = tuple(dist.get_process_group_ranks(base_group))
-    everyone: List[tuple] = [None] * dist.get_world_size()
+    everyone: List[tuple] = [mine] * dist.get_world_size()  # placeholders: all_gather_object overwrites them
     dist.all_gather_object(everyone, mine)
     groups = sorted(set(everyone))
     covered = sorted(r for g in groups for r in g)
     if covered != list(range(dist.get_world_size())):
         raise RuntimeError(f"cross-worker groups {groups} do not partition the {dist.get_world_size()} ranks")
     group, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], timeout=timedelta(seconds=timeout_s))
+    assert isinstance(group, dist.ProcessGroup), "the groups partition the ranks, so this rank is in one"
     return group
 
 
@@ -50,7 +51,9 @@ def single_rank_group() -> Optional[dist.ProcessGroup]:
     """
     if not dist.is_initialized():
         return None
-    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    assert isinstance(group, dist.ProcessGroup), "a group of this rank is never NON_GROUP_MEMBER here"
+    return group
 
 
 def _default_store():

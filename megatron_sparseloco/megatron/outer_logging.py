@@ -71,7 +71,8 @@ def _error_feedback_algorithms():
 ERROR_FEEDBACK_ALGORITHMS = _error_feedback_algorithms()
 
 
-def format_log_line(totals: Dict[str, float], algorithm: Optional[str] = None, inner_steps: Optional[int] = None) -> str:
+def format_log_line(totals: Dict[str, float], algorithm: Optional[str] = None,
+                    inner_steps: Optional[int] = None) -> str:
     """The ``sparseloco |`` line: only what applies to ``algorithm``, nothing before the first outer step.
 
     Bytes are decimal (1 MB = 10^6 bytes, 1 kB = 10^3), as in the demo summary and the docs.
@@ -90,8 +91,8 @@ def format_log_line(totals: Dict[str, float], algorithm: Optional[str] = None, i
     line += f" |Δ|: {totals['pseudo_grad_norm']:.3e} |"
     if algorithm is None or algorithm in ERROR_FEEDBACK_ALGORITHMS:
         line += f" |e|: {totals['error_feedback_norm']:.3e} |"
-    line += (f" outer time c/comm/apply: {totals['time_compress_s'] * 1e3:.1f}/{totals['time_communicate_s'] * 1e3:.1f}/"
-             f"{totals['time_apply_s'] * 1e3:.1f} ms |")
+    line += (f" outer time c/comm/apply: {totals['time_compress_s'] * 1e3:.1f}/"
+             f"{totals['time_communicate_s'] * 1e3:.1f}/{totals['time_apply_s'] * 1e3:.1f} ms |")
     if "time_exposed_s" in totals:
         line += f" exposed: {totals['time_exposed_s'] * 1e3:.1f} ms |"
     return line

@@ -23,7 +23,8 @@ def resolved_settings(args) -> Dict[str, object]:
     algo = args.sparseloco_algorithm
     out: Dict[str, object] = {"algorithm": algo, "workers W": args.sparseloco_workers}
     per_worker = getattr(args, "sparseloco_inner_steps_per_worker", None)
-    out["inner steps H"] = f"{args.sparseloco_inner_steps} (per worker {per_worker})" if per_worker else args.sparseloco_inner_steps
+    out["inner steps H"] = (f"{args.sparseloco_inner_steps} (per worker {per_worker})" if per_worker
+                            else args.sparseloco_inner_steps)
     specs = flagged_fields(outer_strategy_class(algo).config_class)
     values = {spec.name: getattr(args, dest_of(flag), None) for flag, spec in specs.items()}
     for flag, spec in specs.items():
@@ -34,13 +35,15 @@ def resolved_settings(args) -> Dict[str, object]:
         rule = (getattr(args, "sparseloco_defaults_by_rule", None) or {}).get(spec.name)
         if rule:   # a default that follows the job's W (and k): say so, with the rule
             out[flag] = f"{value} (default for W = {args.sparseloco_workers}: {rule})"
-    if "k" in values and "chunk" in values and "topk" in out and out.get("chunk-size"):
-        out["topk"] = f"{values['k']} of {values['chunk']} ({100.0 * values['k'] / values['chunk']:.2f} % density)"
+    k, chunk = values.get("k"), values.get("chunk")
+    if k is not None and chunk and "topk" in out and out.get("chunk-size"):
+        out["topk"] = f"{k} of {chunk} ({100.0 * k / chunk:.2f} % density)"
     out["consistency check"] = (f"every {args.sparseloco_consistency_check_interval} outer steps"
                                 if args.sparseloco_consistency_check_interval else "off")
     timeout = args.sparseloco_outer_timeout
     out["outer timeout"] = (f"{timeout:g} s" if timeout is not None else
-                            f"{getattr(args, 'distributed_timeout_minutes', 10):g} min (Megatron's --distributed-timeout-minutes)")
+                            f"{getattr(args, 'distributed_timeout_minutes', 10):g} min "
+                            "(Megatron's --distributed-timeout-minutes)")
     if getattr(args, "sparseloco_anchor_on_cpu", False):
         out["θ_outer"] = "in pinned host memory (--sparseloco-anchor-on-cpu)"
     P = getattr(args, "sparseloco_fragments", None) or 1
@@ -50,7 +53,8 @@ def resolved_settings(args) -> Dict[str, object]:
     return out
 
 
-def worker_map_lines(args, world_size: int, gpus_per_node: Optional[int] = None, sites: Optional[str] = None) -> List[str]:
+def worker_map_lines(args, world_size: int, gpus_per_node: Optional[int] = None,
+                     sites: Optional[str] = None) -> List[str]:
     """``worker w: ranks ..., nodes ...`` from the layout helper (no process group needed)."""
     from megatron_sparseloco.megatron.layout import LayoutError, _ranges, compute_layout
     gpn = gpus_per_node or world_size
@@ -60,14 +64,16 @@ def worker_map_lines(args, world_size: int, gpus_per_node: Optional[int] = None,
                              ep=getattr(args, "expert_model_parallel_size", 1) or 1,
                              expert_tp=getattr(args, "expert_tensor_parallel_size", None),
                              workers=args.sparseloco_workers,
-                             order="tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp",
+                             order=("tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False)
+                                    else "tp-cp-ep-dp-pp"),
                              sites=sites or None)
     except (LayoutError, ValueError, TypeError) as exc:
         return [f"  (worker map unavailable: {exc})"]
     lines = []
     for w, ranks in enumerate(lay.worker_ranks):
         site = f", site {lay.worker_sites[w]}" if sites else ""
-        lines.append(f"  worker {w}: ranks {_ranges(ranks)} (nodes {','.join(str(n) for n in lay.worker_nodes[w])}{site})")
+        nodes = ",".join(str(n) for n in lay.worker_nodes[w])
+        lines.append(f"  worker {w}: ranks {_ranges(ranks)} (nodes {nodes}{site})")
     return lines
 
 

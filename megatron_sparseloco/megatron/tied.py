@@ -63,7 +63,7 @@ class TiedParamSync:
             self.state_names.append(self._names(shards, strategy_of[m]) if any(pm == m for pm, _, _ in self.plan)
                                     else None)
         # Both ends of the embedding group must run the same number of broadcasts.
-        counts = [None] * dist.get_world_size(self.group)
+        counts = [len(self.plan)] * dist.get_world_size(self.group)  # placeholders: all_gather_object overwrites
         dist.all_gather_object(counts, len(self.plan), group=self.group)
         if len(set(counts)) != 1:
             raise RuntimeError(f"sparseloco: pipeline stages hold different numbers of tied parameters {counts}; "
@@ -74,7 +74,7 @@ class TiedParamSync:
         mine = ["inner.main_param"] + sorted(f"outer.{k}" for k in per_tensor_state(strategy))
         group = shards.shard_group
         if group is not None and dist.get_world_size(group) > 1:
-            gathered = [None] * dist.get_world_size(group)
+            gathered = [mine] * dist.get_world_size(group)  # placeholders: all_gather_object overwrites them
             dist.all_gather_object(gathered, mine, group=group)
             mine = max(gathered, key=len)
         return mine
@@ -100,6 +100,7 @@ class TiedParamSync:
         for m, j, numel in self.plan:
             shards, strategy = shards_list[m], strategy_of[m]
             names = self.state_names[m]
+            assert names is not None  # __init__ sets them for every member with a tied param
             views = self._views(m, shards, strategy, j)
             device = shards.tensors[0].device if shards.tensors else collective_device()
             whole = torch.zeros(len(names), numel, dtype=torch.int32, device=device)

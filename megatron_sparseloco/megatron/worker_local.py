@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -90,7 +90,7 @@ def localize_timers(timers, group) -> None:
     """Timers barrier and gather over ``group`` (idempotent); timers created later too."""
     if timers is None:
         return
-    base = type(timers)
+    base: type = type(timers)
     if not getattr(base, "_sparseloco_worker_local", False):
         timers.__class__ = _worker_local_timers_class(base)
     timers._sparseloco_group = group
@@ -100,7 +100,8 @@ def localize_timers(timers, group) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _worker_local_timers_class(base):
+def _worker_local_timers_class(base: Any) -> type:
+    """A subclass of ``base`` (Megatron's ``Timers`` or a subclass; ``Any`` because it is subclassed here)."""
     class WorkerLocalTimers(base):
         _sparseloco_worker_local = True
 
@@ -181,7 +182,7 @@ def localize_moe_metrics() -> bool:
     def _sync_metrics(self, metric_names, pg_collection=None):
         return original(self, metric_names, _WorkerDataParallel(pg_collection))
 
-    _sync_metrics._sparseloco_worker_local = True
+    setattr(_sync_metrics, "_sparseloco_worker_local", True)  # the mark the check above reads
     MoEMetricsTracker._sync_metrics = _sync_metrics
     return True
 

@@ -196,7 +196,7 @@ class OuterStrategy(abc.ABC, Generic[ConfigT]):
     #: a short name used in logs and checkpoints
     name: ClassVar[str] = "base"
     #: the config dataclass (fields, flags, defaults, validation); every registered strategy sets it
-    config_class: ClassVar[type]
+    config_class: ClassVar[type[OuterConfig]]
     #: what the strategy can do (``round.Capabilities``): the loop and the flag checks read only this
     capabilities: ClassVar[Capabilities] = Capabilities()
     #: the strategy's per-element buffers besides θ_outer (``anchor``, every strategy's), each a flat

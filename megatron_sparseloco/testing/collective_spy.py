@@ -45,7 +45,8 @@ def _group_of(name, args, kwargs):
         grp = kwargs.get("group", args[2] if len(args) > 2 else None)
         peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
         if peer is None:  # group-local peer (torch >= 2.6: group_dst / group_src / group_peer)
-            local = next((kwargs[k] for k in ("group_dst", "group_src", "group_peer") if kwargs.get(k) is not None), None)
+            local = next((kwargs[k] for k in ("group_dst", "group_src", "group_peer")
+                          if kwargs.get(k) is not None), None)
             if local is None:
                 return ("?",)
             peer = dist.get_global_rank(grp, local) if grp is not None else local
@@ -55,7 +56,7 @@ def _group_of(name, args, kwargs):
 
 class CollectiveSpy:
     def __init__(self):
-        self.calls: List[Tuple[str, Tuple[int, ...]]] = []
+        self.calls: List[Tuple[str, Tuple[int | str, ...]]] = []  # ("?",): the ranks could not be read
         self._saved = []
 
     def _wrap(self, name, fn):
@@ -98,7 +99,7 @@ class CollectiveSpy:
             setattr(obj, name, fn)
         self._saved.clear()
 
-    def crossing(self, worker_of) -> List[Tuple[str, Tuple[int, ...]]]:
+    def crossing(self, worker_of) -> List[Tuple[str, Tuple[int | str, ...]]]:
         """Calls whose group holds ranks of more than one worker (``worker_of[rank]``)."""
         out = []
         for name, ranks in self.calls:

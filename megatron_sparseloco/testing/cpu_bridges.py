@@ -282,11 +282,13 @@ def _cuda_as_cpu(self: torch.Tensor, device: Any = None, non_blocking: bool = Fa
 def _cuda_tensor_methods() -> Any:
     """While active: ``t.type()`` of a CPU tensor reads ``torch.cuda.XTensor``; ``t.cuda()`` is ``t``."""
     prev_type, prev_cuda = torch.Tensor.type, torch.Tensor.cuda
-    torch.Tensor.type, torch.Tensor.cuda = _type_as_cuda, _cuda_as_cpu
+    setattr(torch.Tensor, "type", _type_as_cuda)  # setattr: a deliberate swap of the methods
+    setattr(torch.Tensor, "cuda", _cuda_as_cpu)
     try:
         yield
     finally:
-        torch.Tensor.type, torch.Tensor.cuda = prev_type, prev_cuda
+        setattr(torch.Tensor, "type", prev_type)
+        setattr(torch.Tensor, "cuda", prev_cuda)
 
 
 def _wrap_with_cuda_tensor_methods(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -374,7 +376,7 @@ def _proxy_torch(*modules: str, proxy: Optional[_CpuTorch] = None) -> Callable[[
             mod = importlib.import_module(name)
             if getattr(mod, "torch", None) is not torch and not isinstance(getattr(mod, "torch", None), _CpuTorch):
                 raise RuntimeError(f"{name}.torch is not the torch module; bridge cannot apply")
-            mod.torch = proxy
+            setattr(mod, "torch", proxy)
     return apply
 
 
@@ -415,8 +417,8 @@ class _DropCpuRngChangedWarning(logging.Filter):
 
 def _apply_rng() -> None:
     rnd = importlib.import_module("megatron.core.tensor_parallel.random")
-    rnd._get_cuda_rng_state = _cpu_get_rng_state
-    rnd._set_cuda_rng_state = _cpu_set_rng_state
+    setattr(rnd, "_get_cuda_rng_state", _cpu_get_rng_state)
+    setattr(rnd, "_set_cuda_rng_state", _cpu_set_rng_state)
     _proxy_torch("megatron.core.tensor_parallel.random")()
     logger = logging.getLogger(rnd.__name__)
     if not any(isinstance(f, _DropCpuRngChangedWarning) for f in logger.filters):
@@ -438,7 +440,7 @@ def _apply_moe_split_sizes() -> None:
         return out
 
     setattr(maybe_move_tensor_to_cpu, _MARK, True)
-    disp.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    setattr(disp, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
 
 
 # ---- megatron.training ---------------------------------------------------------------------
@@ -454,7 +456,7 @@ def _apply_allow_no_cuda() -> None:
         return original(*args, **kwargs)
 
     setattr(initialize_megatron, _MARK, True)
-    training.initialize_megatron = initialize_megatron
+    setattr(training, "initialize_megatron", initialize_megatron)
 
 
 def _prebuilt_dataset_helpers() -> None:
@@ -464,12 +466,13 @@ def _prebuilt_dataset_helpers() -> None:
 
 def _apply_prebuilt_helpers() -> None:
     utils = importlib.import_module("megatron.core.datasets.utils")
-    utils.compile_helpers = _prebuilt_dataset_helpers
+    setattr(utils, "compile_helpers", _prebuilt_dataset_helpers)
 
 
 def _no_makefile_in_datasets() -> List[str]:
     import os
     utils = importlib.import_module("megatron.core.datasets.utils")
+    assert utils.__file__ is not None, "megatron.core.datasets.utils is a file in the wheel"
     here = os.path.dirname(os.path.abspath(utils.__file__))
     return [] if not os.path.exists(os.path.join(here, "Makefile")) else [f"{here}/Makefile exists now"]
 
@@ -483,7 +486,7 @@ def _apply_device_arch_version() -> None:
     for name in ("megatron.training.arguments", "megatron.training.utils", "megatron.training.utils.common_utils"):
         mod = importlib.import_module(name)
         if hasattr(mod, "get_device_arch_version"):
-            mod.get_device_arch_version = _cpu_device_arch_version
+            setattr(mod, "get_device_arch_version", _cpu_device_arch_version)
 
 
 # --------------------------------------------------------------------------------------------
@@ -498,7 +501,8 @@ BRIDGES: List[Bridge] = [
             "plays that role and the 'CPU RNG changed inside fork' warning is meaningless.",
         evidence={
             f"{_CORE}.tensor_parallel.random:_get_cuda_rng_state": [r"torch\.cuda\.random\.get_rng_state"],
-            f"{_CORE}.tensor_parallel.random:_set_cuda_rng_state": [r"torch\.cuda\.default_generators|_cuda_setRNGState"],
+            f"{_CORE}.tensor_parallel.random:_set_cuda_rng_state":
+                [r"torch\.cuda\.default_generators|_cuda_setRNGState"],
             f"{_CORE}.tensor_parallel.random:CudaRNGStatesTracker.add": [r"torch\.cuda\.get_rng_state\(\)"],
             f"{_CORE}.tensor_parallel.random:model_parallel_cuda_manual_seed": [r"torch\.cuda\.manual_seed\("],
         },
@@ -678,7 +682,8 @@ BRIDGES: List[Bridge] = [
             "torch.cuda.device_count() > 0; inside this module torch.cuda reports one (CPU) device.",
         evidence={
             "megatron.training.initialize:_initialize_distributed":
-                [r"device_count = torch\.cuda\.device_count\(\)", r"if device_count > 0 and not skip_model_parallel_init"],
+                [r"device_count = torch\.cuda\.device_count\(\)",
+                 r"if device_count > 0 and not skip_model_parallel_init"],
             "megatron.training.initialize:_set_random_seed": [r"if torch\.cuda\.device_count\(\) > 0:"],
         },
         apply_fn=_proxy_torch("megatron.training.initialize", proxy=_CPU_TORCH_ONE_DEVICE),

@@ -51,7 +51,8 @@ def run_threads(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (
     if dist.is_initialized():
         raise RuntimeError("run_threads needs a process without a process group of its own")
     with _LOCK:
-        torch._C._distributed_c10d._set_thread_isolation_mode(True)  # group names per thread
+        # group names per thread; torch's _distributed_c10d.pyi stub lacks this binding (torch's own tests call it)
+        torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
         mtpg._install_threaded_pg()
         mtpg.ProcessLocalGroup.reset()
         store = dist.HashStore()
@@ -86,7 +87,7 @@ def run_threads(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (
         finally:
             mtpg._uninstall_threaded_pg()
             mtpg.ProcessLocalGroup.reset()
-            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+            torch._C._distributed_c10d._set_thread_isolation_mode(False)  # type: ignore[attr-defined]  # stub gap
         if errors:
             raise ThreadRankFailure("\n".join(errors))
         return results

@@ -26,12 +26,15 @@ from __future__ import annotations
 import math
 import os
 from functools import partial
-from typing import Dict, Iterator, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 
 def _have_cuda() -> bool:
@@ -181,7 +184,7 @@ def wrap_ddp_and_optimizer(model_chunks, *, optimizer: str = "adam", lr: float =
 
 
 def synthetic_batches(seed: int, micro_batch_size: int, seq_len: int, vocab: int,
-                      data_parallel_rank: int) -> Iterator[Dict[str, torch.Tensor]]:
+                      data_parallel_rank: int) -> Iterator[Dict[str, Optional[torch.Tensor]]]:
     """Endless deterministic, learnable micro-batches for one data-parallel rank.
 
     Each row is an arithmetic sequence ``t_i = (a + b·i) mod vocab`` with per-row start ``a`` and

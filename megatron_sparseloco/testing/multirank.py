@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 
 #: what the fork server imports once per test session: a rank is forked from it, so it starts with
@@ -126,7 +126,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
                 p.kill()
                 p.join(5)
         logs = {r: _tail(os.path.join(out_dir, f"rank{r}.log")) for r in range(world_size)}
-        results, errors = [], []
+        results: List[Any] = []
+        errors: List[Tuple[int, str]] = []
         for r in range(world_size):
             path = os.path.join(out_dir, f"rank{r}.pkl")
             if not os.path.exists(path):
@@ -145,6 +146,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
             report = "\n".join(f"----- rank {r} output (stacks at timeout) -----\n{logs[r]}" for r in range(world_size))
             raise RankTimeout(f"ranks {hung} still running after {timeout:.0f} s\n{report}")
         if errors:
-            report = "\n".join(f"----- rank {r} -----\n{msg}\n----- rank {r} output -----\n{logs[r]}" for r, msg in errors)
+            report = "\n".join(f"----- rank {r} -----\n{msg}\n----- rank {r} output -----\n{logs[r]}"
+                               for r, msg in errors)
             raise RankFailure(f"{len(errors)} rank(s) failed\n{report}")
         return results

@@ -38,6 +38,7 @@ example-script test) keep launching through torchrun.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import select
@@ -212,7 +213,8 @@ def _launch(conn) -> int:
     if node == 0:   # the other nodes' ranks connect to node 0's store, as with torchrun's static rendezvous
         store = dist.TCPStore("127.0.0.1", port, n * nnodes, is_master=True, wait_for_workers=False,  # noqa: F841
                               timeout=datetime.timedelta(seconds=1800))
-    codes, failed_at = {}, None
+    codes: dict[int, int] = {}  # rank -> exit code
+    failed_at: float | None = None
     while len(codes) < n:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -266,6 +268,7 @@ def _rank_main(job, fds, rank: int, world: int, port: int, node: int = 0, nnodes
         os.chdir(job["cwd"])
         unbuffered = bool(env.get("PYTHONUNBUFFERED"))
         for stream in (sys.stdout, sys.stderr):
+            assert isinstance(stream, io.TextIOWrapper), "the server is a python process of its own (ensure_server)"
             stream.reconfigure(line_buffering=True, write_through=unbuffered)
         _fresh_process_state(env)
         target = job["target"]

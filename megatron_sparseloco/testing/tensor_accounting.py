@@ -70,7 +70,8 @@ class TensorAccounting(TorchDispatchMode):
 
 def state_bytes(tensors: Iterable[torch.Tensor]) -> Dict[str, int]:
     """Bytes of the distinct storages behind ``tensors``, by place (``"cuda"``, ``"cpu"``, ``"cpu (pinned)"``)."""
-    seen, out = set(), defaultdict(int)
+    seen: set = set()
+    out: Dict[str, int] = defaultdict(int)
     for t in tensors:
         if t is None:
             continue
