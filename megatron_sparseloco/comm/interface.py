@@ -75,24 +75,36 @@ class Pending(Generic[T]):
 
 
 class OuterComm(abc.ABC):
-    """Collectives over one outer group, with exact byte accounting (module docstring)."""
+    """Collectives over one outer group, with exact byte accounting (module docstring).
+
+    An implementation keeps ``_size`` / ``_rank`` current (they may change between rounds) and says
+    where control tensors live (``_find_device``, asked once)."""
 
     counter: CommCounter
+    _size: int = 1
+    _rank: int = 0
+    _device: Optional[torch.device] = None
 
     @property
-    @abc.abstractmethod
     def size(self) -> int:
         """Ranks in the group (the number of workers taking part)."""
+        return self._size
 
     @property
-    @abc.abstractmethod
     def rank(self) -> int:
         """This rank's index in the group, 0 <= rank < size."""
+        return self._rank
 
     @property
-    @abc.abstractmethod
     def device(self) -> torch.device:
         """The device small control tensors (flags, sizes) must live on for this group."""
+        if self._device is None:
+            self._device = self._find_device()
+        return self._device
+
+    @abc.abstractmethod
+    def _find_device(self) -> torch.device:
+        """Where this group's control tensors must live (CUDA for NCCL, else the CPU)."""
 
     @property
     def contributors(self) -> List[int]:
@@ -159,21 +171,9 @@ class ProcessGroupComm(OuterComm):
         self.counter = counter if counter is not None else CommCounter()
         self._size = dist.get_world_size(group) if dist.is_initialized() else 1
         self._rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self._device: Optional[torch.device] = None
 
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def device(self) -> torch.device:
-        if self._device is None:
-            self._device = _c10d.collective_device(self.group)
-        return self._device
+    def _find_device(self) -> torch.device:
+        return _c10d.collective_device(self.group)
 
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return _c10d.all_reduce_(tensor, self.group, self.counter, op=REDUCE_OPS[op])

@@ -64,7 +64,6 @@ class TorchFTComm(OuterComm):
         #: the first failure of this round (None: every operation so far succeeded)
         self.error: Optional[BaseException] = None
         self._size, self._rank = 1, 0
-        self._device: Optional[torch.device] = None
         #: this round's contributors (``set_contributors``; None: every participant)
         self._contributors: Optional[List[int]] = None
 
@@ -88,21 +87,9 @@ class TorchFTComm(OuterComm):
     def contributors(self) -> List[int]:
         return list(range(self._size)) if self._contributors is None else list(self._contributors)
 
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def device(self) -> torch.device:
-        if self._device is None:
-            name = self.pg.getBackendName().lower()
-            cuda = "nccl" in name and torch.cuda.is_available()
-            self._device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        return self._device
+    def _find_device(self) -> torch.device:
+        cuda = "nccl" in self.pg.getBackendName().lower() and torch.cuda.is_available()
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     @property
     def failed(self) -> bool:

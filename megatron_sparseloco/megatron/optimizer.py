@@ -107,20 +107,11 @@ class OuterLoopOptimizer(ForwardingOptimizer):
     watch = property(lambda self: self.placement.watch, doc="Arrival markers naming a lost worker.")
     log = property(lambda self: self.rounds.log, doc="Counters for logging (``rounds.OuterLog``).")
     delayed = property(lambda self: self.rounds.delayed, doc="The delayed-application drivers (τ ≥ 1).")
-
-    @property
-    def outer_steps(self) -> int:
-        """Outer rounds completed (``OuterLog.outer_steps``, the loop's one count; saved in checkpoints)."""
-        return self.rounds.log.outer_steps
-
-    @property
-    def fragment_syncs(self) -> List[int]:
-        """Rounds begun per fragment, the same on every rank."""
-        return self.rounds.fragment_syncs
-
-    @property
-    def algorithms(self) -> List[str]:
-        return sorted({s.name for s in self.strategies})
+    outer_steps = property(lambda self: self.rounds.log.outer_steps,
+                           doc="Outer rounds completed (``OuterLog.outer_steps``; saved in checkpoints).")
+    fragment_syncs = property(lambda self: self.rounds.fragment_syncs,
+                              doc="Rounds begun per fragment, the same on every rank.")
+    algorithms = property(lambda self: sorted({s.name for s in self.strategies}), doc="The strategies' names.")
 
     # ------------------------------------------------------------------ the loop
     def is_inner_step_active(self) -> bool:
