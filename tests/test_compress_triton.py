@@ -325,7 +325,7 @@ jobs = [
     (K.validate_kernel, dict(pay_ptr="*u8", row_stride=i32, bad_ptr="*u8", n_chunks=i32, tail=i32, k=i32, k_last=i32,
                              index_at=i32, index_bytes=i32), dict(C=4096, KB=64, WI=12, NBI=3), 1),
     (K.scatter_add_kernel, dict(pay_ptr="*u8", row_stride=i32, side_ptr=p, scale_ptr=p, out_ptr=p, cnt_ptr="*i32",
-                                n_workers=i32, n_chunks=i32, k=i32, k_last=i32, values_at=i32, value_bytes=i32,
+                                n_workers=i32, n_chunks=i32, tail=i32, k=i32, k_last=i32, values_at=i32, value_bytes=i32,
                                 index_at=i32, index_bytes=i32),
      dict(C=4096, KB=64, WI=12, NBI=3, VB=2, N_BINS=4, HAS_SCALE=True, HAS_COUNT=True), 1),
 ]

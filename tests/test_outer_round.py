@@ -124,3 +124,91 @@ def test_host_syncs_of_the_dense_step_do_not_grow_with_buckets_or_workers():
             res = run_ranks(_count_dense_syncs, world, args=(buckets,), timeout=120)
             counts[(world, buckets)] = res[0][0]
     assert len(set(counts.values())) == 1, counts
+
+
+def _mixed_params(n):
+    """n × (a tile-aligned 16x16 weight, a 1-D norm sent whole, a 12x20 weight with edge tiles): every
+    segment kind, kernel-path and torch-path alike."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        out += [torch.randn(16, 16, generator=g), torch.randn(16, generator=g), torch.randn(12, 20, generator=g)]
+    return out
+
+
+def _count_sparse_syncs(rank, world, groups, kernels):
+    import os
+    if kernels:
+        os.environ["SPARSELOCO_INTERPRET_KERNELS"] = "1"
+    from megatron_sparseloco.compress import fast_segments
+    from megatron_sparseloco.outer import build_outer_strategy
+    from megatron_sparseloco.testing.host_syncs import HostSyncCounter
+
+    params = _mixed_params(groups)
+    strat = build_outer_strategy("sparseloco", params, None, bucket_numel=512, k=8, chunk=64)
+    for i, p in enumerate(params):
+        p.add_(0.01 * (rank + 1) * torch.randn(p.shape, generator=torch.Generator().manual_seed(100 + i)))
+    with HostSyncCounter() as syncs:
+        strat.step()
+    return syncs.total, len(list(strat.buckets())), dict(fast_segments.last_dispatch)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton-interpreted"])
+def test_host_syncs_of_the_sparseloco_step_do_not_grow_with_buckets_or_workers(kernels):
+    """The codec's checks are read once per round (``compress.checks``), so an outer step's host
+    synchronisations are the same at 2 and 6 buckets and at 2 and 4 workers, on the torch path and on
+    the kernels' (interpreted here: the CUDA path's code)."""
+    from megatron_sparseloco.testing.multirank import run_ranks
+
+    env = {"TRITON_INTERPRET": "1", "SPARSELOCO_INTERPRET_KERNELS": "1"} if kernels else {}
+    counts, buckets = {}, set()
+    for world in (2, 4):
+        for groups in (2, 6):
+            total, n, dispatch = run_ranks(_count_sparse_syncs, world, args=(groups, kernels), env=env,
+                                           timeout=300)[0]
+            counts[(world, groups)] = total
+            buckets.add(n)
+            assert (dispatch.get("decode_scatter_add") == "mixed") == kernels, dispatch
+    assert len(buckets) == 2, buckets
+    assert len(set(counts.values())) == 1, counts
+
+
+def _corrupt_bucket0(rank, world):
+    from megatron_sparseloco.compress.errors import PayloadError
+    from megatron_sparseloco.outer import build_outer_strategy
+
+    params = _mixed_params(2)
+    strat = build_outer_strategy("sparseloco", params, None, bucket_numel=512, k=8, chunk=64)
+    for p in params:
+        p.add_(0.01 * (rank + 1))
+    before = strat.anchor.clone()
+    if rank == 1:
+        compress = strat._compress
+
+        def corrupt(s, e, plan, delta):
+            payload, local = compress(s, e, plan, delta)
+            if s == 0:
+                payload = payload.clone()
+                payload[0] ^= 1          # the magic: the header no longer matches the plan
+            return payload, local
+        strat._compress = corrupt
+    try:
+        strat.step()
+        error = None
+    except PayloadError as exc:
+        error = str(exc)
+    s0, e0 = next(iter(strat.buckets()))
+    return {"error": error, "bucket0_unchanged": torch.equal(strat.anchor[s0:e0], before[s0:e0]),
+            "rest_moved": not torch.equal(strat.anchor[e0:], before[e0:])}
+
+
+@pytest.mark.multirank
+def test_a_malformed_payload_is_refused_and_its_bucket_applies_nothing():
+    from megatron_sparseloco.testing.multirank import run_ranks
+
+    res = run_ranks(_corrupt_bucket0, 2, timeout=120)
+    r0 = res[0]
+    assert r0["error"] is not None and "payload 1: bucket payload magic" in r0["error"], r0
+    assert "bucket [0:" in r0["error"], r0          # the bucket named, as the immediate check names it
+    assert r0["bucket0_unchanged"] and r0["rest_moved"], r0

@@ -21,6 +21,7 @@ import torch
 
 from megatron_sparseloco.compress import entropy_index
 from megatron_sparseloco.compress.bitpack import pack_bits, unpack_bits
+from megatron_sparseloco.compress.checks import deferring, require
 from megatron_sparseloco.compress.config import CodecConfig
 from megatron_sparseloco.compress.errors import NonFiniteInputError, PayloadError
 from megatron_sparseloco.compress.header import DTYPE_IDS, HEADER_BYTES, Header
@@ -115,8 +116,8 @@ def encode_body(x: torch.Tensor, cfg: CodecConfig, name: str = "tensor", layout:
     n_valid, width = layout.chunk_valid_and_width(dev)
     sel = _select(x_flat, layout, n_valid, width, cfg.is_dense)
     values = x_flat[sel.global_index].to(torch.float32)
-    if not bool(torch.isfinite(values).all()):
-        raise NonFiniteInputError(f"encode: tensor {name!r} holds NaN or Inf; refusing to send it")
+    require(~torch.isfinite(values).all(),
+            lambda: NonFiniteInputError(f"encode: tensor {name!r} holds NaN or Inf; refusing to send it"))
 
     if cfg.is_quantised:
         groups = quant_groups(cfg, layout.n_chunks)
@@ -254,12 +255,17 @@ def _decode_indices(
     else:
         local = entropy_index.decode_indices(index_section, chunk_ids, kept, layout.space)
     bad = local >= n_valid[chunk_ids]
-    if bool(bad.any()):
+
+    def out_of_range() -> PayloadError:
         at_bad = int(torch.nonzero(bad)[0])
-        raise PayloadError(
+        return PayloadError(
             f"payload index {int(local[at_bad])} in chunk {int(chunk_ids[at_bad])} is out of range "
             f"(that chunk holds {int(n_valid[chunk_ids[at_bad]])} elements)"
         )
+
+    require(bad, out_of_range)
+    if deferring():   # checked later: keep every position inside its chunk meanwhile
+        local = torch.where(bad, torch.zeros_like(local), local)
     return chunk_ids, layout.compact_to_global(chunk_ids, local, width)
 
 
@@ -269,14 +275,13 @@ def _decode_values(
     """fp32 values: dequantised codes (side info checked finite) or the raw bf16 / fp32 words."""
     if cfg.is_quantised:
         side = _as_float32(side_section).view(-1, side_words(cfg.n_bins))
-        if not bool(torch.isfinite(side).all()):
-            raise PayloadError("payload side info (quantiser shift / centroids) holds NaN or Inf")
+        require(~torch.isfinite(side).all(),
+                lambda: PayloadError("payload side info (quantiser shift / centroids) holds NaN or Inf"))
         codes = unpack_bits(value_section, cfg.value_bits, n_kept)
         return dequantise(codes, _group_ids(chunk_ids, cfg), side)
     raw = value_section.clone().view(torch.bfloat16 if cfg.value_bits == 16 else torch.float32)
     values = raw.to(torch.float32)
-    if not bool(torch.isfinite(values).all()):
-        raise PayloadError("payload raw values hold NaN or Inf")
+    require(~torch.isfinite(values).all(), lambda: PayloadError("payload raw values hold NaN or Inf"))
     return values
 
 
@@ -286,11 +291,14 @@ def _check_strictly_increasing(local: torch.Tensor, chunk_ids: torch.Tensor) -> 
         return
     same_chunk = chunk_ids[1:] == chunk_ids[:-1]
     bad = same_chunk & (local[1:] <= local[:-1])
-    if bool(bad.any()):
+
+    def not_ascending() -> PayloadError:
         at = int(torch.nonzero(bad)[0]) + 1
         kind = "duplicate" if int(local[at]) == int(local[at - 1]) else "unsorted"
-        raise PayloadError(f"payload indices in chunk {int(chunk_ids[at])}: {kind} index {int(local[at])} "
-                           f"at position {at}")
+        return PayloadError(f"payload indices in chunk {int(chunk_ids[at])}: {kind} index {int(local[at])} "
+                            f"at position {at}")
+
+    require(bad, not_ascending)
 
 
 def decode_dense(payload: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

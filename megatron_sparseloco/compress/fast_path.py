@@ -38,6 +38,7 @@ from typing import Sequence
 import torch
 
 from megatron_sparseloco.compress import codec as _codec
+from megatron_sparseloco.compress.checks import deferring, require
 from megatron_sparseloco.compress.codec import Decoded
 from megatron_sparseloco.compress.config import CodecConfig
 from megatron_sparseloco.compress.error_feedback import error_feedback_step
@@ -267,8 +268,8 @@ def _encode_kernels(x_flat, cfg, name, delta_flat=None, beta=0.0, error_out=None
     )  # fmt: skip
 
     # the selected values are all finite iff their fp64 sum is (it cannot overflow)
-    if not bool(torch.isfinite(total)):
-        raise NonFiniteInputError(f"encode: tensor {name!r} holds NaN or Inf; refusing to send it")
+    require(~torch.isfinite(total),
+            lambda: NonFiniteInputError(f"encode: tensor {name!r} holds NaN or Inf; refusing to send it"))
     if not fuse and error_out is None:
         return payload, None
     dec_idx = torch.empty(kept, dtype=torch.int64, device=dev)
@@ -415,19 +416,29 @@ def _read_heads(payloads, rows, device):
 
 
 def _scatter_kernels(stacked, cfg, out, scales, counts):
+    """Validate then scatter-add W same-layout flat payloads (rows of ``stacked``) into ``out``.
+
+    While checks are deferred (``compress.checks``) the headers are the caller's (known to match
+    ``out``), and the validity flags are recorded rather than read: the scatter then skips any
+    index outside its chunk, so nothing is written out of bounds."""
     K = _kernels()
     n_workers = stacked.shape[0]
     numel = out.numel()
-    head0 = Header.unpack(stacked[0, :HEADER_BYTES].cpu().numpy().tobytes())
-    if head0.numel != numel:
-        raise PayloadError(f"payloads describe {head0.numel} elements, out has {numel}")
+    if not deferring():
+        head0 = Header.unpack(stacked[0, :HEADER_BYTES].cpu().numpy().tobytes())
+        if head0.numel != numel:
+            raise PayloadError(f"payloads describe {head0.numel} elements, out has {numel}")
     geo = _geometry(numel, cfg)
     lay = geo.layout
     # reshape(-1) copies unless one row (then a view at a 4-byte offset): view as fp32 works for any row length
     side = stacked[:, HEADER_BYTES : geo.values_at].reshape(-1).view(torch.float32).view(n_workers, -1)
-    if not bool(torch.isfinite(side).all()):
-        w = int(torch.nonzero(~torch.isfinite(side).all(1))[0])
-        raise PayloadError(f"payload {w}: side info (quantiser shift / centroids) holds NaN or Inf")
+    finite = torch.isfinite(side).all(1)
+
+    def side_error() -> PayloadError:
+        w = int(torch.nonzero(~finite)[0])
+        return PayloadError(f"payload {w}: side info (quantiser shift / centroids) holds NaN or Inf")
+
+    require(~finite, side_error)
     kb = _next_pow2(cfg.k)
     wi = geo.index_width
     nbi = (wi + 14) // 8
@@ -437,14 +448,20 @@ def _scatter_kernels(stacked, cfg, out, scales, counts):
         lay.n_chunks, lay.tail, cfg.k, lay.k_last, geo.index_at, geo.index_bytes,
         C=cfg.chunk, KB=kb, WI=wi, NBI=nbi, num_warps=1 if kb <= 64 else 4,
     )  # fmt: skip
-    if bool(bad.any()):
+    def index_error() -> PayloadError:
         w = int(torch.nonzero(bad.view(n_workers, -1).any(1))[0])
-        _codec.decode(stacked[w])  # raises the torch path's precise PayloadError
-        raise PayloadError(f"payload {w}: indices are not strictly ascending / in range")  # pragma: no cover
+        try:
+            _codec.decode(stacked[w])  # the torch path's precise PayloadError
+        except PayloadError as exc:
+            return exc
+        return PayloadError(f"payload {w}: indices are not strictly ascending / in range")  # pragma: no cover
+
+    require(bad != 0, index_error)
     _launch(
         K.scatter_add_kernel, (lay.n_chunks,), stacked, stacked.stride(0), side,
         scales if scales is not None else side, out, counts if counts is not None else out,
-        n_workers, lay.n_chunks, cfg.k, lay.k_last, geo.values_at, geo.value_bytes, geo.index_at, geo.index_bytes,
+        n_workers, lay.n_chunks, lay.tail, cfg.k, lay.k_last, geo.values_at, geo.value_bytes, geo.index_at,
+        geo.index_bytes,
         C=cfg.chunk, KB=kb, WI=wi, NBI=nbi, VB=cfg.value_bits, N_BINS=cfg.n_bins,
         HAS_SCALE=scales is not None, HAS_COUNT=counts is not None, num_warps=1 if kb <= 64 else 4,
     )  # fmt: skip

@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_sparseloco.compress import fast_path as fp
+from megatron_sparseloco.compress.checks import prefixed
 from megatron_sparseloco.compress.codec import Decoded, body_nbytes, decode_body, encode_body
 from megatron_sparseloco.compress.header import HEADER_BYTES
 from megatron_sparseloco.compress.segments import (
@@ -175,7 +176,8 @@ def decode_scatter_add_bucket_fast(payloads: Sequence[torch.Tensor], plan: Bucke
         if w == skip:
             continue
         try:
-            lengths[w] = read_bucket_table(p, plan)
+            with prefixed(f"payload {w}"):
+                lengths[w] = read_bucket_table(p, plan)
         except PayloadError as exc:
             raise PayloadError(f"payload {w}: {exc}") from exc
     # each segment body's byte offset per payload, computed once; the whole length is checked

@@ -44,6 +44,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_sparseloco.compress.checks import deferring, require
 from megatron_sparseloco.compress.codec import (
     Decoded,
     body_nbytes,
@@ -55,7 +56,7 @@ from megatron_sparseloco.compress.config import CodecConfig
 from megatron_sparseloco.compress.errors import CodecConfigError, PayloadError
 from megatron_sparseloco.compress.header import HEADER_BYTES, INDEX_CODING_IDS
 from megatron_sparseloco.compress.layout import ChunkLayout
-from megatron_sparseloco.compress.sizing import payload_nbytes
+from megatron_sparseloco.compress.sizing import PayloadGeometry, payload_nbytes
 
 MAGIC = b"SLCS"
 VERSION = 1
@@ -242,8 +243,54 @@ def encode_bucket(x: torch.Tensor, plan: BucketPlan, name: str = "bucket") -> to
     return torch.cat([head_t] + [p for b in bodies for p in b.parts()])
 
 
+def packed_index_lengths(plan: BucketPlan) -> list[int]:
+    """Each segment's index section length under packed indices (fixed by the plan; 0 for dense)."""
+    out = []
+    for seg in plan.segments:
+        cfg = segment_config(plan.codec, seg.geometry)
+        out.append(0 if cfg.is_dense else PayloadGeometry.of(segment_layout(seg, plan.codec), cfg).index_bytes)
+    return out
+
+
+_EXPECTED_HEADS: dict = {}
+
+
+def expected_bucket_head(plan: BucketPlan, device: torch.device) -> torch.Tensor:
+    """The header and segment table every packed payload of ``plan`` carries, on ``device`` (cached)."""
+    key = (plan, str(device))
+    head = _EXPECTED_HEADS.get(key)
+    if head is None:
+        raw = pack_bucket_header(plan, packed_index_lengths(plan))
+        head = _EXPECTED_HEADS[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+    return head
+
+
 def read_bucket_table(payload: torch.Tensor, plan: BucketPlan) -> list[int]:
-    """Check the header and table against ``plan``; return each segment's index length."""
+    """Check the header and table against ``plan``; return each segment's index length.
+
+    With packed indices while checks are deferred (``compress.checks``) the header and table are
+    compared with the plan's on the device (no host read; a mismatch is reported later, with this
+    function's message) and the lengths come from the plan."""
+    if plan.codec.index_coding == "packed" and deferring():
+        head = expected_bucket_head(plan, payload.device)
+        if payload.numel() < head.numel():
+            raise PayloadError(f"bucket payload has {payload.numel()} bytes, its header and table need "
+                               f"{head.numel()}")
+        require(payload[:head.numel()] != head, lambda: _header_error(payload, plan))
+        return packed_index_lengths(plan)
+    return _read_bucket_table(payload, plan)
+
+
+def _header_error(payload: torch.Tensor, plan: BucketPlan) -> Exception:
+    """The host check's precise error for a payload whose header or table differs from the plan's."""
+    try:
+        _read_bucket_table(payload, plan)
+    except PayloadError as exc:
+        return exc
+    return PayloadError("bucket payload header or table differs from the plan's")
+
+
+def _read_bucket_table(payload: torch.Tensor, plan: BucketPlan) -> list[int]:
     if payload.numel() < BUCKET_HEADER_BYTES:
         raise PayloadError(
             f"bucket payload has {payload.numel()} bytes, fewer than the {BUCKET_HEADER_BYTES}-byte header")

@@ -201,18 +201,19 @@ def validate_kernel(
 @triton.jit
 def scatter_add_kernel(
     pay_ptr, row_stride, side_ptr, scale_ptr, out_ptr, cnt_ptr,
-    n_workers, n_chunks, k, k_last, values_at, value_bytes, index_at, index_bytes,
+    n_workers, n_chunks, tail, k, k_last, values_at, value_bytes, index_at, index_bytes,
     C: tl.constexpr, KB: tl.constexpr, WI: tl.constexpr, NBI: tl.constexpr, VB: tl.constexpr,
     N_BINS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COUNT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     j = tl.arange(0, KB)
-    kc = tl.where(pid == n_chunks - 1, k_last, k)
-    m = j < kc
+    kc, n_valid = _chunk_extent(pid, n_chunks, k, k_last, tail, C)
+    m_read = j < kc
     i = pid.to(tl.int64) * k + j
     for w in range(n_workers):
         row = pay_ptr + (tl.zeros([], dtype=tl.int64) + w) * row_stride
-        local = _unpack(row + index_at, i * WI, index_bytes, m, WI, NBI)
+        local = _unpack(row + index_at, i * WI, index_bytes, m_read, WI, NBI)
+        m = m_read & (local < n_valid)   # valid payloads: every index (checks deferred: never out of bounds)
         q = _unpack(row + values_at, i * VB, value_bytes, m, VB, 1)
         side = side_ptr + w * (1 + N_BINS)
         val = tl.load(side + 1 + q, mask=m, other=0.0) + tl.load(side)

@@ -83,6 +83,7 @@ from typing import Any, ClassVar, Collection, Dict, Iterable, Iterator, List, Ma
 import torch
 
 from megatron_sparseloco.comm.interface import Pending
+from megatron_sparseloco.compress.checks import DeferredChecks, prefixed
 from megatron_sparseloco.compress import (
     CodecConfig,
     CodecConfigError,
@@ -92,6 +93,7 @@ from megatron_sparseloco.compress import (
 )
 from megatron_sparseloco.compress.config import QUANTISED_VALUE_BITS, RAW_VALUE_BITS
 from megatron_sparseloco.compress.fast_segments import decode_scatter_add_bucket_fast, error_feedback_step_bucket_fast
+from megatron_sparseloco.compress.fast_segments import last_dispatch as fast_segments_dispatch
 # Triton kernels on CUDA for the configurations they cover; the torch codec (identical bytes) otherwise.
 from megatron_sparseloco.compress.fast_path import error_feedback_step_fast as error_feedback_step
 from megatron_sparseloco.compress.segments import BucketPlan, bucket_payload_nbytes, decode_bucket, plan_buckets
@@ -309,6 +311,23 @@ class _RoundTotals:
             stats.extra["update_density"] = self.applied / numel  # elements the owners' re-encoding sent
 
 
+_CODEC_PATH_SHOWN = False
+
+
+def _announce_codec_path() -> None:
+    """After the first round, once per process on global rank 0: which codec path each segment kind
+    and the decode took (``triton``, or the reason for the torch path; ``compress.fast_segments``)."""
+    global _CODEC_PATH_SHOWN
+    if _CODEC_PATH_SHOWN:
+        return
+    _CODEC_PATH_SHOWN = True
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    paths = dict(fast_segments_dispatch)
+    if paths:
+        print(" sparseloco | codec path: " + "; ".join(f"{k}: {v}" for k, v in sorted(paths.items())), flush=True)
+
+
 class SparseLoCoPlan(RoundPlan):
     """The SparseLoCo round (module docstring), per bucket: compress (Δ, e ← βe + Δ, payload,
     e ← e − decode(payload)), exchange (``SparseLoCo._exchange_bucket``), apply (decode, mean, outer
@@ -331,6 +350,8 @@ class SparseLoCoPlan(RoundPlan):
         self.rs_out: Optional[BucketBuffers] = self.buffers() if rs else None
         self.rs_counts: Optional[BucketBuffers] = self.buffers(strategy.count_dtype) if rs else None
         self.tot = _RoundTotals.zeros(dev)
+        #: the codec's checks of this round (inputs finite, payloads well formed), read once in ``finish``
+        self.checks = DeferredChecks()
         self.sent: Dict[int, Tuple[torch.Tensor, Optional[Decoded]]] = {}
         self.error_before = strategy.error_feedback.clone() if held else None
         contributors = strategy.comm.contributors
@@ -350,7 +371,8 @@ class SparseLoCoPlan(RoundPlan):
             n = bucket_payload_nbytes(plan) if plan is not None else payload_nbytes(e - s, self.sl.codec)
             self.sent[b] = (torch.zeros(n, dtype=torch.uint8, device=self.sl.device), None)
             return
-        self.sent[b] = self.sl._compress_bucket(s, e, plan, self.scratch[:e - s], self.tot)
+        with self.checks.active():
+            self.sent[b] = self.sl._compress_bucket(s, e, plan, self.scratch[:e - s], self.tot)
 
     def start_exchange(self, b: int) -> Pending:
         (s, e), plan = self.ranges[b], self.plans[b]
@@ -363,12 +385,16 @@ class SparseLoCoPlan(RoundPlan):
         _, local = self.sent.pop(b)
         n = e - s
         rs_out = None if self.rs_out is None else self.rs_out[b]
-        self.sl._apply_bucket(s, e, plan, received, local, rs_out, self.work[:n], self.counts[:n], self.tot)
+        with self.checks.active():
+            self.sl._apply_bucket(s, e, plan, received, local, rs_out, self.work[:n], self.counts[:n], self.tot,
+                                  self.checks)
         staged, self.sl._staged = self.sl._staged, None
         if staged is not None:
             self.staged[b] = staged
 
     def finish(self) -> None:
+        self.checks.raise_first()
+        _announce_codec_path()
         self.tot.into(self.stats, self.sl.config, self.sl.params.numel, self.sl.reduce_scatter is not None,
                       self.sl.round_lr)
         self.sl._owner_time_into(self.stats)
@@ -495,23 +521,27 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
         return payload, local
 
     def _apply(self, s: int, e: int, plan: Optional[BucketPlan], payloads: Sequence[torch.Tensor],
-               local: Optional[Decoded], agg: torch.Tensor, counts: torch.Tensor,
-               skip: Optional[int]) -> Tuple[Union[int, torch.Tensor], float, torch.Tensor]:
+               local: Optional[Decoded], agg: torch.Tensor, counts: torch.Tensor, skip: Optional[int],
+               checks: Optional[DeferredChecks] = None) -> Tuple[Union[int, torch.Tensor], float, torch.Tensor]:
         """Decode the contributors' payloads, sparse sum / mean into ``agg``, outer SGD on θ_outer.
 
         ``skip``: the position of this rank's own payload among them (decoded by its EF step already:
-        ``local``), None when this rank does not contribute. Returns (elements chosen by at least one
-        worker, smallest peer-clip scale, the update u).
+        ``local``), None when this rank does not contribute. ``checks``: the round's deferred payload
+        checks; a bucket whose payloads fail one applies no update (the round raises at its end).
+        Returns (elements chosen by at least one worker, smallest peer-clip scale, the update u).
         """
         cfg = self.config
         agg.zero_()
         counts.zero_()
         clip_min, scales = 1.0, None
+        mark = checks.mark() if checks is not None else 0
         if plan is not None and not cfg.peer_norm_clip:  # fused decode + scatter-add (Triton where it applies)
             try:
-                decode_scatter_add_bucket_fast(payloads, plan, agg, counts, skip=skip, skip_decoded=local)
+                with prefixed(self._bucket_name(s, e)):
+                    decode_scatter_add_bucket_fast(payloads, plan, agg, counts, skip=skip, skip_decoded=local)
             except ValueError as exc:
                 raise type(exc)(f"{self._bucket_name(s, e)}: {exc}") from exc
+            self._drop_if_bad(agg, counts, checks, mark)
             return self._finish_bucket(s, e, agg, counts, clip_min)
         # our own payload was decoded by the EF step already (decode is deterministic)
         decoded: Iterable[Decoded] = (local if w == skip and local is not None else self._decode(p, plan, w, s, e)
@@ -525,7 +555,16 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
             values = d.values if scales is None else d.values * scales[w]
             agg.index_add_(0, d.indices, values)
             counts.index_add_(0, d.indices, torch.ones_like(d.indices, dtype=self.count_dtype))
+        self._drop_if_bad(agg, counts, checks, mark)
         return self._finish_bucket(s, e, agg, counts, clip_min)
+
+    @staticmethod
+    def _drop_if_bad(agg: torch.Tensor, counts: torch.Tensor, checks: Optional[DeferredChecks], mark: int) -> None:
+        """A bucket whose deferred checks failed contributes nothing (on the device: no host read)."""
+        bad = checks.bad_since(mark) if checks is not None else None
+        if bad is not None:
+            agg.masked_fill_(bad, 0.0)
+            counts.masked_fill_(bad, 0)
 
     def _finish_bucket(self, s: int, e: int, agg: torch.Tensor, counts: Optional[torch.Tensor], clip_min: float):
         """Mean (contributors or all; ``counts=None``: ``agg`` is the update already), outer SGD on
@@ -581,7 +620,7 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
 
     def _apply_bucket(self, s: int, e: int, plan: Optional[BucketPlan], got, local: Optional[Decoded],
                       rs_out: Optional[torch.Tensor], work: torch.Tensor, counts: torch.Tensor,
-                      tot: "_RoundTotals") -> None:
+                      tot: "_RoundTotals", checks: Optional[DeferredChecks] = None) -> None:
         """Reduce-scatter: outer SGD with the owners' update in ``rs_out``. All-gather: decode
         ``got`` (every worker's payload; the round's contributors' are kept), mean into ``work``, outer SGD."""
         if self.reduce_scatter is not None:
@@ -596,7 +635,7 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
             contributors = self.comm.contributors
             skip = contributors.index(self.rank) if self.rank in contributors else None
             payloads = got if len(contributors) == len(got) else [got[w] for w in contributors]
-            union, clip, update = self._apply(s, e, plan, payloads, local, work, counts, skip)
+            union, clip, update = self._apply(s, e, plan, payloads, local, work, counts, skip, checks)
             tot.clip_min = min(tot.clip_min, clip)
         tot.kept_union += union
         tot.upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
