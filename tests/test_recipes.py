@@ -235,16 +235,15 @@ def test_elastic_recipe_is_one_worker_per_job(name, algo, tmp_path, monkeypatch)
     args, config = _elastic_parse(argv, world, monkeypatch)
     assert (config.lighthouse, config.worker_index, config.min_workers, config.token_file) == (LIGHTHOUSE, 1, 1, token)
     assert args.sparseloco_workers == W and args.sparseloco_algorithm == algo
-    # the global batch is one worker's, and Megatron's divisibility rule holds in the job's world
-    gb = int(single[single.index("--global-batch-size") + 1])
-    assert args.global_batch_size * W == gb
+    # --global-batch-size is the run's; each job trains its 1/W slot of it, which Megatron's divisibility
+    # rule must accept in the job's world
     dp = world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size)
-    assert args.global_batch_size % (args.micro_batch_size * dp) == 0
+    assert args.global_batch_size % W == 0 and (args.global_batch_size // W) % (args.micro_batch_size * dp) == 0
     # the layout check sees one worker over the job's nodes
     gpn = int(cmd[cmd.index("--nproc-per-node") + 1])
     assert compute_layout(world // gpn, gpn, **sizes_from_megatron_args(argv)).workers == 1
     # everything else is the single-job recipe's
-    assert _without(argv, ELASTIC_FLAGS + ("--global-batch-size",)) == _without(single, ("--global-batch-size",))
+    assert _without(argv, ELASTIC_FLAGS) == single
 
 
 def test_elastic_recipe_options_and_errors(tmp_path):

@@ -159,7 +159,7 @@ def test_elastic_one_sbatch_per_site(tmp_path):
             assert _opt(cmd, "--sparseloco-elastic-host") == hosts[0]
             assert _opt(cmd, "--sparseloco-elastic-manager-port") == "29511"
             assert _opt(cmd, "--save") == _opt(cmd, "--load") == f"/shared/ck/r8b/worker{index}"
-            assert _opt(cmd, "--global-batch-size") == "128"      # one worker's batch
+            assert _opt(cmd, "--global-batch-size") == "256"      # the run's: 2 slots x 128 (each job trains its slot)
             seen.append([a for i, a in enumerate(cmd) if i != cmd.index("--node-rank") + 1])
         assert seen[0] == seen[1]
         per_site[index] = seen[0]

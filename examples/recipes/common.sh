@@ -10,8 +10,9 @@
 #       otherwise       check the rank layout, then exec torchrun on this node
 #
 # Elastic mode (ELASTIC=1; docs/elastic.md): this job is ONE worker, its own torchrun world, joined to
-# the other workers' jobs through torchft's lighthouse. NNODES defaults to the nodes of one worker,
-# the global batch is one worker's, and the job reads
+# the other workers' jobs through torchft's lighthouse. NNODES defaults to the nodes of one worker;
+# the arguments are the single-job run's (--global-batch-size stays the run's: each job trains its
+# 1/W slot of it) plus the elastic flags, read from
 #   LIGHTHOUSE (http://HOST:PORT of torchft_lighthouse), WORKER_INDEX (this job's slot, 0 <= I < WORKERS),
 #   TOKEN_FILE (the run's secret, the same file content at every site), MIN_WORKERS (1: the fewest
 #   contributors a round commits with), ELASTIC_HOST (the address other sites reach this job at;
@@ -31,11 +32,9 @@
 
 : "${ALGO:=sparseloco}"
 : "${ELASTIC:=0}"
-case "$ELASTIC" in
-    0) JOB_WORKERS=$WORKERS ;;
-    1) JOB_WORKERS=1 ;;     # this job's Megatron world holds one worker
-    *) echo "error: ELASTIC=$ELASTIC; use ELASTIC=1 (one job per worker, docs/elastic.md) or ELASTIC=0" >&2; exit 2 ;;
-esac
+if [[ "$ELASTIC" != 0 && "$ELASTIC" != 1 ]]; then
+    echo "error: ELASTIC=$ELASTIC; use ELASTIC=1 (one job per worker, docs/elastic.md) or ELASTIC=0" >&2; exit 2
+fi
 : "${GPUS_PER_NODE:=8}"
 : "${NNODES:=1}"    # recipes set their own defaults before sourcing this file
 : "${NODE_RANK:=0}"
@@ -113,7 +112,7 @@ sparseloco_gpu_training_args() {
     if [[ "$ALGO" == diloco ]]; then INNER_LR=${INNER_LR:-8e-4}; else INNER_LR=${INNER_LR:-1e-3}; fi
     TRAINING_ARGS=(
         --micro-batch-size "$MICRO_BATCH"
-        --global-batch-size $((SEQ_PER_WORKER * JOB_WORKERS))
+        --global-batch-size $((SEQ_PER_WORKER * WORKERS))
         --train-iters "$TRAIN_ITERS"
         --lr "$INNER_LR"
         --min-lr "$(awk -v lr="$INNER_LR" 'BEGIN { printf "%g", lr / 10 }')"

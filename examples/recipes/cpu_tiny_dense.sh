@@ -35,7 +35,7 @@ GPT_MODEL_ARGS=(
 
 TRAINING_ARGS=(
     --micro-batch-size 2
-    --global-batch-size $((4 * JOB_WORKERS))
+    --global-batch-size $((4 * WORKERS))
     --train-iters "$TRAIN_ITERS"
     --lr "${INNER_LR:-1e-3}"
     --min-lr 1e-4
