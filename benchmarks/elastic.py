@@ -2,6 +2,7 @@
 
     python benchmarks/elastic.py [--seconds 120] [--json docs/results/elastic.json]
     python benchmarks/elastic.py --smoke --json /tmp/elastic.json            (CI: a tiny model, seconds)
+    python benchmarks/elastic.py --render docs/results/elastic.json          (the tables of docs/elastic.md)
 
 W = 3 workers, each its own job (its own process tree, its own torch.distributed world), on the
 quality benchmark's model and data (benchmarks/common.py: a megatron-core GPTModel, 2 layers,
@@ -598,6 +599,16 @@ def markdown(data: dict) -> str:
                      f"{f(r['goodput_steps_per_s'])} | {'' if ratio is None else f'{ratio:.1%}'} | "
                      f"{r['discarded_steps']} | {f(r['detection_s'])} | {f(r['rejoin_s'])} | {heal} | "
                      f"{f(r['held_out_loss'], 4)} | {r['load_avg_start']:.0f}–{r['load_avg_end']:.0f} |")
+    free = [r for r in data["rows"] if r["scenario"] in ("failure-free", "static-failure-free") and r["round_s_mean"]]
+    if free:
+        lines += ["", "| without failures | round s (H inner steps + outer step) | quorum s | round header s | "
+                  "quorum + header, share of the round | inner-step compute s (median) | steps over the pace |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in free:
+            q = (r["quorum_s_mean"] or 0.0) + (r["header_s_mean"] or 0.0)
+            lines.append(f"| {r['scenario']} | {r['round_s_mean']:.3f} | {f(r['quorum_s_mean'], 3)} | "
+                         f"{f(r['header_s_mean'], 3)} | {q / r['round_s_mean']:.1%} | {f(r['step_compute_s_median'], 3)} | "
+                         f"{r['steps_over_pace']} of {r['computed_steps']} |")
     inj = [r for r in data["rows"] if r["scenario"].startswith("inject")]
     if inj:
         lines += ["", "| after a failed round | seed | rounds committed / failed | inner steps computed | "
@@ -628,7 +639,14 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="a tiny model and short runs (CI)")
     p.add_argument("--log-dir", default=None, help="the jobs' logs (default: a new directory under /tmp)")
     p.add_argument("--json", default=None)
+    p.add_argument("--render", default=None, metavar="RESULTS_JSON",
+                   help="print the docs tables of a results file (docs/elastic.md) and exit")
     args = p.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            data = json.load(f)
+        print(markdown(data))
+        return 0
     names = [s for s in args.scenarios.split(",") if s]
     bad = [s for s in names if s not in SCENARIOS]
     if bad:
