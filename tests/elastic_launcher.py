@@ -13,8 +13,8 @@ Hooks, each set by an environment variable of the job:
 - ``ELASTIC_BARRIER=<dir>:<n>``: before the start-up round, touch ``<dir>/<tag>.<rank>`` and wait until
   the directory holds n files (the jobs of a fresh run meet in one quorum);
 - ``ELASTIC_STARTUP_FILE=<path>``: touch ``path`` before the start-up round (a restarted job says it joins);
-- ``ELASTIC_GATE=<step>:<path>``: before the first round after committed step >= step, wait until
-  ``path`` exists (the survivors wait there for a restarted job);
+- ``ELASTIC_HOLD=<path>``: before each contributing round, wait while ``path`` exists (a test holds
+  the survivors there until a restarted job joins);
 - ``ELASTIC_PAUSE=<step>:<path>``: rank 0, in the round after committed step ``step``, after the round
   header and before its collectives, touches ``path`` and sleeps (a test kills or stops it there:
   the other jobs are then waiting in the round's collectives).
@@ -60,19 +60,13 @@ def _spec(name: str):
     return int(step), path
 
 
-def _wait_for(path: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def _install() -> None:
     import megatron.training.training as mtrain
 
     from megatron_sparseloco.megatron import elastic_rounds, plugin
 
     rounds_cls = elastic_rounds.ElasticRounds
-    gate, pause = _spec("ELASTIC_GATE"), _spec("ELASTIC_PAUSE")
+    hold, pause = os.environ.get("ELASTIC_HOLD"), _spec("ELASTIC_PAUSE")
     orig_startup, orig_round, orig_comm, orig_end = (rounds_cls.startup, rounds_cls._round, rounds_cls._communicate,
                                                      rounds_cls._end)
 
@@ -89,10 +83,9 @@ def _install() -> None:
         return orig_startup(self)
 
     def _round(self, contributes):
-        nonlocal gate
-        if gate is not None and contributes and self.session.step >= gate[0]:
-            _wait_for(gate[1])
-            gate = None
+        deadline = time.monotonic() + 300
+        while hold and contributes and os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return orig_round(self, contributes)
 
     def _communicate(self, rnd):
@@ -124,9 +117,14 @@ def _install() -> None:
         out = orig_train(*a, **kw)
         opt = plugin.ACTIVE
         model = a[1] if len(a) > 1 else kw["model"]
-        params = [p for chunk in model for _, p in sorted(chunk.named_parameters())]
-        _write({"final": True, "sha": _sha([s.anchor for s in opt.strategies]), "params": _sha(params),
-                "step": opt.session.step, "iteration": out[0] if isinstance(out, tuple) else None})
+        named = [(n, p) for chunk in model for n, p in sorted(chunk.named_parameters())]
+        tied = {k: _sha([p for n, p in named if n.endswith(suffix)])
+                for k, suffix in (("embedding", "embedding.word_embeddings.weight"), ("output", "output_layer.weight"))
+                if any(n.endswith(suffix) for n, _ in named)}
+        _write({"final": True, "sha": _sha([s.anchor for s in opt.strategies]), "params": _sha([p for _, p in named]),
+                "tied": tied,
+                "step": opt.session.step if opt.session is not None else opt.outer_steps,
+                "iteration": out[0] if isinstance(out, tuple) else None})
         return out
 
     rounds_cls.startup, rounds_cls._round, rounds_cls._communicate, rounds_cls._end = (startup, _round, _communicate,

@@ -96,11 +96,17 @@ class ElasticRounds(OuterRounds):
         self.last_committed = False
 
     # ------------------------------------------------------------------ rounds
+    @torch.no_grad()
     def startup(self) -> None:
         """The job's first round (module docstring); before the data iterators are built."""
         self.heal.in_iteration = False
         t0 = self._start_timer()
+        step, start = self.session.step, self.heal.counters()
         committed, stats, rnd = self._round(contributes=False)
+        if rnd.healed:
+            self._say(f"worker {self.config.worker_index} started at step {step} (iteration {start.iteration}"
+                      f"{', from its checkpoint' if start.iteration else ''}) but the run is at step {rnd.step}: "
+                      "the run continues from the newest step a live job holds; this job healed from a live peer")
         mine = self.heal.counters()
         run = max([c for c in (Counters.from_extra(h["extra"]) for h in rnd.peers if h is not None)
                    if c is not None] + [mine], key=lambda c: c.iteration)
@@ -214,8 +220,8 @@ class ElasticRounds(OuterRounds):
         workers = ",".join(str(i) for i in index if i is not None)
         contributors = ",".join(str(index[r]) for r in rnd.contributors)
         outcome = "committed" if committed else f"rolled back ({rnd.reason or 'the commit vote failed'})"
-        if not committed and not rnd.contributors and not rnd.contributes:
-            outcome = "start-up round, nothing to commit"
+        if not committed and not self.heal.in_iteration and not rnd.contributors and None not in rnd.peers:
+            outcome = "start-up round, nothing to commit"   # every header read, nobody contributed
         line = (f"round {self.session.step if committed else rnd.step + 1} of worker {self.config.worker_index}: "
                 f"{outcome}; participants workers [{workers}], contributors [{contributors}]")
         if rnd.fingerprint is not None:
