@@ -4,8 +4,8 @@
 
 Every rank appends one JSON line per elastic round to ``<ELASTIC_OUT>/<ELASTIC_TAG>.rank<r>.jsonl``
 (``ElasticRounds._end``: the round's step, outcome, participants and contributors as worker
-indices, whether it healed, ``sha``: sha256 of this rank's θ_outer after the round, the heal
-records, the job's iteration) and, once ``train`` returns, a last line ``{"final": true, ...}``
+indices, whether it healed, ``sha`` / ``local``: sha256 of this rank's θ_outer / θ_local after the
+round, the heal records, the job's iteration) and, once ``train`` returns, a last line ``{"final": true, ...}``
 with θ_outer's sha256 and ``params``: sha256 over the model params (name order).
 
 Hooks, each set by an environment variable of the job:
@@ -107,6 +107,7 @@ def _install() -> None:
                 "behind": rnd.behind, "proceed": rnd.proceed, "reason": rnd.reason, "participants": index,
                 "contributors": [index[r] for r in rnd.contributors], "contributes": rnd.contributes,
                 "sha": _sha([s.anchor for s in self.strategies]), "heals": heals,
+                "local": _sha([t for s in self.strategies for t in s.params.tensors]),
                 "iteration": getattr(args, "iteration", None), "inner_calls": self.heal.opt.inner_calls,
                 "samples": getattr(args, "consumed_train_samples", None),
                 "seconds_quorum": rnd.seconds_quorum, "seconds_header": rnd.seconds_header})

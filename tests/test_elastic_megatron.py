@@ -17,7 +17,8 @@ from a warm server) and driven by ``testing.elastic_jobs`` (kill -9, SIGSTOP / S
 * a job with the wrong token joining late is refused by the others (at its heal's handshake, as it
   is behind the run, or at its round header), which name it and go on; it exits naming its token
   file. One stopped rank of a job (average): the job is dropped, the others go on; continued, it
-  exits asking for a restart.
+  exits asking for a restart. With ``--sparseloco-elastic-after-failed-round discard`` a round that
+  did not commit leaves θ_local = θ_outer (with ``keep``, the kill test: θ_local ≠ θ_outer).
 * gasloc with PP 2 (tied embeddings): every round commits with 3 contributors, the first stage's
   word embeddings equal the last stage's output layer in every job.
 """
@@ -229,6 +230,9 @@ def test_kill_restart_and_stop_a_whole_job(tmp_path):
         heals = [h for r in recs for h in r["heals"] if h["role"] == "received"]
         assert recs[0]["healed"] and recs[0]["behind"] > 0 and heals and heals[0]["nbytes"] > 0, recs[:2]
         assert not recs[0]["contributes"] and any(r["contributes"] and r["committed"] for r in recs), recs
+    # --sparseloco-elastic-after-failed-round keep (default): a rolled-back round left θ_local ≠ θ_outer
+    kept = [r for i in (0, 1) for r in run.rounds(i) if not r["committed"] and not r["healed"] and r["contributes"]]
+    assert kept and all(r["local"] != r["sha"] for r in kept), kept
     # the stop: job 1's first attempt was healed at its next quorum and exited after that round
     stopped = run.rounds(1, attempt=1)
     assert stopped[-1]["healed"] and stopped[-1]["behind"] >= 2, stopped[-3:]
@@ -275,7 +279,8 @@ def test_wrong_token_refused_and_one_stopped_rank(tmp_path):
     is healed and exits asking for a restart. Jobs 0 and 2 end identical."""
     bad = make_token(tmp_path / "bad-token", "another-secret-0123456789abcdef")
     good = make_token(tmp_path / "token-good")
-    with Run(tmp_path, algorithm="average", jobs=4, iters=32, tokens=[good, good, good, bad]) as run:
+    with Run(tmp_path, algorithm="average", jobs=4, iters=32, tokens=[good, good, good, bad],
+             extra=["--sparseloco-elastic-after-failed-round", "discard"]) as run:
         intruder = run.jobs[3]
         for job in run.jobs[:3]:
             run.start(job, ELASTIC_BARRIER=f"{run.barrier}:6", ELASTIC_HOLD=run.path("hold"))
@@ -303,6 +308,9 @@ def test_wrong_token_refused_and_one_stopped_rank(tmp_path):
     assert "claims worker index 3" in refusals and "secret" in refusals, refusals[-3000:]
     assert "restart this job with the same command" in run.jobs[1].output()
     check_consistency(run, (0, 2))
+    # --sparseloco-elastic-after-failed-round discard: a round that did not commit left θ_local = θ_outer
+    failed = [r for i in (0, 2) for r in run.rounds(i) if not r["committed"] and not r["healed"] and r["step"] > 0]
+    assert failed and all(r["local"] == r["sha"] for r in failed), failed
 
 
 # ------------------------------------------------------------------------------------------ gasloc, PP 2
@@ -322,3 +330,86 @@ def test_gasloc_with_pipeline_parallel_tied_embeddings(tmp_path):
         first, last = run.final(i, 0), run.final(i, 1)
         assert first["tied"]["embedding"] == last["tied"]["output"], (first["tied"], last["tied"])
     assert "fingerprint" not in run.jobs[0].output().split("round 2 of worker 0")[1].split("\n")[0]
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def _job_args(run_url, i, token, *, iters, save, load=None, slots=2):
+    extra = ["--sparseloco-lighthouse", run_url, "--sparseloco-worker-index", str(i), "--sparseloco-elastic-token-file",
+             token, "--sparseloco-outer-timeout", "5", "--sparseloco-elastic-heartbeat-interval", "0.2",
+             "--save", save, "--save-interval", "4"] + (["--load", load, "--override-opt-param-scheduler"] if load else [])
+    return pretrain_args(algorithm="sparseloco", slots=slots, iters=iters, nproc=1, run_batch=2 * slots, extra=extra)
+
+
+def _phase(tmp_path, name, jobs, lighthouse_min):
+    """Run ``jobs`` ({index: argv}) to the end under a fresh lighthouse; returns (exit codes, Run-like reader)."""
+    out = tmp_path / name
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + sys.path), ELASTIC_OUT=str(out), PYTHONUNBUFFERED="1",
+               TORCHDYNAMO_DISABLE="1")
+    with ElasticRun(str(out), min_replicas=lighthouse_min, env=env, heartbeat_timeout_ms=1500,
+                    join_timeout_ms=5000) as run:
+        started = {}
+        for i, argv in jobs.items():
+            argv = [a.replace("LIGHTHOUSE", run.lighthouse.url) for a in argv]
+            started[i] = run.add_job(f"job{i}", argv, ranks=1, launcher="prefork", env={"ELASTIC_TAG": f"job{i}.1"})
+            started[i].start()
+        codes = {i: job.wait(240) for i, job in started.items()}
+        outputs = {i: job.output() for i, job in started.items()}
+    reader = Run.__new__(Run)
+    reader.out, reader.jobs, reader.iters = str(out), [], None
+    return codes, outputs, reader
+
+
+@pytest.mark.timeout(360)
+def test_each_job_checkpoints_and_resumes_alone_or_with_the_newest_step(tmp_path):
+    """sparseloco, 2 jobs × 1 rank, each saving its own checkpoint every 4 iterations. (1) 8 iterations.
+    (2) Both restart from their checkpoints, job 1's newest one removed (it resumes at iteration 4,
+    step 2; job 0 at iteration 8, step 4): the run resumes from the newest step, job 1 says its state
+    disagreed and heals at start-up; both reach iteration 12 with identical θ_outer. (3) Job 0
+    resumes alone from its own checkpoint (iteration 12, step 6) and trains to 14."""
+    token = make_token(tmp_path / "token")
+    saves = {i: str(tmp_path / f"ckpt{i}") for i in (0, 1)}
+    codes, _, first = _phase(tmp_path, "first", {i: _job_args("LIGHTHOUSE", i, token, iters=8, save=saves[i])
+                                                 for i in (0, 1)}, lighthouse_min=2)
+    assert codes == {0: [0], 1: [0]}, first.logs() if first.jobs else codes
+    import shutil
+    shutil.rmtree(os.path.join(saves[1], "iter_0000008"))
+    with open(os.path.join(saves[1], "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("4")
+    codes, outputs, second = _phase(tmp_path, "second", {
+        i: _job_args("LIGHTHOUSE", i, token, iters=12, save=saves[i], load=saves[i]) for i in (0, 1)}, lighthouse_min=2)
+    assert codes == {0: [0], 1: [0]}, outputs
+    r0, r1 = second.rounds(0), second.rounds(1)
+    assert r0[0]["step"] == 4 and not r0[0]["healed"], r0[0]       # job 0 resumed its own step-4 state
+    assert r1[0]["healed"] and r1[0]["behind"] == 2, r1[0]         # job 1 (step 2) healed to the newest step
+    assert "started at step 2 (iteration 4, from its checkpoint) but the run is at step 4" in outputs[1], outputs[1][-3000:]
+    for rank_final in ([second.final(0)], [second.final(1)]):
+        assert rank_final[0]["iteration"] == 12 and rank_final[0]["step"] == 6
+    assert second.final(0)["sha"] == second.final(1)["sha"] and second.final(0)["params"] == second.final(1)["params"]
+    codes, outputs, third = _phase(tmp_path, "third", {0: _job_args("LIGHTHOUSE", 0, token, iters=14, save=saves[0],
+                                                                     load=saves[0])}, lighthouse_min=1)
+    assert codes == {0: [0]}, outputs
+    r0 = third.rounds(0)
+    assert r0[0]["step"] == 6 and not r0[0]["healed"] and r0[-1]["committed"] and r0[-1]["after"] == 7, r0
+    assert third.final(0)["iteration"] == 14
+
+
+# ------------------------------------------------------------------------------------------ bad values
+@pytest.mark.timeout(120)
+def test_a_bad_elastic_value_ends_the_job_before_the_model_is_built(tmp_path):
+    """The run's --global-batch-size 10 is not a multiple of 3 slots: the launched job's rank prints one
+    error naming the flag and the fix and exits with status 2 before Megatron builds anything."""
+    token = make_token(tmp_path / "token")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + sys.path), ELASTIC_OUT=str(tmp_path),
+               TORCHDYNAMO_DISABLE="1")
+    with ElasticRun(str(tmp_path), env=env) as run:
+        argv = pretrain_args(algorithm="sparseloco", slots=3, iters=4, nproc=1, run_batch=10, extra=[
+            "--sparseloco-lighthouse", run.lighthouse.url, "--sparseloco-worker-index", "0",
+            "--sparseloco-elastic-token-file", token])
+        job = run.add_job("bad", argv, ranks=1, launcher="prefork")
+        job.start()
+        assert job.wait(100) == [1], job.output()[-3000:]    # the launcher's status when a rank fails
+        out = job.output()
+    assert "rank 0 exited with code 2" in out, out[-2000:]
+    assert "megatron_sparseloco: error: --global-batch-size 10" in out and "Fix: use a multiple of" in out, out[-2000:]
+    assert "building GPT model" not in out and "sparseloco | elastic" not in out
