@@ -189,20 +189,6 @@ def _token_file(tmp_path):
     return str(path)
 
 
-def _elastic_parse(argv, world_size, monkeypatch):
-    """Megatron's real parser with the plugin's and the elastic flags, then the elastic validation
-    (the job's own world: one worker)."""
-    from megatron.training.arguments import parse_args
-    from megatron_sparseloco.elastic.config import add_elastic_args, validate_elastic_args
-    from megatron_sparseloco.megatron.arguments import add_sparseloco_args
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"] + argv)
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    monkeypatch.setenv("RANK", "0")
-    args = parse_args(extra_args_provider=lambda p: add_elastic_args(add_sparseloco_args(p)),
-                      ignore_unknown_args=False)
-    return args, validate_elastic_args(args)
-
-
 def _without(argv, flags):
     """``argv`` without ``flags`` and their values."""
     out, skip = [], False
@@ -232,13 +218,16 @@ def test_elastic_recipe_is_one_worker_per_job(name, algo, tmp_path, monkeypatch)
     assert world * W == world_all, "an elastic job is one worker: its world is one worker's ranks"
     # exactly the documented flags, once each, with the environment's values
     assert all(argv.count(f) == 1 for f in ELASTIC_FLAGS + ("--sparseloco-workers",))
-    args, config = _elastic_parse(argv, world, monkeypatch)
+    # Megatron's parser and the plugin's whole validation, in the job's own world
+    args = _megatron_parse(argv, world, monkeypatch)
+    config = args.sparseloco_elastic
     assert (config.lighthouse, config.worker_index, config.min_workers, config.token_file) == (LIGHTHOUSE, 1, 1, token)
     assert args.sparseloco_workers == W and args.sparseloco_algorithm == algo
     # --global-batch-size is the run's; each job trains its 1/W slot of it, which Megatron's divisibility
     # rule must accept in the job's world
+    gb = int(single[single.index("--global-batch-size") + 1])
     dp = world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size)
-    assert args.global_batch_size % W == 0 and (args.global_batch_size // W) % (args.micro_batch_size * dp) == 0
+    assert args.global_batch_size * W == gb and args.global_batch_size % (args.micro_batch_size * dp) == 0
     # the layout check sees one worker over the job's nodes
     gpn = int(cmd[cmd.index("--nproc-per-node") + 1])
     assert compute_layout(world // gpn, gpn, **sizes_from_megatron_args(argv)).workers == 1
