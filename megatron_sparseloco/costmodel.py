@@ -1,6 +1,8 @@
-"""Cost model of one outer step: bytes per worker and time on a link, against H inner steps of compute.
+"""Cost model of one outer step (bytes per worker, time on a link, against H inner steps of compute), and
+of goodput under failures (fail-fast + restart from a checkpoint against elastic workers).
 
 ``python -m megatron_sparseloco.costmodel --preset llama-8b --workers 4,16,64 --bandwidth-gbps 1,10,100``
+``python -m megatron_sparseloco.costmodel --failures --mtbf-hours 6,24,168 --downtime-hours 0,0.5,4``
 
 **Shards.** A worker is ``TP·PP·DP`` ranks (DP = data-parallel ranks inside the worker). The model is
 a list of parameter shapes (presets :data:`PRESETS`, or ``--params N`` for a synthetic stack of
@@ -64,7 +66,48 @@ worker); a worker of ``G = TP·PP·DP`` accelerators at peak ``F`` FLOP/s and ut
 
 on H inner steps; ``ratio = T_outer / T_compute`` is the share of an un-overlapped outer step, and a
 mode *fits* a budget (10 % by default) when ``ratio ≤ budget``. ``max W`` is the largest W that fits
-(every time above is non-decreasing in W).
+(every time above is non-decreasing in W). For an MoE preset N is the parameters a token uses
+(:attr:`Model.active_numel`: the expert weights count ``topk / experts``); the byte tables cut the
+expert weights like dense ones (expert parallelism is not modelled: totals hold, per-rank cuts move).
+
+**Failures** (``--failures``; the recipes' models :data:`RECIPE_WORKERS`: accelerators G per worker,
+tokens T per inner step, W workers). Goodput is the share of the failure-free run's inner steps that
+end up in θ_outer. Inputs: M, the mean time between failures of ONE worker (failures independent,
+exponential); D, from a failure's detection until the failed worker's nodes can run again; t_det, a
+failure until the others stop waiting for it (the collective / outer timeout, or a connection reset);
+t_restart, requeue + process start + model build; the storage bandwidth per accelerator B_w, B_r
+(GB/s); the link b a heal crosses (Gbit/s); q, the quorum + round header per round. Derived:
+
+    t_step = 6·N·T / (u·F·G)            R = H·t_step               (a round; its outer step not counted)
+    C = 22·N bytes (bf16 params 2, fp32 main 4, Adam 8, θ_outer 4, error feedback / momentum 4)
+    t_save = C / (G·B_w)   t_load = C / (G·B_r)   t_heal = 8·12·N / b   (θ_outer + Adam moments, fp32)
+
+*Fail-fast + restart from the last checkpoint* (today: W fixed, every failure stops all W workers).
+The run fails at rate λ = W/M while it runs; it checkpoints every τ (default Young's interval
+τ = sqrt(2·t_save/λ)), each save stalling it t_save. A cycle is an up time U ~ Exp(λ) followed by
+the stall S = t_det + D + t_restart + t_load; of U only the whole checkpoint intervals survive
+(the work since the last checkpoint is recomputed), E[⌊U/τ⌋·τ] = τ / (e^{λτ} − 1):
+
+    G_ff = (1 − t_save/τ) · [τ / (e^{λτ} − 1)] / (1/λ + S)
+
+*Elastic* (one job per worker; a failure drops one worker's share until it heals, no checkpoint
+needed). Each worker alternates an up time of mean M and an outage O; the others lose c per failure
+of another worker:
+
+    O = t_det + D + t_restart + t_heal + R/2     (the failed job restarts, waits R/2 on average for
+                                                  the next quorum, heals; its first round contributes
+                                                  nothing and its next one does)
+    c = t_det + t_heal + ρ·R                     (the failed round's detection, the heal the quorum
+                                                  waits for, and the failed round's work: ρ = 0 when
+                                                  the survivors keep their local progress, 1 when
+                                                  they discard it)
+    G_e = (1 − q/R) · [M − R/2 − (W−1)·M/(M + O)·c] / (M + O)
+
+(R/2: the failed worker's progress since its last commit; (W−1)·M/(M+O): the failures of the others
+during one up time). For M ≫ O this is (1 − q/R)·(1 − L/M) with L = O + R/2 + (W−1)·c, the
+worker-seconds one failure costs. Not modelled: failures that overlap (elastic stays valid while at
+least ``--sparseloco-min-workers`` are up), the outer step's own time, asynchronous checkpointing
+(set ``--ckpt-write-gbps`` to the blocking part).
 """
 from __future__ import annotations
 
@@ -104,6 +147,7 @@ class Param:
     shape: Tuple[int, ...]
     tp_dim: Optional[int]
     stage: object
+    expert: bool = False   # an MoE expert's weight (a token uses ``topk`` of ``experts`` of them)
 
 
 @dataclass(frozen=True)
@@ -111,15 +155,27 @@ class Model:
     name: str
     params: Tuple[Param, ...]
     layers: int
+    experts: int = 0       # MoE: experts per layer (0: dense)
+    topk: int = 0          # MoE: experts each token is routed to
 
     @property
     def numel(self) -> int:
         return sum(math.prod(p.shape) for p in self.params)
 
+    @property
+    def active_numel(self) -> int:
+        """Parameters one token uses (dense: all; MoE: the expert weights count ``topk / experts``)."""
+        if not self.experts:
+            return self.numel
+        expert = sum(math.prod(p.shape) for p in self.params if p.expert)
+        return self.numel - expert + expert * self.topk // self.experts
+
 
 def llama_like(name: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
-               qkv_bias: bool = False, tied: bool = False) -> Model:
-    """A Llama / Qwen2 style decoder in megatron-core's naming (SwiGLU FC1 = 2·ffn rows, GQA)."""
+               qkv_bias: bool = False, tied: bool = False, experts: int = 0, topk: int = 0) -> Model:
+    """A Llama / Qwen2 style decoder in megatron-core's naming (SwiGLU FC1 = 2·ffn rows, GQA); with
+    ``experts`` > 0 a Mixtral-style MoE: every layer's MLP is ``experts`` SwiGLU experts and a router,
+    each token routed to ``topk`` of them."""
     head_dim = hidden // heads
     qkv_rows = hidden + 2 * kv_heads * head_dim
     ps = [Param("embedding.word_embeddings.weight", (vocab, hidden), 0, "first")]
@@ -129,14 +185,22 @@ def llama_like(name: str, vocab: int, hidden: int, layers: int, heads: int, kv_h
                Param(pre + "self_attention.linear_qkv.weight", (qkv_rows, hidden), 0, i)]
         if qkv_bias:
             ps.append(Param(pre + "self_attention.linear_qkv.bias", (qkv_rows,), 0, i))
-        ps += [Param(pre + "self_attention.linear_proj.weight", (hidden, hidden), 1, i),
-               Param(pre + "mlp.linear_fc1.layer_norm_weight", (hidden,), None, i),
-               Param(pre + "mlp.linear_fc1.weight", (2 * ffn, hidden), 0, i),
-               Param(pre + "mlp.linear_fc2.weight", (hidden, ffn), 1, i)]
+        ps.append(Param(pre + "self_attention.linear_proj.weight", (hidden, hidden), 1, i))
+        if not experts:
+            ps += [Param(pre + "mlp.linear_fc1.layer_norm_weight", (hidden,), None, i),
+                   Param(pre + "mlp.linear_fc1.weight", (2 * ffn, hidden), 0, i),
+                   Param(pre + "mlp.linear_fc2.weight", (hidden, ffn), 1, i)]
+            continue
+        ps += [Param(pre + "pre_mlp_layernorm.weight", (hidden,), None, i),
+               Param(pre + "mlp.router.weight", (experts, hidden), None, i)]
+        for e in range(experts):
+            ex = pre + f"mlp.experts.local_experts.{e}."
+            ps += [Param(ex + "linear_fc1.weight", (2 * ffn, hidden), 0, i, expert=True),
+                   Param(ex + "linear_fc2.weight", (hidden, ffn), 1, i, expert=True)]
     ps.append(Param("decoder.final_layernorm.weight", (hidden,), None, "last"))
     if not tied:
         ps.append(Param("output_layer.weight", (vocab, hidden), 0, "last"))
-    return Model(name, tuple(ps), layers)
+    return Model(name, tuple(ps), layers, experts, topk)
 
 
 #: named shape sets (public model configurations)
@@ -144,6 +208,7 @@ PRESETS = {
     "llama-1b": lambda: llama_like("llama-1b", 128256, 2048, 16, 32, 8, 8192, tied=True),
     "llama-8b": lambda: llama_like("llama-8b", 128256, 4096, 32, 32, 8, 14336),
     "72b": lambda: llama_like("72b", 152064, 8192, 80, 64, 8, 29568, qkv_bias=True),  # Qwen2-72B shapes
+    "mixtral-8x7b": lambda: llama_like("mixtral-8x7b", 32000, 4096, 32, 32, 8, 14336, experts=8, topk=2),
 }
 
 #: per preset: a plausible worker (TP, PP, DP) and tokens per inner step per worker for the doc table
@@ -151,6 +216,7 @@ PRESET_WORKER = {
     "llama-1b": dict(tp=1, pp=1, dp=8, tokens=1 << 20),
     "llama-8b": dict(tp=1, pp=1, dp=8, tokens=1 << 20),
     "72b": dict(tp=8, pp=4, dp=2, tokens=1 << 21),
+    "mixtral-8x7b": dict(tp=1, pp=1, dp=32, tokens=1 << 19),
 }
 
 
@@ -388,7 +454,7 @@ def scenario(model: Model, tp: int, pp: int, dp: int, sparse: SparseSettings, co
              lan_bandwidth_bps: float = LAN_BANDWIDTH_BPS, lan_latency_s: float = LAN_LATENCY_S) -> Scenario:
     """Every (bandwidth, W, mode) row and the largest W per mode (``sites`` and the LAN: hierarchical)."""
     ranks = worker_ranks(model, tp, pp, dp, sparse)
-    comp = compute_seconds(model.numel, compute, tp * pp * dp)
+    comp = compute_seconds(model.active_numel, compute, tp * pp * dp)
     payload = sum(m * r.payload for r, m in ranks)
     sc = Scenario(model.name, model.numel, tp, pp, dp, payload, 8.0 * payload / model.numel, comp)
     for bw in bandwidths_gbps:
@@ -400,6 +466,140 @@ def scenario(model: Model, tp: int, pp: int, dp: int, sparse: SparseSettings, co
             sc.max_w.append({"bandwidth_gbps": bw, "mode": mode,
                              "max_w": max_workers(mode, ranks, link, comp, budget, sites=sites)})
     return sc
+
+
+# ---------------------------------------------------------------------------------- failures
+#: the recipes' workers (examples/recipes/*.sh): accelerators per worker, tokens per inner step per
+#: worker, workers W, and the recipe
+@dataclass(frozen=True)
+class RecipeWorker:
+    gpus: int          # accelerators per worker
+    tokens: int        # per inner step per worker
+    workers: int       # W
+    recipe: str
+
+
+RECIPE_WORKERS = {
+    "llama-1b": RecipeWorker(8, 256 * 2048, 8, "examples/recipes/llama_1b.sh"),
+    "llama-8b": RecipeWorker(16, 128 * 4096, 4, "examples/recipes/llama_8b.sh"),
+    "mixtral-8x7b": RecipeWorker(32, 128 * 4096, 4, "examples/recipes/mixtral_8x7b.sh"),
+}
+#: bytes per parameter of a worker's checkpoint: bf16 params 2, fp32 main params 4, Adam moments 8,
+#: θ_outer 4, error feedback (SparseLoCo) or outer momentum (DiLoCo) 4
+CHECKPOINT_BYTES_PER_PARAM = 22
+#: bytes per parameter of a heal: θ_outer 4 + the two Adam moments 8 (SparseLoCo's error feedback is
+#: never sent; the model params are θ_outer)
+HEAL_BYTES_PER_PARAM = 12
+
+
+@dataclass
+class FailureSettings:
+    """The inputs of the failure model (module docstring, **Failures**); seconds unless named."""
+
+    mtbf_s: float                   # M: mean time between failures of one worker
+    downtime_s: float               # D: from the detection until the failed worker's nodes can run again
+    detect_s: float = 60.0          # t_det: a failure until the others stop waiting for it
+    restart_s: float = 300.0        # t_restart: (re)queue the job, start the processes, build the model
+    ckpt_write_gbps: float = 1.0    # GB/s per accelerator, checkpoint save (blocking)
+    ckpt_read_gbps: float = 1.0     # GB/s per accelerator, checkpoint load
+    ckpt_interval_s: Optional[float] = None   # τ; None: Young's interval sqrt(2·t_save / λ)
+    heal_gbps: float = 10.0         # Gbit/s, the worker's link the heal crosses
+    quorum_s: float = 0.5           # q: quorum + round header per round (elastic)
+    keep_local_progress: bool = True   # after a failed round: kept (ρ = 0) or discarded (ρ = 1)
+
+
+@dataclass
+class FailureCost:
+    model: str
+    workers: int
+    mtbf_h: float
+    downtime_h: float
+    step_s: float                   # one inner step
+    round_s: float                  # R = H inner steps
+    checkpoint_bytes: float         # per worker
+    heal_bytes: float               # per worker
+    save_s: float
+    load_s: float
+    heal_s: float
+    failures_per_day: float         # of the whole run (λ · 86400)
+    ckpt_interval_s: float          # τ used by fail-fast
+    failfast_stall_s: float         # S: wall time every worker loses per failure (before recompute)
+    failfast_goodput: float         # G_ff, fraction of the failure-free run
+    elastic_lost_worker_s: float    # L = O + R/2 + (W−1)·c: worker-seconds lost per failure (M ≫ O)
+    elastic_goodput: float          # G_e, fraction of the failure-free run
+    keep_local_progress: bool       # the elastic policy after a failed round (ρ = 0 when kept)
+
+
+def failure_cost(model: Model, gpus: int, tokens: float, workers: int, inner_steps: int, mfu: float,
+                 peak_flops: float, f: FailureSettings) -> FailureCost:
+    """Goodput of fail-fast + restart from the last checkpoint and of elastic workers (module docstring)."""
+    if f.mtbf_s <= 0 or workers < 1 or gpus < 1:
+        raise CostModelError("failures: MTBF, workers and accelerators must be positive")
+    step = 6.0 * model.active_numel * tokens / (mfu * peak_flops * gpus)
+    R = inner_steps * step
+    ckpt = CHECKPOINT_BYTES_PER_PARAM * model.numel      # each worker holds (and saves) the whole model
+    heal = HEAL_BYTES_PER_PARAM * model.numel
+    t_save = ckpt / (gpus * f.ckpt_write_gbps * 1e9)
+    t_load = ckpt / (gpus * f.ckpt_read_gbps * 1e9)
+    t_heal = 8.0 * heal / (f.heal_gbps * 1e9)
+    lam = workers / f.mtbf_s
+    tau = f.ckpt_interval_s if f.ckpt_interval_s is not None else math.sqrt(2.0 * t_save / lam)
+    if tau <= t_save:
+        raise CostModelError(f"failures: the checkpoint interval {tau:g} s is not longer than a save ({t_save:g} s)")
+    S = f.detect_s + f.downtime_s + f.restart_s + t_load
+    kept_per_up = tau / math.expm1(lam * tau)            # E[⌊U/τ⌋·τ], U ~ Exp(λ)
+    g_ff = (1.0 - t_save / tau) * kept_per_up / (1.0 / lam + S)
+    rho = 0.0 if f.keep_local_progress else 1.0
+    M = f.mtbf_s
+    O = f.detect_s + f.downtime_s + f.restart_s + t_heal + R / 2     # the failed worker's outage
+    c = f.detect_s + t_heal + rho * R                                # a survivor's loss per failure of another
+    L = O + R / 2 + (workers - 1) * c
+    useful = M - R / 2 - (workers - 1) * M / (M + O) * c
+    g_e = (1.0 - f.quorum_s / R) * max(0.0, useful / (M + O))
+    return FailureCost(model.name, workers, f.mtbf_s / 3600, f.downtime_s / 3600, step, R, ckpt, heal, t_save,
+                       t_load, t_heal, lam * 86400, tau, S, g_ff, L, g_e, f.keep_local_progress)
+
+
+def failure_markdown(rows: Sequence[FailureCost], f: FailureSettings, inner_steps: int, mfu: float,
+                     peak_tflops: float) -> str:
+    """One table per model: fail-fast and elastic (kept / discarded) goodput per (MTBF, downtime)."""
+    out = []
+    for name, W in dict.fromkeys((r.model, r.workers) for r in rows):
+        rs = [r for r in rows if (r.model, r.workers) == (name, W) and r.keep_local_progress]
+        r0 = rs[0]
+        out += [f"### {name}: {r0.workers} workers, inner step {r0.step_s:.3g} s, round R = {inner_steps} steps = "
+                f"{r0.round_s:.3g} s", "",
+                f"Checkpoint {r0.checkpoint_bytes / 1e9:.3g} GB per worker (save {r0.save_s:.3g} s, load "
+                f"{r0.load_s:.3g} s); heal {r0.heal_bytes / 1e9:.3g} GB in {r0.heal_s:.3g} s; detection "
+                f"{f.detect_s:g} s, restart {f.restart_s:g} s, quorum {f.quorum_s:g} s per round "
+                f"(MFU {mfu}, {peak_tflops:g} TFLOP/s peak).", "",
+                "| MTBF / worker (h) | downtime (h) | failures / day | fail-fast τ (min) | fail-fast goodput | "
+                "elastic, kept | elastic, discarded |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rs:
+            key = (name, W, r.mtbf_h, r.downtime_h)
+            d = next(x for x in rows
+                     if (x.model, x.workers, x.mtbf_h, x.downtime_h) == key and not x.keep_local_progress)
+            out.append(f"| {r.mtbf_h:g} | {r.downtime_h:g} | {r.failures_per_day:.3g} | {r.ckpt_interval_s / 60:.3g} | "
+                       f"{r.failfast_goodput:.1%} | {r.elastic_goodput:.1%} | {d.elastic_goodput:.1%} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def failure_rows(presets: Sequence[str], mtbf_h: Sequence[float], downtime_h: Sequence[float], inner_steps: int,
+                 mfu: float, peak_flops: float, base: FailureSettings,
+                 workers: Optional[Sequence[int]] = None) -> List[FailureCost]:
+    """Every (model, W, MTBF, downtime, kept / discarded) row; W defaults to each recipe's."""
+    import dataclasses
+    rows = []
+    for name in presets:
+        rw, model = RECIPE_WORKERS[name], PRESETS[name]()
+        for W in (workers or [rw.workers]):
+            for m in mtbf_h:
+                for d in downtime_h:
+                    for keep in (True, False):
+                        f = dataclasses.replace(base, mtbf_s=m * 3600, downtime_s=d * 3600, keep_local_progress=keep)
+                        rows.append(failure_cost(model, rw.gpus, rw.tokens, W, inner_steps, mfu, peak_flops, f))
+    return rows
 
 
 # ---------------------------------------------------------------------------------- output
@@ -449,19 +649,22 @@ def _ints(s: str) -> List[int]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_sparseloco.costmodel",
-                                description="Bytes and time of one outer step per mode (docs/scaling.md).")
+                                description="Bytes and time of one outer step per mode (docs/scaling.md); with "
+                                            "--failures, goodput under failures (docs/elastic.md).")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default="llama-8b",
+    src.add_argument("--preset", default=None,
                      help=f"comma-separated presets ({', '.join(PRESETS)}); each uses its own worker layout "
-                          "and tokens unless --tp/--pp/--dp/--tokens are given")
+                          "and tokens unless --tp/--pp/--dp/--tokens are given (default llama-8b; with --failures "
+                          f"the recipes' models {', '.join(RECIPE_WORKERS)})")
     src.add_argument("--params", type=float, default=None, help="model size N (a synthetic 4096-wide stack)")
     p.add_argument("--tp", type=int, default=None)
     p.add_argument("--pp", type=int, default=None)
     p.add_argument("--dp", type=int, default=None, help="data-parallel ranks inside one worker")
-    p.add_argument("--workers", default="4,16,64,256,1024", help="W values, comma-separated")
+    p.add_argument("--workers", default=None,
+                   help="W values, comma-separated (default 4,16,64,256,1024; with --failures each recipe's W)")
     p.add_argument("--bandwidth-gbps", default="1,10,100", help="link bandwidths, Gbit/s, comma-separated")
     p.add_argument("--latency-ms", type=float, default=20.0, help="one-way latency per hop")
-    p.add_argument("--inner-steps", type=int, default=30, help="H")
+    p.add_argument("--inner-steps", type=int, default=None, help="H (default 30; with --failures 15, the recipes')")
     p.add_argument("--tokens", type=float, default=None, help="tokens per inner step per worker")
     p.add_argument("--mfu", type=float, default=0.4)
     p.add_argument("--peak-tflops", type=float, default=989.0, help="per accelerator (H100 dense bf16: 989)")
@@ -477,25 +680,46 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="hierarchical: the sites' LAN bandwidth, Gbit/s")
     p.add_argument("--lan-latency-ms", type=float, default=LAN_LATENCY_S * 1e3,
                    help="hierarchical: one-way LAN latency")
+    fail = p.add_argument_group("failures (--failures): fail-fast + restart from a checkpoint vs elastic workers")
+    fail.add_argument("--failures", action="store_true", help="print the goodput under failures instead")
+    fail.add_argument("--mtbf-hours", default="6,24,168", help="M: mean time between failures of ONE worker")
+    fail.add_argument("--downtime-hours", default="0,0.5,4",
+                      help="D: from the detection until the failed worker's nodes can run again")
+    dflt = FailureSettings(0.0, 0.0)
+    fail.add_argument("--detect-s", type=float, default=dflt.detect_s, help="t_det: a failure until the others stop "
+                      "waiting (the outer / collective timeout)")
+    fail.add_argument("--restart-s", type=float, default=dflt.restart_s,
+                      help="t_restart: requeue, process start, model build")
+    fail.add_argument("--ckpt-write-gbps", type=float, default=dflt.ckpt_write_gbps,
+                      help="GB/s per accelerator, blocking checkpoint save")
+    fail.add_argument("--ckpt-read-gbps", type=float, default=dflt.ckpt_read_gbps, help="GB/s per accelerator, load")
+    fail.add_argument("--ckpt-interval-min", type=float, default=None,
+                      help="fail-fast checkpoint interval τ (default: Young's sqrt(2·t_save/λ))")
+    fail.add_argument("--heal-gbps", type=float, default=dflt.heal_gbps, help="Gbit/s of the link a heal crosses")
+    fail.add_argument("--quorum-s", type=float, default=dflt.quorum_s,
+                      help="elastic: quorum + round header per round, seconds")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     args = p.parse_args(argv)
+    if args.failures:
+        return _main_failures(p, args)
     if args.params is not None:
         models = [(synthetic(int(args.params)), dict(tp=1, pp=1, dp=8, tokens=1 << 20))]
     else:
-        names = [n for n in args.preset.split(",") if n]
+        names = [n for n in (args.preset or "llama-8b").split(",") if n]
         for n in names:
             if n not in PRESETS:
                 p.error(f"unknown preset {n!r}; choose from {', '.join(PRESETS)}")
         models = [(PRESETS[n](), PRESET_WORKER[n]) for n in names]
     sparse = SparseSettings(chunk=args.chunk, k=args.topk, value_bits=args.value_bits, bucket_numel=args.bucket_size)
     modes = [m for m in args.modes.split(",") if m]
+    inner_steps = 30 if args.inner_steps is None else args.inner_steps
     out = []
-    for model, dflt in models:
-        tp, pp, dp = (args.tp or dflt["tp"]), (args.pp or dflt["pp"]), (args.dp or dflt["dp"])
-        compute = Compute(args.inner_steps, args.tokens or dflt["tokens"], args.mfu, args.peak_tflops * 1e12)
+    for model, dflt_w in models:
+        tp, pp, dp = (args.tp or dflt_w["tp"]), (args.pp or dflt_w["pp"]), (args.dp or dflt_w["dp"])
+        compute = Compute(inner_steps, args.tokens or dflt_w["tokens"], args.mfu, args.peak_tflops * 1e12)
         try:
-            sc = scenario(model, tp, pp, dp, sparse, compute, _ints(args.workers), _floats(args.bandwidth_gbps),
-                          args.latency_ms / 1e3, args.budget, modes, args.sites,
+            sc = scenario(model, tp, pp, dp, sparse, compute, _ints(args.workers or "4,16,64,256,1024"),
+                          _floats(args.bandwidth_gbps), args.latency_ms / 1e3, args.budget, modes, args.sites,
                           args.lan_gbps * 1e9, args.lan_latency_ms / 1e3)
         except CostModelError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -505,6 +729,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    return 0
+
+
+def _main_failures(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    names = [n for n in (args.preset or ",".join(RECIPE_WORKERS)).split(",") if n]
+    bad = [n for n in names if n not in RECIPE_WORKERS]
+    if args.params is not None or bad:
+        p.error(f"--failures takes the recipes' models: --preset among {', '.join(RECIPE_WORKERS)}")
+    inner_steps = 15 if args.inner_steps is None else args.inner_steps
+    base = FailureSettings(0.0, 0.0, detect_s=args.detect_s, restart_s=args.restart_s,
+                           ckpt_write_gbps=args.ckpt_write_gbps, ckpt_read_gbps=args.ckpt_read_gbps,
+                           ckpt_interval_s=None if args.ckpt_interval_min is None else args.ckpt_interval_min * 60,
+                           heal_gbps=args.heal_gbps, quorum_s=args.quorum_s)
+    try:
+        rows = failure_rows(names, _floats(args.mtbf_hours), _floats(args.downtime_hours), inner_steps, args.mfu,
+                            args.peak_tflops * 1e12, base, _ints(args.workers) if args.workers else None)
+    except CostModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(failure_markdown(rows, base, inner_steps, args.mfu, args.peak_tflops))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"inputs": {**asdict(base), "inner_steps": inner_steps, "mfu": args.mfu,
+                                  "peak_tflops": args.peak_tflops}, "rows": [asdict(r) for r in rows]}, f, indent=1)
     return 0
 
 

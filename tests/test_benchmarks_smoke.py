@@ -7,6 +7,9 @@ the JSON has the documented schema. network.py --smoke: runs inside a private ne
 shaped loopback; skipped (with the reason network.py prints) where root / netns / tc are missing.
 aggregation_wire.py --smoke: the three aggregations on 4 workers in 2 emulated sites (same skip rule):
 hierarchical ends on all-gather's θ_outer to the bit, the WAN bytes and received bytes are the modes'.
+elastic.py --smoke: 3 worker jobs of a tiny model through a real lighthouse, one job killed and
+restarted (elastic: the others go on committing, the restarted one heals and contributes again) and the
+same schedule fail-fast (every job restarts from the newest common checkpoint); the results schema.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUALITY = os.path.join(REPO, "benchmarks", "quality.py")
 NETWORK = os.path.join(REPO, "benchmarks", "network.py")
 WIRE = os.path.join(REPO, "benchmarks", "aggregation_wire.py")
+ELASTIC = os.path.join(REPO, "benchmarks", "elastic.py")
 
 ROW_KEYS = {"method", "k", "H", "held_out_loss", "bytes_sent_per_worker", "tokens", "wall_s", "curve"}
 
@@ -146,3 +150,33 @@ def test_machine_info_names_the_installed_megatron_core_and_this_commit(tmp_path
                          capture_output=True, text=True, cwd=copy, env=dict(os.environ, PYTHONPATH=str(copy)))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "unknown"
+
+
+def test_elastic_smoke(tmp_path):
+    if not _have_torchft():
+        pytest.skip("torchft is not installed")
+    out = tmp_path / "elastic.json"
+    r = _run([sys.executable, ELASTIC, "--smoke", "--seconds", "45", "--kill-at", "0.2", "--restart-after", "0.1",
+              "--scenarios", "elastic-keep,fail-fast", "--log-dir", str(tmp_path / "logs"), "--json", str(out)],
+             timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    data = json.loads(out.read_text())
+    assert {"benchmark", "machine", "commit", "command", "config", "rows"} <= set(data)
+    assert data["benchmark"] == "elastic" and data["command"].startswith("python benchmarks/elastic.py")
+    rows = {row["scenario"]: row for row in data["rows"]}
+    assert set(rows) == {"elastic-keep", "fail-fast"}
+    for row in rows.values():
+        assert row["kill_at_s"] < row["restart_at_s"] < row["wall_s"], row
+        assert 0 < row["useful_steps"] <= row["computed_steps"], row
+        assert row["discarded_steps"] == row["computed_steps"] - row["useful_steps"]
+        assert math.isfinite(row["held_out_loss"]) and row["theta_outer_identical"], row
+        assert row["detection_s"] is not None and row["detection_s"] > 0, row    # the others commit again
+    el, ff = rows["elastic-keep"], rows["fail-fast"]
+    # elastic: the survivors commit before the victim is back; the restarted job heals (bytes received) and
+    # contributes again, without a checkpoint
+    assert el["heal_bytes"] > 0 and el["rejoin_s"] > el["restart_at_s"] - el["kill_at_s"], el
+    assert el["detection_s"] < el["rejoin_s"], el
+    assert el["restart_load_s"] is None
+    # fail-fast: nothing commits until every job is back and has loaded the newest common checkpoint
+    assert ff["detection_s"] > ff["restart_at_s"] - ff["kill_at_s"] and ff["restart_load_s"] is not None, ff
+    assert ff["heal_bytes"] is None

@@ -168,3 +168,96 @@ def test_cli_prints_a_table(capsys):
     assert cm.main(["--params", "20000000", "--workers", "4,16", "--bandwidth-gbps", "10"]) == 0
     out = capsys.readouterr().out
     assert "| 10 | 16 |" in out and "allgather" in out and "Largest W" in out
+
+
+# ---------------------------------------------------------------------------------- failures
+def _toy_failures(**kw):
+    """N = 1000 params, T = 100 tokens, u = 0.5, F = 6e5, G = 2 → t_step = 6·1000·100 / (0.5·6e5·2) = 1 s;
+    H = 10 → R = 10 s; C = 22 000 B → t_save = 2 s, t_load = 4 s; heal 12 000 B = 96 000 bit → 3 s."""
+    f = dict(mtbf_s=1000.0, downtime_s=20.0, detect_s=5.0, restart_s=30.0, ckpt_write_gbps=5.5e-6,
+             ckpt_read_gbps=2.75e-6, ckpt_interval_s=50.0, heal_gbps=3.2e-5, quorum_s=1.0)
+    f.update(kw)
+    return cm.failure_cost(cm.synthetic(1000), gpus=2, tokens=100, workers=4, inner_steps=10, mfu=0.5,
+                           peak_flops=6e5, f=cm.FailureSettings(**f))
+
+
+def test_failure_model_against_hand_computed_values():
+    r = _toy_failures()
+    assert (r.step_s, r.round_s) == pytest.approx((1.0, 10.0))
+    assert (r.save_s, r.load_s, r.heal_s) == pytest.approx((2.0, 4.0, 3.0))
+    # fail-fast: λ = 4/1000, τ = 50 (λτ = 0.2), S = 5 + 20 + 30 + 4 = 59
+    assert r.failfast_stall_s == pytest.approx(59.0)
+    assert r.failures_per_day == pytest.approx(0.004 * 86400)
+    assert r.failfast_goodput == pytest.approx((1 - 2 / 50) * (50 / (math.exp(0.2) - 1)) / (250 + 59))
+    assert r.failfast_goodput == pytest.approx(0.701617, abs=1e-6)
+    # elastic, kept: O = 5 + 20 + 30 + 3 + 5 = 63, c = 5 + 3 = 8; q / R = 0.1
+    assert r.elastic_goodput == pytest.approx(0.9 * (1000 - 5 - 3 * 1000 / 1063 * 8) / 1063)
+    assert r.elastic_lost_worker_s == pytest.approx(63 + 5 + 3 * 8)
+    # discarded: c = 5 + 3 + 10
+    d = _toy_failures(keep_local_progress=False)
+    assert d.elastic_goodput == pytest.approx(0.9 * (1000 - 5 - 3 * 1000 / 1063 * 18) / 1063)
+    assert d.failfast_goodput == r.failfast_goodput
+
+
+def test_failure_model_limits_and_checkpoint_interval():
+    # Young's interval sqrt(2·t_save/λ) = sqrt(2·2/0.004) by default, and no worse than half or twice it
+    young = _toy_failures(ckpt_interval_s=None)
+    assert young.ckpt_interval_s == pytest.approx(math.sqrt(1000))
+    for tau in (young.ckpt_interval_s / 2, young.ckpt_interval_s * 2):
+        assert _toy_failures(ckpt_interval_s=tau).failfast_goodput < young.failfast_goodput
+    # no failures: fail-fast loses only its checkpoints, elastic only its quorums
+    rare = _toy_failures(mtbf_s=1e15, ckpt_interval_s=None)
+    assert rare.failfast_goodput == pytest.approx(1.0, abs=1e-5) and rare.elastic_goodput == pytest.approx(0.9)
+    # every cost grows with the downtime; elastic keeps the others going, fail-fast stops them all
+    slow = _toy_failures(downtime_s=2000.0)
+    assert slow.failfast_goodput < _toy_failures().failfast_goodput
+    assert slow.failfast_goodput < slow.elastic_goodput
+    with pytest.raises(cm.CostModelError, match="not longer than a save"):
+        _toy_failures(ckpt_interval_s=1.0)
+
+
+def test_mixtral_preset_and_active_parameters():
+    m = cm.PRESETS["mixtral-8x7b"]()
+    assert m.numel == 46_702_792_704
+    expert = sum(math.prod(p.shape) for p in m.params if p.expert)
+    assert m.active_numel == m.numel - expert + expert * 2 // 8
+    dense = cm.PRESETS["llama-8b"]()
+    assert dense.active_numel == dense.numel
+
+
+@pytest.mark.parametrize("name", sorted(cm.RECIPE_WORKERS))
+def test_recipe_workers_match_the_recipes(name):
+    """W, accelerators per worker and tokens per inner step per worker as the recipe launches them."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    spec = cm.RECIPE_WORKERS[name]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "WORKERS", "TP", "PP", "EP", "CP", "ALGO",
+                                                            "GPUS_PER_NODE", "ELASTIC")}
+    p = subprocess.run(["bash", os.path.join(root, spec.recipe)], capture_output=True, text=True, timeout=60,
+                       env=dict(env, PRINT_ARGS="cmd", PYTHON=sys.executable))
+    assert p.returncode == 0, p.stderr
+    cmd = shlex.split(p.stdout)
+    opt = lambda flag: int(cmd[cmd.index(flag) + 1])  # noqa: E731
+    W = opt("--sparseloco-workers")
+    assert W == spec.workers
+    assert opt("--nnodes") * opt("--nproc-per-node") // W == spec.gpus
+    assert opt("--global-batch-size") // W * opt("--seq-length") == spec.tokens
+
+
+def test_failures_cli_prints_every_recipe_model(capsys, tmp_path):
+    out = tmp_path / "f.json"
+    assert cm.main(["--failures", "--mtbf-hours", "24", "--downtime-hours", "0,1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for name in cm.RECIPE_WORKERS:
+        assert f"### {name}:" in text
+    assert "| 24 | 1 |" in text and "fail-fast goodput" in text
+    import json
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == len(cm.RECIPE_WORKERS) * 2 * 2   # models × downtimes × (kept, discarded)
+    assert all(0 <= r["failfast_goodput"] <= 1 and 0 <= r["elastic_goodput"] <= 1 for r in rows)
+    with pytest.raises(SystemExit):
+        cm.main(["--failures", "--preset", "72b"])   # not a recipe's model

@@ -143,3 +143,11 @@ def test_cli_json_and_errors(capsys):
     assert p.returncode == 0, p.stderr
     assert "worker 0: site 0, ranks 0-3, nodes node0, node1" in p.stdout
     assert "worker 1: site 1, ranks 4-7, nodes node2, node3" in p.stdout
+
+
+def test_elastic_job_is_one_worker():
+    """In elastic mode (--sparseloco-lighthouse) the arguments are one job's: one worker, whatever W."""
+    from megatron_sparseloco.megatron.layout import sizes_from_megatron_args
+    argv = ["--tensor-model-parallel-size", "2", "--sparseloco-workers", "4"]
+    assert sizes_from_megatron_args(argv)["workers"] == 4
+    assert sizes_from_megatron_args(argv + ["--sparseloco-lighthouse", "http://lh:29510"])["workers"] == 1

@@ -15,7 +15,8 @@ ALGOS = ["sparseloco", "diloco"]
 
 def _recipe(name, mode, **env):
     e = {k: v for k, v in os.environ.items() if k not in ("NNODES", "WORKERS", "TP", "PP", "EP", "CP", "ALGO",
-                                                           "GPUS_PER_NODE", "DATA_PATH", "CHECKPOINT_DIR")}
+                                                           "GPUS_PER_NODE", "DATA_PATH", "CHECKPOINT_DIR", "ELASTIC",
+                                                           "LIGHTHOUSE", "WORKER_INDEX", "TOKEN_FILE", "MIN_WORKERS")}
     e.update(PRINT_ARGS=mode, PYTHON=sys.executable, **env)
     p = subprocess.run(["bash", str(RECIPES / f"{name}.sh")], capture_output=True, text=True, env=e, timeout=60)
     return p
@@ -173,3 +174,82 @@ def test_recipes_doc_lists_every_knob():
     internal = {"PRETRAIN_SCRIPT_NOTE", "PYTHONPATH", "PATH", "ARGS"}
     missing = sorted(v for v in used - internal if f"`{v}`" not in doc)
     assert not missing, f"docs/recipes.md does not list {missing}"
+
+
+# ---------------------------------------------------------------------------------- elastic variant
+LIGHTHOUSE = "http://lighthouse.example.org:29510"
+ELASTIC_FLAGS = ("--sparseloco-lighthouse", "--sparseloco-worker-index", "--sparseloco-min-workers",
+                 "--sparseloco-elastic-token-file")
+
+
+def _token_file(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("0123456789abcdef0123456789abcdef\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def _without(argv, flags):
+    """``argv`` without ``flags`` and their values."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("name", MODELS)
+def test_elastic_recipe_is_one_worker_per_job(name, algo, tmp_path, monkeypatch):
+    from megatron_sparseloco.megatron.layout import compute_layout, sizes_from_megatron_args
+    token = _token_file(tmp_path)
+    env = dict(ELASTIC="1", LIGHTHOUSE=LIGHTHOUSE, WORKER_INDEX="1", TOKEN_FILE=token, ALGO=algo)
+    single = _recipe(name, "1", ALGO=algo).stdout.splitlines()
+    world_all, _ = _world_size(name, ALGO=algo)
+    p = _recipe(name, "1", **env)
+    assert p.returncode == 0, p.stderr
+    argv = p.stdout.splitlines()
+    world, cmd = _world_size(name, **env)
+    W = int(argv[argv.index("--sparseloco-workers") + 1])
+    assert world * W == world_all, "an elastic job is one worker: its world is one worker's ranks"
+    # exactly the documented flags, once each, with the environment's values
+    assert all(argv.count(f) == 1 for f in ELASTIC_FLAGS + ("--sparseloco-workers",))
+    # Megatron's parser and the plugin's whole validation, in the job's own world
+    args = _megatron_parse(argv, world, monkeypatch)
+    config = args.sparseloco_elastic
+    assert (config.lighthouse, config.worker_index, config.min_workers, config.token_file) == (LIGHTHOUSE, 1, 1, token)
+    assert args.sparseloco_workers == W and args.sparseloco_algorithm == algo
+    # --global-batch-size is the run's; each job trains its 1/W slot of it, which Megatron's divisibility
+    # rule must accept in the job's world
+    gb = int(single[single.index("--global-batch-size") + 1])
+    dp = world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size)
+    assert args.global_batch_size * W == gb and args.global_batch_size % (args.micro_batch_size * dp) == 0
+    # the layout check sees one worker over the job's nodes
+    gpn = int(cmd[cmd.index("--nproc-per-node") + 1])
+    assert compute_layout(world // gpn, gpn, **sizes_from_megatron_args(argv)).workers == 1
+    # everything else is the single-job recipe's
+    assert _without(argv, ELASTIC_FLAGS) == single
+
+
+def test_elastic_recipe_options_and_errors(tmp_path):
+    token = _token_file(tmp_path)
+    env = dict(ELASTIC="1", LIGHTHOUSE=LIGHTHOUSE, WORKER_INDEX="3", TOKEN_FILE=token)
+    argv = _recipe("llama_1b", "1", MIN_WORKERS="2", ELASTIC_HOST="site3.example.org", MANAGER_PORT="29511",
+                   OUTER_TIMEOUT="120", CHECKPOINT_DIR="/shared/ck/run1", **env).stdout.splitlines()
+    opt = lambda flag: argv[argv.index(flag) + 1]  # noqa: E731
+    assert opt("--sparseloco-min-workers") == "2" and opt("--sparseloco-worker-index") == "3"
+    assert opt("--sparseloco-elastic-host") == "site3.example.org"
+    assert opt("--sparseloco-elastic-manager-port") == "29511" and opt("--sparseloco-outer-timeout") == "120"
+    assert opt("--save") == opt("--load") == "/shared/ck/run1/worker3", "each job keeps its own checkpoint"
+    for missing in ("LIGHTHOUSE", "WORKER_INDEX", "TOKEN_FILE"):
+        p = _recipe("llama_1b", "1", **{k: v for k, v in env.items() if k != missing})
+        assert p.returncode != 0 and f"ELASTIC=1 needs {missing}" in p.stderr and not p.stdout.strip()
+    p = _recipe("llama_1b", "1", ELASTIC="yes")
+    assert p.returncode != 0 and "ELASTIC=1" in p.stderr
+    # not elastic: none of the elastic flags, even with the variables set
+    argv = _recipe("llama_1b", "1", LIGHTHOUSE=LIGHTHOUSE, WORKER_INDEX="3", TOKEN_FILE=token).stdout.splitlines()
+    assert not set(ELASTIC_FLAGS) & set(argv)

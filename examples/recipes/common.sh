@@ -3,10 +3,22 @@
 # A recipe sets its model/training arrays and WORKERS/TP/PP/CP/EP, then calls
 #   sparseloco_gpu_training_args -> TRAINING_ARGS: the inner AdamW of the GPU recipes (below)
 #   sparseloco_args   -> fills SPARSELOCO_ARGS for ALGO (sparseloco | diloco | gasloc)
+#   sparseloco_elastic_args -> ELASTIC_ARGS: the elastic flags when ELASTIC=1 (below), else none
 #   sparseloco_launch -> prints or launches:
 #       PRINT_ARGS=1    print the pretrain arguments one per line and exit (no GPU, no torchrun)
 #       PRINT_ARGS=cmd  print the whole launch command on one line (shell-quoted) and exit
 #       otherwise       check the rank layout, then exec torchrun on this node
+#
+# Elastic mode (ELASTIC=1; docs/elastic.md): this job is ONE worker, its own torchrun world, joined to
+# the other workers' jobs through torchft's lighthouse. NNODES defaults to the nodes of one worker;
+# the arguments are the single-job run's (--global-batch-size stays the run's: each job trains its
+# 1/W slot of it) plus the elastic flags, read from
+#   LIGHTHOUSE (http://HOST:PORT of torchft_lighthouse), WORKER_INDEX (this job's slot, 0 <= I < WORKERS),
+#   TOKEN_FILE (the run's secret, the same file content at every site), MIN_WORKERS (1: the fewest
+#   contributors a round commits with), ELASTIC_HOST (the address other sites reach this job at;
+#   default MASTER_ADDR), MANAGER_PORT (its torchft manager server's port, to open in a firewall),
+#   OUTER_TIMEOUT (seconds the others wait for a stalled job). CHECKPOINT_DIR gets one
+#   subdirectory per job: worker<I>.
 #
 # Launcher environment (single node needs none of it):
 #   GPUS_PER_NODE (8), NNODES (1), NODE_RANK (0), MASTER_ADDR (localhost), MASTER_PORT (6000),
@@ -19,6 +31,10 @@
 #   TP/CP > 1 and sequence parallelism) unless already set.
 
 : "${ALGO:=sparseloco}"
+: "${ELASTIC:=0}"
+if [[ "$ELASTIC" != 0 && "$ELASTIC" != 1 ]]; then
+    echo "error: ELASTIC=$ELASTIC; use ELASTIC=1 (one job per worker, docs/elastic.md) or ELASTIC=0" >&2; exit 2
+fi
 : "${GPUS_PER_NODE:=8}"
 : "${NNODES:=1}"    # recipes set their own defaults before sourcing this file
 : "${NODE_RANK:=0}"
@@ -147,11 +163,32 @@ sparseloco_output_args() {
     OUTPUT_ARGS=(--log-interval "${LOG_INTERVAL:-10}" --eval-interval "${EVAL_INTERVAL:-1000}"
                  --eval-iters "${EVAL_ITERS:-10}" --ckpt-format torch_dist)
     if [[ -n "${CHECKPOINT_DIR:-}" ]]; then
-        OUTPUT_ARGS+=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval "${SAVE_INTERVAL:-1000}")
+        local dir=$CHECKPOINT_DIR
+        if [[ "$ELASTIC" == 1 ]]; then dir=$CHECKPOINT_DIR/worker${WORKER_INDEX:?ELASTIC=1 needs WORKER_INDEX}; fi
+        OUTPUT_ARGS+=(--save "$dir" --load "$dir" --save-interval "${SAVE_INTERVAL:-1000}")
     fi
     if [[ -n "${TENSORBOARD_DIR:-}" ]]; then
         OUTPUT_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
     fi
+}
+
+# The elastic flags (ELASTIC=1; megatron_sparseloco/elastic/config.py has all of them): every value
+# required here is checked again, with the fix, by the plugin before the model is built.
+sparseloco_elastic_args() {
+    ELASTIC_ARGS=()
+    if [[ "$ELASTIC" != 1 ]]; then return 0; fi
+    : "${LIGHTHOUSE:?ELASTIC=1 needs LIGHTHOUSE=http://HOST:PORT, the torchft_lighthouse every job reaches}"
+    : "${WORKER_INDEX:?ELASTIC=1 needs WORKER_INDEX, the worker slot of this job, 0..WORKERS-1 (one per job)}"
+    : "${TOKEN_FILE:?ELASTIC=1 needs TOKEN_FILE, the secret of the run (the same content at every site, mode 600)}"
+    ELASTIC_ARGS=(
+        --sparseloco-lighthouse "$LIGHTHOUSE"
+        --sparseloco-worker-index "$WORKER_INDEX"
+        --sparseloco-min-workers "${MIN_WORKERS:-1}"
+        --sparseloco-elastic-token-file "$TOKEN_FILE"
+    )
+    if [[ -n "${ELASTIC_HOST:-}" ]]; then ELASTIC_ARGS+=(--sparseloco-elastic-host "$ELASTIC_HOST"); fi
+    if [[ -n "${MANAGER_PORT:-}" ]]; then ELASTIC_ARGS+=(--sparseloco-elastic-manager-port "$MANAGER_PORT"); fi
+    if [[ -n "${OUTER_TIMEOUT:-}" ]]; then ELASTIC_ARGS+=(--sparseloco-outer-timeout "$OUTER_TIMEOUT"); fi
 }
 
 sparseloco_launch() {

@@ -4,8 +4,11 @@
 #
 #   ALGO=sparseloco|diloco|gasloc|average bash cpu_tiny_moe.sh
 #   PRINT_ARGS=1 bash cpu_tiny_moe.sh
+#   elastic, one job per worker (2 ranks), see docs/elastic.md:
+#       ELASTIC=1 LIGHTHOUSE=http://HOST:29510 WORKER_INDEX=I TOKEN_FILE=~/.sparseloco-token bash cpu_tiny_moe.sh
 set -euo pipefail
 : "${NNODES:=1}"
+if [[ "${ELASTIC:-0}" == 1 ]]; then : "${GPUS_PER_NODE:=2}"; fi   # elastic: one job = one worker
 : "${GPUS_PER_NODE:=4}"     # ranks (processes) on this machine
 : "${WORKERS:=2}"
 : "${TP:=1}" "${PP:=1}" "${CP:=1}" "${EP:=2}"
@@ -65,7 +68,8 @@ DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 256)
 LOG_INTERVAL=${LOG_INTERVAL:-5} EVAL_INTERVAL=${EVAL_INTERVAL:-30} EVAL_ITERS=${EVAL_ITERS:-2} \
     SAVE_INTERVAL=${SAVE_INTERVAL:-30} sparseloco_output_args
 sparseloco_args
+sparseloco_elastic_args
 
 ARGS=("${GPT_MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${CPU_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}"
-      "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${SPARSELOCO_ARGS[@]}" "$@")
+      "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${SPARSELOCO_ARGS[@]}" "${ELASTIC_ARGS[@]}" "$@")
 sparseloco_launch

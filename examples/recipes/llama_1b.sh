@@ -9,7 +9,10 @@
 #   single node (2 workers of 4 GPUs):  NNODES=1 WORKERS=2 bash llama_1b.sh
 #   multi node:                         see examples/slurm/sparseloco.sbatch
 #   print the arguments only:           PRINT_ARGS=1 bash llama_1b.sh
+#   elastic, one job per worker (1 node), see docs/elastic.md:
+#       ELASTIC=1 LIGHTHOUSE=http://HOST:29510 WORKER_INDEX=I TOKEN_FILE=~/.sparseloco-token bash llama_1b.sh
 set -euo pipefail
+if [[ "${ELASTIC:-0}" == 1 ]]; then : "${NNODES:=1}"; fi   # elastic: one job = one worker
 : "${NNODES:=8}"
 : "${WORKERS:=8}"
 : "${TP:=1}" "${PP:=1}" "${CP:=1}" "${EP:=1}"
@@ -50,7 +53,8 @@ if (( PP > 1 )); then MODEL_PARALLEL_ARGS+=(--use-tp-pp-dp-mapping); fi
 sparseloco_data_args 128256
 sparseloco_output_args
 sparseloco_args
+sparseloco_elastic_args
 
 ARGS=("${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}"
-      "${OUTPUT_ARGS[@]}" "${SPARSELOCO_ARGS[@]}" "$@")
+      "${OUTPUT_ARGS[@]}" "${SPARSELOCO_ARGS[@]}" "${ELASTIC_ARGS[@]}" "$@")
 sparseloco_launch

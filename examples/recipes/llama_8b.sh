@@ -9,7 +9,10 @@
 #   the SparseLoCo paper).
 #
 #   PRINT_ARGS=1 bash llama_8b.sh       print the arguments only
+#   elastic, one job per worker (2 nodes), see docs/elastic.md:
+#       ELASTIC=1 LIGHTHOUSE=http://HOST:29510 WORKER_INDEX=I TOKEN_FILE=~/.sparseloco-token bash llama_8b.sh
 set -euo pipefail
+if [[ "${ELASTIC:-0}" == 1 ]]; then : "${NNODES:=2}"; fi   # elastic: one job = one worker
 : "${NNODES:=8}"
 : "${WORKERS:=4}"
 : "${TP:=2}" "${PP:=1}" "${CP:=1}" "${EP:=1}"
@@ -56,7 +59,8 @@ if (( PP > 1 )); then MODEL_PARALLEL_ARGS+=(--use-tp-pp-dp-mapping); fi
 sparseloco_data_args 128256
 sparseloco_output_args
 sparseloco_args
+sparseloco_elastic_args
 
 ARGS=("${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}"
-      "${OUTPUT_ARGS[@]}" "${SPARSELOCO_ARGS[@]}" "$@")
+      "${OUTPUT_ARGS[@]}" "${SPARSELOCO_ARGS[@]}" "${ELASTIC_ARGS[@]}" "$@")
 sparseloco_launch

@@ -9,7 +9,10 @@
 #   Batch: 128 sequences of 4096 tokens per worker per step.
 #
 #   PRINT_ARGS=1 bash mixtral_8x7b.sh   print the arguments only
+#   elastic, one job per worker (4 nodes), see docs/elastic.md:
+#       ELASTIC=1 LIGHTHOUSE=http://HOST:29510 WORKER_INDEX=I TOKEN_FILE=~/.sparseloco-token bash mixtral_8x7b.sh
 set -euo pipefail
+if [[ "${ELASTIC:-0}" == 1 ]]; then : "${NNODES:=4}"; fi   # elastic: one job = one worker
 : "${NNODES:=16}"
 : "${WORKERS:=4}"
 : "${TP:=1}" "${PP:=1}" "${CP:=1}" "${EP:=8}"
@@ -65,7 +68,8 @@ if (( TP > 1 )); then MODEL_PARALLEL_ARGS+=(--sequence-parallel); fi
 sparseloco_data_args 32000
 sparseloco_output_args
 sparseloco_args
+sparseloco_elastic_args
 
 ARGS=("${GPT_MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}"
-      "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${SPARSELOCO_ARGS[@]}" "$@")
+      "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${SPARSELOCO_ARGS[@]}" "${ELASTIC_ARGS[@]}" "$@")
 sparseloco_launch

@@ -18,9 +18,15 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Set
 from urllib.parse import urlsplit
 
+from megatron_sparseloco.comm.topology import TOPOLOGIES
 from megatron_sparseloco.elastic.auth import TokenError, read_token
 from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError, dest_of, option
 from megatron_sparseloco.outer.config_fields import ConfigError, FieldSpec, check_fields, flagged_fields, flag_field
+
+#: ``--sparseloco-elastic-after-failed-round``: keep or discard the local progress of a round that did not commit
+AFTER_FAILED_ROUND = ("keep", "discard")
+#: seconds every operation of a round may wait in elastic mode when ``--sparseloco-outer-timeout`` is unset
+DEFAULT_OUTER_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -74,22 +80,34 @@ class ElasticConfig:
         64, flag="elastic-heal-chunk-mb", low=1,
         help="Elastic mode: MiB per message of a heal (the state a joining job receives from a live peer).")
     """Size of the heal stream's messages (``elastic.heal``): bounds the extra memory of a heal."""
+    after_failed_round: str = flag_field(
+        "keep", flag="elastic-after-failed-round", choices=AFTER_FAILED_ROUND,
+        help="Elastic mode: what a job does with its local progress when a round does not commit: 'keep' it "
+             "(the next pseudo-gradient covers both rounds) or 'discard' it (θ_local ← θ_outer, as torchft's DiLoCo).")
+    """After a round that did not commit: ``keep`` θ_local (the next Δ = θ_outer − θ_local spans both rounds'
+    inner steps) or ``discard`` it (θ_local ← θ_outer; the inner optimizer state is kept either way)."""
 
     def validate(self) -> "ElasticConfig":
         check_fields(self)
         return self
 
 
-#: modes that do not follow a changing membership yet: (args attribute, the one value accepted
-#: besides unset (None: none), flag, why)
+#: modes that do not follow a changing membership yet: (args attribute, the values accepted besides
+#: unset (a tuple; None: none), flag, why)
 REFUSED_MODES = (
-    ("sparseloco_aggregation", "allgather", "aggregation",
+    ("sparseloco_aggregation", ("allgather",), "aggregation",
      "reduce-scatter and hierarchical aggregation assign ranges / sites to a fixed set of workers"),
-    ("sparseloco_fragments", 1, "fragments",
+    ("sparseloco_fragments", (1,), "fragments",
      "fragments sync at staggered steps, a round of the elastic protocol covers the whole model"),
-    ("sparseloco_overlap_steps", 0, "overlap-steps", "a delayed outer step would span two quorums"),
+    ("sparseloco_overlap_steps", (0,), "overlap-steps", "a delayed outer step would span two quorums"),
     ("sparseloco_inner_steps_per_worker", None, "inner-steps-per-worker",
      "per-worker step counts are indexed by a fixed worker list"),
+    ("sparseloco_consistency_check_interval", (0,), "consistency-check-interval",
+     "every elastic round compares θ_outer's fingerprint in its signed header already"),
+    ("sparseloco_gossip_compress", (False,), "gossip-compress",
+     "the compressed proposals' public copies are kept per peer rank, which changes with the membership"),
+    ("sparseloco_gossip_topology", tuple(t for t in TOPOLOGIES if t != "bandwidth"), "gossip-topology",
+     "the bandwidth topology's link-cost table is indexed by a fixed worker list"),
 )
 
 
@@ -104,7 +122,8 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         return parser
     group = parser.add_argument_group(title="sparseloco elastic", description="one job per worker, over torchft")
     for flag, spec in elastic_flags().items():
-        group.add_argument(option(flag), dest=dest_of(flag), type=spec.type, default=None, help=spec.help)
+        group.add_argument(option(flag), dest=dest_of(flag), type=spec.type, default=None, help=spec.help,
+                           choices=spec.choices)
     return parser
 
 
@@ -166,8 +185,11 @@ def _check_slots(args: argparse.Namespace, config: ElasticConfig) -> None:
 def _check_refused_modes(args: argparse.Namespace) -> None:
     for attr, accepted, flag, why in REFUSED_MODES:
         value = getattr(args, attr, None)
-        if value is not None and value != accepted:
-            fix = f"use {option(flag)} {accepted} or leave it unset" if accepted is not None else f"drop {option(flag)}"
+        if value is not None and (accepted is None or value not in accepted):
+            shown = " / ".join(str(a) for a in accepted or ())
+            fix = f"use {option(flag)} {shown} or leave it unset" if accepted is not None else f"drop {option(flag)}"
+            if accepted == (False,):
+                fix = f"drop {option(flag)}"
             raise _fail(flag, f"{value} is not supported in elastic mode ({why})",
                         f"{fix}, or run without --sparseloco-lighthouse")
 

@@ -22,7 +22,7 @@ state is untouched until the caller loads the result); only dtypes of ``DTYPES``
 
 Both sides first prove they hold the run's secret (``elastic.auth``), with fresh nonces n_r, n_s:
 
-    receiver → sender   n_r                 sender → receiver   n_s
+    receiver → sender   n_r ‖ I_r           sender → receiver   n_s ‖ I_s      (I: claimed worker index, int64)
     sender   → receiver mac("heal-src", n_r ‖ n_s ‖ step)
     receiver → sender   mac("heal-dst", n_s ‖ n_r ‖ step)
     sender   → receiver len(header) as int64, header, the data stream,
@@ -223,8 +223,10 @@ class SafeHealTransport(CheckpointTransport):
     """
 
     def __init__(self, pg, key: bytes, template: Callable[[], Any], timeout: timedelta,
-                 device: Optional[torch.device] = None, chunk_bytes: int = 64 << 20):
+                 device: Optional[torch.device] = None, chunk_bytes: int = 64 << 20, identity: int = -1):
         self.pg, self.key, self.template, self.timeout = pg, key, template, timeout
+        #: the worker index this side claims in the handshake (named in the other side's refusal)
+        self.identity = int(identity)
         self.device = device if device is not None else torch.device("cpu")
         self.chunk_bytes = int(chunk_bytes)
         self.records: List[HealRecord] = []
@@ -251,16 +253,19 @@ class SafeHealTransport(CheckpointTransport):
         return got.numpy().tobytes()
 
     def _handshake(self, peer: int, step: int, sender: bool) -> bytes:
-        """Both proofs (module docstring); returns the receiver's nonce n_r."""
+        """Both proofs (module docstring); returns the receiver's nonce n_r. Each nonce travels with
+        the worker index its side claims (``identity``; not authenticated: for the logs only)."""
         mine = os.urandom(_NONCE)
-        theirs = self._swap(peer, mine, TAG_NONCE)
+        got = self._swap(peer, mine + struct.pack("<q", self.identity), TAG_NONCE)
+        theirs, claimed = got[:_NONCE], struct.unpack("<q", got[_NONCE:])[0]
         n_r, n_s = (theirs, mine) if sender else (mine, theirs)
         s8 = struct.pack("<q", step)
         proof_src, proof_dst = mac(self.key, "heal-src", n_r + n_s + s8), mac(self.key, "heal-dst", n_s + n_r + s8)
         got = self._swap(peer, proof_src if sender else proof_dst, TAG_PROOF)
         if not mac_ok(self.key, "heal-dst" if sender else "heal-src", (n_s + n_r if sender else n_r + n_s) + s8, got):
             who = "the joining job" if sender else "the peer"
-            raise HealError(f"heal with group rank {peer} refused: {who} does not hold this run's secret "
+            raise HealError(f"heal with group rank {peer} (it claims worker index {claimed}) refused: {who} does not "
+                            "hold this run's secret "
                             "(--sparseloco-elastic-token-file differs); nothing was "
                             f"{'sent' if sender else 'received'}")
         return n_r

@@ -117,7 +117,8 @@ def _argparse_kwargs(flag: str, specs: Sequence[FieldSpec]) -> dict:
 
 
 def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--sparseloco-*`` group to a Megatron argument parser (an ``extra_args_provider``).
+    """Add the ``--sparseloco-*`` group and the elastic flags (``elastic.config``) to a Megatron
+    argument parser (an ``extra_args_provider``).
 
     The flags are the union of ``OuterLoopConfig``'s and every registered config's flagged fields, read
     when called (a strategy registered later shows up on the next parser). Idempotent: a parser
@@ -131,7 +132,8 @@ def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="Outer algorithm. Unset: the plugin is off and Megatron trains as usual.")
     for flag, owners in flag_table().items():
         g.add_argument(option(flag), dest=dest_of(flag), **_argparse_kwargs(flag, list(owners.values())))
-    return parser
+    from megatron_sparseloco.elastic.config import add_elastic_args  # (it imports this module)
+    return add_elastic_args(parser)
 
 
 # ---------------------------------------------------------------------- errors
@@ -226,9 +228,42 @@ def resolve_workers(args: argparse.Namespace) -> None:
     args.num_distributed_optimizer_instances = args.sparseloco_workers
 
 
-def _check_world_layout(args: argparse.Namespace, world_size: Optional[int], strategy: Type[OuterStrategy]) -> None:
-    """W divides the data-parallel size, each worker holds whole EP groups, the distributed optimizer, W ≥ min."""
+def elastic_job_batch(args: argparse.Namespace) -> None:
+    """Elastic mode: ``--global-batch-size`` is the run's, as in single-job mode (all W slots together);
+    each job trains G / W per iteration, so the same Megatron arguments give the same batches, data
+    and LR schedule in both modes (``elastic.data``: worker I reads slot I of W). Idempotent (the run's
+    value is kept as ``args.sparseloco_run_global_batch_size``). Sample-based schedules and batch-size
+    ramp-up are refused: a job's iteration would not be the run's."""
     W = args.sparseloco_workers
+    for dest, flag in (("train_samples", "--train-samples"), ("rampup_batch_size", "--rampup-batch-size")):
+        if getattr(args, dest, None):
+            raise SparseLoCoArgumentError(
+                f"{flag} is not supported in elastic mode (a job's samples are its slot's, 1/W of the run's). "
+                "Fix: give --train-iters (and --lr-decay-iters / --lr-warmup-iters) instead, or run without "
+                "--sparseloco-lighthouse")
+    if getattr(args, "sparseloco_run_global_batch_size", None) is not None:
+        return
+    G = getattr(args, "global_batch_size", None)
+    args.sparseloco_run_global_batch_size = G
+    if G is None:   # Megatron's default, micro-batch × the job's data-parallel size: the run's is W times it
+        return
+    if G % W != 0:
+        raise SparseLoCoArgumentError(
+            f"--global-batch-size {G}: in elastic mode it is the run's batch (all {W} worker slots together, as in "
+            f"single-job mode), which every job trains 1/{W} of. Fix: use a multiple of --sparseloco-workers {W}, "
+            f"e.g. {(G // W + 1) * W}")
+    args.global_batch_size = G // W
+
+
+def _check_world_layout(args: argparse.Namespace, world_size: Optional[int], strategy: Type[OuterStrategy],
+                        elastic: bool = False) -> None:
+    """W divides the data-parallel size, each worker holds whole EP groups, the distributed optimizer, W ≥ min.
+    ``elastic``: the job is one worker of W slots (the layout is checked for one worker per job)."""
+    least = strategy.capabilities.min_workers
+    if args.sparseloco_workers < least:
+        _fail("workers", f"{strategy.name} needs W >= {least}, got {args.sparseloco_workers}",
+              f"use --sparseloco-workers {least} or more, or another --sparseloco-algorithm")
+    W = 1 if elastic else args.sparseloco_workers
     if world_size is not None:
         tp = getattr(args, "tensor_model_parallel_size", 1) or 1
         pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
@@ -249,10 +284,6 @@ def _check_world_layout(args: argparse.Namespace, world_size: Optional[int], str
     if W > 1 and not getattr(args, "use_distributed_optimizer", False):
         _fail("workers", f"{W} workers need Megatron's distributed optimizer (a worker is a "
               "distributed-optimizer instance)", "add --use-distributed-optimizer")
-    least = strategy.capabilities.min_workers
-    if W < least:
-        _fail("workers", f"{strategy.name} needs W >= {least}, got {W}",
-              f"use --sparseloco-workers {least} or more, or another --sparseloco-algorithm")
 
 
 #: Megatron options the outer loop cannot be combined with, and why
@@ -401,8 +432,12 @@ def _store_resolved(args: argparse.Namespace, loop: OuterLoopConfig, config) -> 
 def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
     """Check every ``--sparseloco-*`` value and combination; resolve defaults in place.
 
-    ``world_size`` defaults to ``args.world_size`` (set by Megatron's ``validate_args``).
+    ``world_size`` defaults to ``args.world_size`` (set by Megatron's ``validate_args``). The elastic
+    flags are checked first (``elastic.config.validate_elastic_args``); in elastic mode the job is one
+    worker of ``--sparseloco-workers`` slots and its batch is the run's divided by W (``elastic_job_batch``).
     """
+    from megatron_sparseloco.elastic.config import validate_elastic_args  # (it imports this module)
+    elastic = validate_elastic_args(args)   # first: in elastic mode W counts slots, not instances
     algo = getattr(args, "sparseloco_algorithm", None)
     if algo is None:
         _refuse_flags_without_algorithm(args)
@@ -411,9 +446,13 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
         raise SparseLoCoArgumentError(f"--sparseloco-algorithm: unknown algorithm {algo!r}. "
                                       f"Fix: use one of {', '.join(algorithms())}")
     strategy = outer_strategy_class(algo)
-    resolve_workers(args)
+    if elastic is None:
+        resolve_workers(args)
+    else:
+        elastic_job_batch(args)
     given = _given(args)
-    _check_world_layout(args, world_size if world_size is not None else getattr(args, "world_size", None), strategy)
+    _check_world_layout(args, world_size if world_size is not None else getattr(args, "world_size", None), strategy,
+                        elastic=elastic is not None)
     _check_megatron_options(args)
     loop = loop_flags_from_args(args, given, strategy)
     config = outer_config_from_args(args, algo, given)

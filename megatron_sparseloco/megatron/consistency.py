@@ -63,3 +63,16 @@ def check_identical_across_workers(tensors: Sequence[torch.Tensor], group: Outer
     ranks = f"; global ranks {[dist.get_global_rank(c10d, w) for w in odd]}" if c10d is not None else ""
     raise DivergenceError(f"{what} differ across workers: worker(s) {odd} disagree with the majority "
                           f"(fingerprints {values}){ranks}. Fix: {fix}")
+
+
+def check_outer(strategies: Sequence, group, outer_steps: int, num_workers: int) -> None:
+    """θ_outer of every strategy compared across the workers (each over its own outer group, or
+    ``group`` where its comm is a c10d group's); raise ``DivergenceError``; global rank 0 prints a pass line."""
+    fps = [check_identical_across_workers([s.anchor], s.comm if s.group is None else group,
+                                          what=f"θ_outer ({s.name})",
+                                          fix="restart from the last checkpoint; a worker's params were altered")
+           for s in strategies]
+    if fps and None not in fps and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f" sparseloco | consistency check passed at outer step {outer_steps}: θ_outer identical on "
+              f"all {num_workers} workers (rank 0's shard fingerprint "
+              f"{', '.join(f'{fp & (2**64 - 1):016x}' for fp in fps if fp is not None)})", flush=True)

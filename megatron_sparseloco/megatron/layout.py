@@ -356,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def sizes_from_megatron_args(argv: Sequence[str]) -> dict:
-    """The layout-relevant sizes in a Megatron argument list (the last occurrence wins, as in argparse)."""
+    """The layout-relevant sizes in a Megatron argument list (the last occurrence wins, as in argparse).
+    In elastic mode (``--sparseloco-lighthouse``) the arguments are one job's, and a job is one worker."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -366,8 +367,11 @@ def sizes_from_megatron_args(argv: Sequence[str]) -> dict:
     p.add_argument("--num-distributed-optimizer-instances", type=int, default=None)
     p.add_argument("--sparseloco-workers", type=int, default=None)
     p.add_argument("--use-tp-pp-dp-mapping", action="store_true")
+    p.add_argument("--sparseloco-lighthouse", default=None)
     known, _ = p.parse_known_args(list(argv))
     w, inst = known.sparseloco_workers, known.num_distributed_optimizer_instances
+    if known.sparseloco_lighthouse is not None:   # elastic mode: the job is one worker, W counts the run's slots
+        w = None
     if w is not None and inst not in (None, 1, w):
         raise LayoutError(f"--sparseloco-workers {w} disagrees with --num-distributed-optimizer-instances {inst}: "
                           f"give only one of them, or the same value to both")

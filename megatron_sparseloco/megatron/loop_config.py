@@ -33,7 +33,8 @@ class OuterLoopConfig:
     workers: Optional[int] = flag_field(
         None, type=int, flag="workers", low=1,
         help="Number of workers W; a worker is one distributed-optimizer instance "
-             "(sets --num-distributed-optimizer-instances) and must divide the data-parallel size.")
+             "(sets --num-distributed-optimizer-instances) and must divide the data-parallel size. In elastic mode "
+             "(--sparseloco-lighthouse) the number of worker slots, each job being one worker.")
     """W; unset: Megatron's --num-distributed-optimizer-instances (``arguments.resolve_workers``)."""
     inner_steps: int = flag_field(15, flag="inner-steps", low=1,
                                   help="Inner optimizer steps H between outer steps (reference code 15; "

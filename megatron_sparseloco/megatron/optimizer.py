@@ -15,7 +15,9 @@ rounds the schedule puts after this inner step (``megatron/rounds.py``):
 The inner optimizer state (Adam moments) is kept across outer steps, as in DiLoCo. On
 construction it makes inner steps worker-local (``placement.WorkerPlacement``) and asserts that
 all workers start from identical parameters (θ_outer is initialised from them). ``close()`` waits
-for a round in flight and ends the comm thread; the plugin calls it at Megatron's exit.
+for a round in flight and ends the comm thread; the plugin calls it at Megatron's exit. In elastic
+mode (``elastic``) the job is one worker whose rounds run over the session (``elastic_rounds``; the
+θ_outer fingerprint in each round's signed header replaces the identical-start check).
 
 The members Megatron's loop, checkpointing and logging use (``zero_grad``, ``scale_loss``,
 ``get_loss_scale``, ``param_groups`` ...; ``FORWARDED_METHODS`` / ``FORWARDED_ATTRIBUTES``) are
@@ -33,7 +35,9 @@ import torch.distributed as dist
 
 from megatron_sparseloco.megatron import outer_checkpoint
 from megatron_sparseloco.megatron.auto_steps import AutoInnerSteps
-from megatron_sparseloco.megatron.consistency import DivergenceError, check_identical_across_workers
+from megatron_sparseloco.elastic.config import ElasticConfig
+from megatron_sparseloco.megatron.consistency import DivergenceError, check_identical_across_workers, check_outer
+from megatron_sparseloco.megatron.elastic_rounds import ElasticRounds, open_session
 from megatron_sparseloco.megatron.forwarding import FORWARDED_ATTRIBUTES, FORWARDED_METHODS, ForwardingOptimizer
 from megatron_sparseloco.megatron.fragments import build_member_strategies
 from megatron_sparseloco.megatron.loop_config import OuterLoopConfig
@@ -43,7 +47,7 @@ from megatron_sparseloco.megatron.placement import WorkerPlacement
 from megatron_sparseloco.megatron.rounds import OuterLog, OuterRounds, lost_worker_named
 from megatron_sparseloco.megatron.schedule import RoundSchedule
 from megatron_sparseloco.megatron.tied import TiedParamSync
-from megatron_sparseloco.megatron.worker_isolation import (collective_device, intra_worker_group,
+from megatron_sparseloco.megatron.worker_isolation import (any_in_worker, collective_device, intra_worker_group,
                                                            start_param_sync_all)
 from megatron_sparseloco.outer.base import OuterStepStats, OuterStrategy
 
@@ -56,7 +60,8 @@ class OuterLoopOptimizer(ForwardingOptimizer):
     """Wraps a megatron-core optimizer (Distributed / Float16 / FP32 / Chained) with an outer loop."""
 
     def __init__(self, optimizer, model_chunks: Sequence, strategy_factory: StrategyFactory,
-                 config: OuterLoopConfig, group: Optional[dist.ProcessGroup] = None):
+                 config: OuterLoopConfig, group: Optional[dist.ProcessGroup] = None,
+                 elastic: Optional[ElasticConfig] = None):
         self.optimizer = optimizer
         self.model_chunks = list(model_chunks)
         self.config = config.validate()
@@ -71,12 +76,15 @@ class OuterLoopOptimizer(ForwardingOptimizer):
                                        collective_device())
         self.members = [m for m in member_optimizers(optimizer) if not getattr(m, "is_stub_optimizer", False)]
         self.shards = [main_param_shards(m) for m in self.members]
+        # elastic mode: this job is one worker; the outer group is the session's (``elastic_rounds``)
+        self.heal, self.session = open_session(self, elastic, config.outer_timeout_s)
         if config.check_identical_start and self.num_workers > 1:
             for shards in self.shards:
                 check_identical_across_workers(shards.tensors, self.group, what="initial parameters",
                                                fix="initialise every worker from the same seed / checkpoint")
         self.strategy_of, self.fragment_strategies = build_member_strategies(
-            self.shards, self.model_chunks, strategy_factory, self.group, config.fragments)
+            self.shards, self.model_chunks, strategy_factory, self.session.comm if self.session else self.group,
+            config.fragments)
         self.strategies: List[OuterStrategy] = [s for ss in self.fragment_strategies for s in ss]
         identical = config.identical_across_workers
         if identical is None:
@@ -84,8 +92,10 @@ class OuterLoopOptimizer(ForwardingOptimizer):
         self.identical_across_workers = identical
         schedule = RoundSchedule(config.inner_steps, config.overlap_steps, config.fragments)
         self.fragment_offsets = schedule.offsets
-        self.rounds = OuterRounds(self.fragment_strategies, schedule, config.overlap(),
-                                  config.consistency_check_interval, identical, hooks=self)
+        self.rounds = (ElasticRounds(self.strategies, schedule, self, self.session, elastic, self.heal, identical)
+                       if self.session and elastic and self.heal else OuterRounds(
+                           self.fragment_strategies, schedule, config.overlap(), config.consistency_check_interval,
+                           identical, hooks=self))
         # Params Megatron ties across pipeline stages (embedding / output layer): copied from the
         # first stage after every outer step, so the copies stay bitwise identical.
         self.tied = TiedParamSync(self.shards, self.strategy_of)
@@ -186,13 +196,8 @@ class OuterLoopOptimizer(ForwardingOptimizer):
 
     def any_reset_in_worker(self, reset: bool) -> bool:
         """Did a launch reset a shard of this worker (its params were not finite)? Every rank of the
-        worker must agree, since publishing the params is a collective inside the worker (one
-        all-reduce MAX on the intra-worker group, whose ranks run in lockstep anyway)."""
-        if self.num_workers > 1 and self.worker_size > 1:
-            flag = torch.tensor([1.0 if reset else 0.0], device=collective_device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=intra_worker_group())
-            reset = bool(flag.item())
-        return reset
+        worker must agree, since publishing the params is a collective inside it (``any_in_worker``)."""
+        return any_in_worker(reset) if self.num_workers > 1 and self.worker_size > 1 else reset
 
     def megatron_timer(self):
         """Megatron's ``sparseloco-outer-sync`` timer when the training loop set ``config.timers`` (else None)."""
@@ -206,15 +211,8 @@ class OuterLoopOptimizer(ForwardingOptimizer):
         self.watch.wait_all(step_no)
 
     def check_consistency(self) -> None:
-        """Raise ``DivergenceError`` when θ_outer differs between workers; global rank 0 prints a pass line."""
-        fps = [check_identical_across_workers([s.anchor], s.comm if s.group is None else self.group,
-                                              what=f"θ_outer ({s.name})",
-                                              fix="restart from the last checkpoint; a worker's params were altered")
-               for s in self.strategies]
-        if fps and None not in fps and (not dist.is_initialized() or dist.get_rank() == 0):
-            print(f" sparseloco | consistency check passed at outer step {self.outer_steps}: θ_outer identical on "
-                  f"all {self.num_workers} workers (rank 0's shard fingerprint "
-                  f"{', '.join(f'{fp & (2**64 - 1):016x}' for fp in fps if fp is not None)})", flush=True)
+        """Raise ``DivergenceError`` when θ_outer differs between workers (``consistency.check_outer``)."""
+        check_outer(self.strategies, self.group, self.outer_steps, self.num_workers)
 
     # ------------------------------------------------------------------ checkpoints (``outer_checkpoint``)
     def model_holds_outer_params(self):

@@ -109,7 +109,9 @@ def metadata(opt: "OuterLoopOptimizer") -> dict:
             "inner_calls": opt.inner_calls, "outer_steps": opt.outer_steps,
             "fragment_syncs": list(opt.fragment_syncs),
             "facts": facts(opt),
-            "inner_steps": opt.config.inner_steps}
+            "inner_steps": opt.config.inner_steps,
+            # elastic mode: the run's committed step as this job knows it (torchft's), restored on resume
+            **({"elastic": opt.session.state_dict()} if opt.session is not None else {})}
 
 
 def facts(opt: "OuterLoopOptimizer") -> dict:
@@ -207,6 +209,8 @@ def load_state_dict(opt: "OuterLoopOptimizer", state_dict) -> None:
                          outer["ranks"], opt._param_keys)
     opt._anchor_at_first_step = False
     rounds.merge_due_from_counter(opt.inner_calls)
+    if opt.session is not None and isinstance(scalars.get("elastic"), dict):
+        opt.session.load_state_dict(scalars["elastic"])
     opt.publish()
 
 

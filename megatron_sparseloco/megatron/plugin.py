@@ -15,6 +15,10 @@
 - ``megatron.training.training.save_checkpoint`` (and ``megatron.training.checkpointing``'s): the
   save runs with θ_outer in the model, so the checkpoint's model part is the synced model and not
   a mixture of the workers' mid-round params (``OuterLoopOptimizer.model_holds_outer_params``);
+- elastic mode (``--sparseloco-lighthouse``; ``megatron/elastic_rounds.py``): ``setup_model_and_optimizer``
+  is followed by the job's first round (join, heal a (re)started job, set the iteration / consumed
+  samples / LR schedule) before the data iterators are built; ``build_pretraining_data_loader`` and
+  ``get_train_valid_test_num_samples`` read worker I's slot of the run's data (``elastic_data``);
 - ``megatron.training.training.train_step``: with W > 1 its loss all-reduce runs over the worker's
   data-parallel group; the optimizer wrap also scopes Megatron's timer barriers and rerun-machine
   flags to the worker (``worker_local``), so inner steps issue no cross-worker collective; and an
@@ -94,9 +98,11 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
     from megatron_sparseloco.megatron.worker_isolation import cross_worker_group
 
     group = cross_worker_group(model_chunks)
+    elastic = getattr(args, "sparseloco_elastic", None)
     config = loop_config_from_args(args, dist.get_rank(group) if group is not None else 0)
     global ACTIVE
-    ACTIVE = OuterLoopOptimizer(optimizer, model_chunks, strategy_factory_from_args(args), config, group=group)
+    ACTIVE = OuterLoopOptimizer(optimizer, model_chunks, strategy_factory_from_args(args), config, group=group,
+                                elastic=elastic)
     import atexit
     atexit.register(ACTIVE.close)
     from megatron_sparseloco.megatron.startup import log_startup, warn_if_outer_state_not_loaded
@@ -218,6 +224,31 @@ def _wrapping_the_optimizer(orig_get_opt):
     return get_megatron_optimizer
 
 
+def start_elastic_job(scheduler, args) -> None:
+    """Elastic mode, right after Megatron built the model, the optimizer and the LR scheduler (and
+    loaded a checkpoint), before the data iterators: the job's first round (``ElasticRounds.startup``),
+    which heals a (re)started job and sets ``args.iteration`` / consumed samples / the schedule."""
+    if ACTIVE is None or ACTIVE.session is None or ACTIVE.heal is None:
+        return
+    from megatron_sparseloco.megatron.elastic_rounds import ElasticRounds
+    rounds = ACTIVE.rounds
+    assert isinstance(rounds, ElasticRounds), "an elastic job's rounds are ElasticRounds"
+    ACTIVE.heal.scheduler = scheduler
+    rounds.samples_per_round = ACTIVE.config.inner_steps * int(args.global_batch_size)
+    rounds.tokens_per_round = rounds.samples_per_round * int(getattr(args, "seq_length", 0) or 0)
+    rounds.startup()
+
+
+def _starting_the_elastic_job(orig_setup):
+    @functools.wraps(orig_setup)
+    def setup_model_and_optimizer(*a, **kw):
+        model, optimizer, scheduler = orig_setup(*a, **kw)
+        from megatron.training.global_vars import get_args
+        start_elastic_job(scheduler, get_args())
+        return model, optimizer, scheduler
+    return setup_model_and_optimizer
+
+
 def _logging_outer_metrics(orig_training_log):
     @functools.wraps(orig_training_log)
     def training_log(*a, **kw):
@@ -270,4 +301,10 @@ def install() -> None:
     mtrain.load_checkpoint = _explaining_resume_errors(mtrain.load_checkpoint)
     mckpt.save_checkpoint = mtrain.save_checkpoint = _saving_outer_params(mckpt.save_checkpoint)
     mtrain.train_step = skip_inactive_iterations(wrap_train_step(mtrain.train_step, _active_workers))
+    from megatron.training.global_vars import get_args
+
+    from megatron_sparseloco.megatron.elastic_data import wrap_data_loader, wrap_num_samples
+    mtrain.setup_model_and_optimizer = _starting_the_elastic_job(mtrain.setup_model_and_optimizer)
+    mtrain.build_pretraining_data_loader = wrap_data_loader(mtrain.build_pretraining_data_loader, get_args)
+    mtrain.get_train_valid_test_num_samples = wrap_num_samples(mtrain.get_train_valid_test_num_samples, get_args)
     _INSTALLED = True

@@ -44,6 +44,16 @@ def resolved_settings(args) -> Dict[str, object]:
     out["outer timeout"] = (f"{timeout:g} s" if timeout is not None else
                             f"{getattr(args, 'distributed_timeout_minutes', 10):g} min "
                             "(Megatron's --distributed-timeout-minutes)")
+    elastic = getattr(args, "sparseloco_elastic", None)
+    if elastic is not None:
+        from megatron_sparseloco.elastic.config import DEFAULT_OUTER_TIMEOUT_S
+        out["outer timeout"] = f"{timeout if timeout is not None else DEFAULT_OUTER_TIMEOUT_S:g} s"
+        out["elastic"] = (f"worker slot {elastic.worker_index} of W = {args.sparseloco_workers}, lighthouse "
+                          f"{elastic.lighthouse}, a round commits with >= {elastic.min_workers} contributors, "
+                          f"after a round that did not commit: {elastic.after_failed_round} the local progress")
+        run = getattr(args, "sparseloco_run_global_batch_size", None)
+        if run is not None:
+            out["batch"] = f"the run's --global-batch-size {run}, this job's {args.global_batch_size} (1/W)"
     if getattr(args, "sparseloco_anchor_on_cpu", False):
         out["θ_outer"] = "in pinned host memory (--sparseloco-anchor-on-cpu)"
     P = getattr(args, "sparseloco_fragments", None) or 1
@@ -136,7 +146,11 @@ def log_startup(wrapper, args) -> None:
     gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     # entropy-coded indices: the expected bytes are a bound (a strategy whose bytes depend on the round says None)
     entropy = getattr(args, "sparseloco_index_coding", None) == "entropy"
-    print(format_startup_block(resolved_settings(args), worker_map_lines(args, world, gpn, os.environ.get("SITES")),
+    elastic = getattr(args, "sparseloco_elastic", None)
+    workers = ([f"  this job (ranks 0-{world - 1}): worker slot {elastic.worker_index} of {args.sparseloco_workers}; "
+                "the other workers are jobs of their own"] if elastic is not None else
+               worker_map_lines(args, world, gpn, os.environ.get("SITES")))
+    print(format_startup_block(resolved_settings(args), workers,
                                int(vals[0].item()), None if mine is None else vals[1].item(), entropy), flush=True)
 
 

@@ -90,6 +90,15 @@ def intra_worker_group():
     return parallel_state.get_intra_distributed_optimizer_instance_group()
 
 
+def any_in_worker(flag: bool, group=None) -> bool:
+    """True when ``flag`` holds on any rank of the worker (default: Megatron's intra-instance group), for
+    decisions every rank of the worker must share (one all-reduce MAX; its ranks run in lockstep)."""
+    import torch.distributed as dist
+    t = torch.tensor([1.0 if flag else 0.0], device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=intra_worker_group() if group is None else group)
+    return bool(t.item())
+
+
 def start_param_sync_all(model_chunks: Sequence) -> None:
     """All-gather updated param shards inside the worker, synchronously, now."""
     for chunk in model_chunks:

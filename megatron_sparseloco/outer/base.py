@@ -203,6 +203,9 @@ class OuterStrategy(abc.ABC, Generic[ConfigT]):
     #: fp32 vector over ``params``: attribute name = state-dict and checkpoint name; an attribute that
     #: is None is not kept in this configuration (e.g. momentum with μ = 0)
     elementwise_buffers: ClassVar[Tuple[str, ...]] = ()
+    #: the buffers of ``elementwise_buffers`` an elastic heal never copies: the joiner starts them at
+    #: zero (SparseLoCo's error feedback is what this worker did not send yet, not a shared state)
+    heal_excluded_buffers: ClassVar[Tuple[str, ...]] = ()
     #: checkpoint facts whose value must match on resume → the flag that sets it
     checkpoint_fact_flags: ClassVar[Dict[str, str]] = {}
 

@@ -482,6 +482,7 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
     #: e (this worker's error feedback), the outer momentum (None when μ = 0) and, with
     #: reduce-scatter aggregation, the owner's error feedback on the ranges it owns (else None)
     elementwise_buffers = ("error_feedback", "momentum", "owner_error_feedback")
+    heal_excluded_buffers = ("error_feedback", "owner_error_feedback")
 
     @property
     def owner_error_feedback(self) -> Optional[torch.Tensor]:

@@ -12,13 +12,17 @@
 
 A job is either ``ranks`` processes started directly (``launcher="direct"``: each gets RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR / MASTER_PORT of the job's store, which its rank 0 hosts:
-``ensure_job_store``) or one ``torch.distributed.run`` agent (``launcher="torchrun"``) hosting the
-store itself. torchrun starts its workers in new sessions, so killing the agent's process group
-leaves them running (their manager keeps heartbeating: the "dead" job stays in the quorum):
-``kill`` and ``stop`` signal the agent and each worker by PID, as a lost node would. Every process
-is started in its own session; cleanup signals each recorded PID and each session's group.
+``ensure_job_store``), one ``torch.distributed.run`` agent (``launcher="torchrun"``) hosting the
+store itself, or a launch through ``testing.prefork`` (``launcher="prefork"``: torchrun's interface,
+ranks forked from the test session's warm server, so a Megatron job starts in seconds). torchrun
+starts its workers in new sessions, so killing the agent's process group leaves them running
+(their manager keeps heartbeating: the "dead" job stays in the quorum): ``kill`` and ``stop``
+signal the agent and each worker by PID, as a lost node would. A prefork launch's launcher and
+ranks are children of the server, not of the test: they are found as the processes writing to the
+job's log (rank order = fork order = PID order). Every process is started in its own session;
+cleanup signals each recorded PID and each session's group.
 
-Logs: ``<log_dir>/<job>.<attempt>.rank<r>.log`` (direct) or ``<job>.<attempt>.log`` (torchrun).
+Logs: ``<log_dir>/<job>.<attempt>.rank<r>.log`` (direct) or ``<job>.<attempt>.log`` (torchrun, prefork).
 """
 from __future__ import annotations
 
@@ -76,6 +80,29 @@ def children(pid: int) -> List[int]:
         if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
             out.append(int(entry))
     return out
+
+
+def parent(pid: int) -> Optional[int]:
+    """The parent PID of ``pid`` (None if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def writers(path: str) -> List[int]:
+    """PIDs of this user's processes whose standard error is the file ``path`` (Linux /proc)."""
+    target = os.path.realpath(path)
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/fd/2") == target:
+                    out.append(int(entry))
+            except OSError:
+                continue
+    return sorted(out)
 
 
 def start_time(pid: int) -> Optional[str]:
@@ -155,8 +182,8 @@ class Job:
 
     def __init__(self, name: str, argv: Sequence[str], ranks: int, log_dir: str, env: Dict[str, str],
                  launcher: str = "direct"):
-        if launcher not in ("direct", "torchrun"):
-            raise ValueError(f"launcher must be 'direct' or 'torchrun', got {launcher!r}")
+        if launcher not in ("direct", "torchrun", "prefork"):
+            raise ValueError(f"launcher must be 'direct', 'torchrun' or 'prefork', got {launcher!r}")
         self.name, self.argv, self.ranks, self.launcher = name, list(argv), ranks, launcher
         self.log_dir, self.env = log_dir, env
         self.attempt = 0
@@ -173,10 +200,16 @@ class Job:
         if self.launcher == "direct":
             self.procs = [self._popen(self._rank_env(r, port), [sys.executable, *self.argv], f"rank{r}")
                           for r in range(self.ranks)]
-        else:
+        elif self.launcher == "torchrun":
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
                     str(self.ranks), "--master-addr", "127.0.0.1", "--master-port", str(port), *self.argv]
             self.procs = [self._popen(dict(self.env), argv, None)]
+        else:
+            from megatron_sparseloco.testing.prefork import SOCKET_ENV, ensure_server
+            env = dict(self.env, **{SOCKET_ENV: ensure_server()})
+            argv = [sys.executable, "-m", "megatron_sparseloco.testing.prefork", "--nproc-per-node", str(self.ranks),
+                    "--master-port", str(port), *self.argv]
+            self.procs = [self._popen(env, argv, None)]
         self._remember(p.pid for p in self.procs)
         return self
 
@@ -202,16 +235,27 @@ class Job:
 
     # -------------------------------------------------------------- processes
     def pids(self) -> List[int]:
-        """The job's live processes: the ranks (direct), or the agent and its workers (torchrun)."""
+        """The job's live processes: the ranks (direct), the agent and its workers (torchrun), or the
+        client, the launcher and the ranks (prefork)."""
         pids = [p.pid for p in self.procs if p.poll() is None]
         if self.launcher == "torchrun":
             pids += [c for p in list(pids) for c in children(p)]
+        elif self.launcher == "prefork":
+            pids += [p for p in writers(self.log_path(None)) if p not in pids]
         self._remember(pids)
         return pids
 
     def rank_pid(self, rank: int) -> int:
         if self.launcher == "direct":
             return self.procs[rank].pid
+        if self.launcher == "prefork":
+            mine = set(writers(self.log_path(None)))
+            launchers = {p for p in mine if parent(p) not in mine and p != self.procs[0].pid}
+            ranks = sorted(p for p in mine if parent(p) in launchers)   # (not their own children)
+            if rank >= len(ranks):
+                raise LookupError(f"job {self.name}: no rank {rank} among its processes {sorted(mine)}")
+            self._remember([ranks[rank]])
+            return ranks[rank]
         for pid in children(self.procs[0].pid):
             with open(f"/proc/{pid}/environ", "rb") as f:
                 if f"RANK={rank}".encode() in f.read().split(b"\0"):
@@ -250,7 +294,7 @@ class Job:
 
     def output(self, attempt: Optional[int] = None) -> str:
         """Every log of one attempt (default: the current one), concatenated."""
-        suffixes = [f"rank{r}" for r in range(self.ranks)] if self.launcher == "direct" else [None]
+        suffixes: List[Optional[str]] = [f"rank{r}" for r in range(self.ranks)] if self.launcher == "direct" else [None]
         text = []
         for s in suffixes:
             path = self.log_path(s, attempt)
@@ -305,4 +349,4 @@ class ElasticRun:
 
 
 __all__ = ["ElasticRun", "Job", "Lighthouse", "children", "ensure_job_store", "free_port", "lighthouse_binary",
-           "start_time"]
+           "parent", "start_time", "writers"]

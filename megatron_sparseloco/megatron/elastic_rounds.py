@@ -1,0 +1,245 @@
+"""The outer rounds of one rank of an elastic job: every round through the ``ElasticSession``.
+
+In elastic mode (``--sparseloco-lighthouse``) each worker is its own Megatron job; group rank g
+(this rank's ``torch.distributed`` rank in its job) of every live job forms the outer group of
+shard position g, which torchft rebuilds at every quorum. ``OuterLoopOptimizer`` builds its
+strategies on ``session.comm`` and hands its blocking rounds (τ = 0, one fragment: what
+``elastic.config`` accepts) to ``ElasticRounds.step``:
+
+    finite = every rank of the job finite              (one in-job all-reduce MAX)
+    rnd = session.begin_round(contributes, finite, samples, tokens, fingerprint(θ_outer), counters)
+          (quorum; a job behind the quorum heals: ``elastic_state.HealState``; signed headers; decision)
+    if rnd.proceed:  comm.set_contributors(rnd.contributors);
+                     every strategy's plan (held, snapshot): compress_all, exchange_all
+    committed = session.finish_round()                 (torchft's vote: the same on every rank of the job)
+    committed:  every plan commits (θ_outer update, θ_local ← θ_outer) → ``OuterRounds._committed``
+                (tied params, publish: in-job collectives, safe since the whole job got this vote)
+    otherwise:  every plan cancels (state exactly as before); θ_local kept (``keep``: the next Δ
+                spans both rounds) or ← θ_outer (``discard``, as torchft's DiLoCo;
+                ``--sparseloco-elastic-after-failed-round``); a non-finite job always discards
+
+``startup()`` is the job's first round, run by the plugin before the data iterators exist: it
+contributes nothing; a (re)started job behind the run heals there (θ_outer, outer momentum, inner
+Adam state, iteration, consumed samples, LR schedule) and a job at the run's step takes the run's
+counters from the headers, so its data slot continues where the run is. A job that falls behind
+later (stopped or cut off past the timeouts) is healed at its next quorum, but megatron.training
+keeps its iteration and data iterator in local variables: it completes that round as a
+non-contributor (the others' round is not disturbed), then exits asking to be restarted
+(``ElasticExit``); the restart heals at start-up.
+
+Consistency: every participant puts θ_outer's fingerprint (``consistency.fingerprint`` over this
+rank's strategies) in its signed header; the decision refuses a round whose fingerprints differ,
+and rank 0 of the job logs the fingerprint every participant agreed on (strategies whose workers
+differ by design, gossip, send none).
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparseloco.elastic.config import DEFAULT_OUTER_TIMEOUT_S, ElasticConfig
+from megatron_sparseloco.elastic.session import ElasticExit, ElasticSession, Round
+from megatron_sparseloco.megatron.consistency import fingerprint
+from megatron_sparseloco.megatron.elastic_state import Counters, HealState, heal_summary, megatron_args
+from megatron_sparseloco.megatron.rounds import OuterRounds, RoundHooks
+from megatron_sparseloco.megatron.schedule import RoundSchedule
+from megatron_sparseloco.megatron.worker_isolation import collective_device
+from megatron_sparseloco.outer.base import NonFiniteError, OuterStepStats, OuterStrategy
+from megatron_sparseloco.outer.overlap import OverlapConfig
+from megatron_sparseloco.outer.round import RoundPlan
+
+if TYPE_CHECKING:
+    from megatron_sparseloco.megatron.optimizer import OuterLoopOptimizer
+
+#: one strategy's part of a round: the strategy, its plan, its stats, the byte counters before it
+Part = Tuple[OuterStrategy, RoundPlan, OuterStepStats]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def open_session(opt: "OuterLoopOptimizer", config: Optional[ElasticConfig], outer_timeout_s: Optional[float]
+                 ) -> Tuple[Optional[HealState], Optional[ElasticSession]]:
+    """This rank's heal state and session (None, None outside elastic mode): group rank = its rank in
+    the job, the job's store (MASTER_ADDR / MASTER_PORT, torchrun's), every operation bounded by
+    ``outer_timeout_s`` (``--sparseloco-outer-timeout``; unset: ``DEFAULT_OUTER_TIMEOUT_S``)."""
+    import os
+    if config is None:
+        return None, None
+    heal = HealState(opt, megatron_args)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    session = ElasticSession(config, group_rank=_rank(), group_world_size=world,
+                             store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                             store_port=int(os.environ.get("MASTER_PORT", "29500")), state_fn=heal.state,
+                             load_fn=heal.load, template_fn=heal.template,
+                             outer_timeout=outer_timeout_s or DEFAULT_OUTER_TIMEOUT_S, device=collective_device())
+    return heal, session
+
+
+class ElasticRounds(OuterRounds):
+    """Blocking rounds over the elastic session (module docstring); the rest as ``OuterRounds``."""
+
+    def __init__(self, strategies: List[OuterStrategy], schedule: RoundSchedule, hooks: RoundHooks,
+                 session: ElasticSession, config: ElasticConfig, heal: HealState, identical: bool):
+        super().__init__([strategies], schedule, OverlapConfig(), 0, identical, hooks)
+        self.strategies, self.session, self.config, self.heal = strategies, session, config, heal
+        self.identical = identical
+        #: samples and tokens a contributing round of this job carries (set by the plugin from Megatron's args)
+        self.samples_per_round = 0
+        self.tokens_per_round = 0
+        #: the last round (for logs and tests) and whether it committed
+        self.last: Optional[Round] = None
+        self.last_committed = False
+
+    # ------------------------------------------------------------------ rounds
+    @torch.no_grad()
+    def startup(self) -> None:
+        """The job's first round (module docstring); before the data iterators are built."""
+        self.heal.in_iteration = False
+        t0 = self._start_timer()
+        step, start = self.session.step, self.heal.counters()
+        committed, stats, rnd = self._round(contributes=False)
+        if rnd.healed:
+            self._say(f"worker {self.config.worker_index} started at step {step} (iteration {start.iteration}"
+                      f"{', from its checkpoint' if start.iteration else ''}) but the run is at step {rnd.step}: "
+                      "the run continues from the newest step a live job holds; this job healed from a live peer")
+        mine = self.heal.counters()
+        run = max([c for c in (Counters.from_extra(h["extra"]) for h in rnd.peers if h is not None)
+                   if c is not None] + [mine], key=lambda c: c.iteration)
+        if run.iteration > mine.iteration:   # the run is ahead of this job's checkpoint: continue where it is
+            run.apply(self.heal.opt, self.heal.args_fn(), self.heal.scheduler)
+            self._say(f"worker {self.config.worker_index} joins the run at iteration {run.iteration} (its own "
+                      f"counters were at iteration {mine.iteration}); its data slot continues there")
+        self._end(committed, stats, rnd, t0)
+
+    def step(self, fragment: int) -> List[OuterStepStats]:
+        """The blocking round after H inner steps; a job healed here exits after the round."""
+        self.heal.in_iteration = True
+        t0 = self._start_timer()
+        committed, stats, rnd = self._round(contributes=True)
+        self._end(committed, stats, rnd, t0)
+        if rnd.healed:
+            self.close()
+            raise ElasticExit(
+                f"elastic worker {self.config.worker_index} fell {rnd.behind} round(s) behind the run (stopped, or "
+                "cut off for longer than --sparseloco-outer-timeout / the lighthouse's heartbeat timeout) and was "
+                "healed from a live peer, but megatron.training keeps its iteration and data position in local "
+                "variables, so it cannot continue in place. Fix: restart this job with the same command (same "
+                "--sparseloco-worker-index): it heals at start-up and contributes again")
+        return stats
+
+    def _round(self, contributes: bool) -> Tuple[bool, List[OuterStepStats], Round]:
+        finite = self._job_finite()
+        fp = (lambda: fingerprint([s.anchor for s in self.strategies])) if self.identical else None
+        rnd = self.session.begin_round(contributes=contributes, finite=finite, samples=self.samples_per_round,
+                                       tokens=self.tokens_per_round, fingerprint=fp,
+                                       extra=self.heal.counters().extra())
+        parts: List[Part] = []
+        if rnd.proceed:
+            self.session.comm.set_contributors(rnd.contributors)
+            parts = self._communicate(rnd)
+        committed = self.session.finish_round()
+        for s, plan, stats in parts:
+            if committed:
+                plan.commit(write_back=True)
+                s.outer_steps += 1
+            else:
+                plan.cancel()
+        if not finite and not committed:
+            self._nonfinite()
+        self.last, self.last_committed = rnd, committed
+        return committed, [stats for _, _, stats in parts], rnd
+
+    def _communicate(self, rnd: Round) -> List[Part]:
+        """Every strategy's compress and exchange (held: nothing is applied before the vote)."""
+        parts: List[Part] = []
+        try:
+            for s in self.strategies:
+                s.outer_steps = rnd.step   # every participant numbers the round alike (gossip draws its graph by it)
+                stats = s.new_stats()
+                before = s.counter_marks()
+                plan = s.begin_round(stats, None, held=True, snapshot=True)
+                parts.append((s, plan, stats))
+                plan.compress_all()
+                plan.exchange_all()
+                after = s.counter_marks()
+                stats.bytes_sent, stats.bytes_received, stats.collectives = (a - b for a, b in zip(after, before))
+        except Exception as exc:  # a payload that fails to decode or any local error: the round rolls back
+            self.session.report_error(exc)
+        return parts
+
+    def _job_finite(self) -> bool:
+        """Every rank of the job finite (so every rank's header says the same)."""
+        bad = any(s.first_nonfinite_tensor() is not None for s in self.strategies)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([1.0 if bad else 0.0], device=collective_device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            bad = bool(flag.item())
+        return not bad
+
+    def _nonfinite(self) -> None:
+        if any(s.config.nonfinite_policy == "abort" for s in self.strategies):
+            raise NonFiniteError(f"elastic worker {self.config.worker_index}: non-finite parameters before outer "
+                                 "step; θ_outer left untouched (--sparseloco-nonfinite-policy abort)")
+        self._discard()
+
+    def _discard(self) -> None:
+        for s in self.strategies:
+            s.reset_to_anchor()
+        self.hooks.sync_tied()
+        self.hooks.publish()
+
+    def _end(self, committed: bool, stats: List[OuterStepStats], rnd: Round, t0: float) -> None:
+        """A committed round ends in ``_committed``; otherwise the local progress is kept or discarded."""
+        if committed:
+            self._committed(0, stats, t0, time.perf_counter)
+        else:
+            if rnd.healed or self.config.after_failed_round == "discard":
+                self._discard()
+            timer = self.hooks.megatron_timer()
+            if timer is not None:
+                timer.stop()
+        self._log(rnd, committed, stats)
+
+    # ------------------------------------------------------------------ logs
+    def _say(self, text: str) -> None:
+        if _rank() == 0:
+            print(f" sparseloco | elastic: {text}", flush=True)
+
+    def _log(self, rnd: Round, committed: bool, stats: List[OuterStepStats]) -> None:
+        """Rank 0 of the job: one line per round (who took part, the outcome, the fingerprint, heal)."""
+        records = list(self.session.transport.records)
+        self.session.transport.records.clear()
+        if _rank() != 0:
+            return
+        index = [None if h is None else h["index"] for h in rnd.peers]
+        workers = ",".join(str(i) for i in index if i is not None)
+        contributors = ",".join(str(index[r]) for r in rnd.contributors)
+        outcome = "committed" if committed else f"rolled back ({rnd.reason or 'the commit vote failed'})"
+        if not committed and not self.heal.in_iteration and not rnd.contributors and None not in rnd.peers:
+            outcome = "start-up round, nothing to commit"   # every header read, nobody contributed
+        line = (f"round {self.session.step if committed else rnd.step + 1} of worker {self.config.worker_index}: "
+                f"{outcome}; participants workers [{workers}], contributors [{contributors}]")
+        if rnd.fingerprint is not None:
+            line += f"; θ_outer fingerprint {rnd.fingerprint & (2**64 - 1):016x} identical on all {rnd.size}"
+        lrs = [s.extra["outer_lr"] for s in stats if "outer_lr" in s.extra]
+        if lrs:
+            line += f"; outer lr {lrs[0]:.6g} at {len(rnd.contributors)} contributors"
+        line += f"; quorum {rnd.seconds_quorum:.3f} s, header {rnd.seconds_header:.3f} s"
+        if rnd.healed:
+            line += f"; healed from a live peer ({rnd.behind} round(s) behind): received {heal_summary(records)}"
+        sent = [r for r in records if r.role == "sent"]
+        if sent:
+            line += f"; sent a heal: {sum(r.nbytes for r in sent)} bytes in {sum(r.seconds for r in sent):.3f} s"
+        self._say(line)
+
+    def close(self) -> None:
+        super().close()
+        self.session.close()
+
+
+__all__ = ["ElasticRounds", "ElasticSession", "HealState", "open_session"]

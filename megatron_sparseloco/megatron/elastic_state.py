@@ -1,0 +1,192 @@
+"""What an elastic job receives when it heals from a live peer, and the counters it catches up on.
+
+A job whose committed step is behind the quorum's receives, from the peer at the same shard
+position (``elastic.heal``: raw tensors and a validated JSON header, nothing unpickled)::
+
+    outer       per strategy: θ_outer and every per-element buffer of ``elementwise_buffers``
+                except ``heal_excluded_buffers`` (SparseLoCo's error feedback: zero on the joiner),
+                and the strategy's round counter
+    inner       per member optimizer: the inner optimizer's state of this rank's shard (Adam:
+                exp_avg, exp_avg_sq, step) and the param groups' own ``step`` where one is kept
+    loop        inner_calls, outer_steps (``OuterLoopOptimizer``)
+    train       the run's counters (``Counters``): iteration, consumed train / valid samples
+    scheduler   Megatron's LR scheduler ``state_dict`` (JSON scalars)
+
+The fp32 main params are not sent: after the heal θ_local ← θ_outer on every strategy, which is
+where every committing worker's params are after a round (write-back). The caller publishes them
+(main → model params and the in-job param all-gather: a collective, so not done here, on
+torchft's quorum path).
+
+Counters are *post-iteration* values: a sender inside ``optimizer.step()`` of iteration k (its
+training loop's counters advance only after the step returns) reports iteration k + 1, consumed
+samples + the job's batch B and the scheduler's steps + B (``Counters.of``): exactly what it holds
+once that iteration ends, which is where the joiner starts. The same triple rides in every round
+header (``extra``), so a job that joins without a heal (same committed step) takes the run's
+position from its peers: its data slot then continues where the run is (a missed slot is skipped,
+never read twice).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+
+import torch
+
+from megatron_sparseloco.megatron.checkpointing import _inner_optimizer, ensure_adam_step_state
+
+if TYPE_CHECKING:
+    from megatron_sparseloco.megatron.optimizer import OuterLoopOptimizer
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Where a job's training loop is, after the iteration it is in (module docstring)."""
+
+    iteration: int = 0
+    samples: int = 0        # consumed train samples (the job's own: the run's / W)
+    valid_samples: int = 0  # consumed validation samples
+    lr_steps: int = 0       # the LR scheduler's num_steps
+
+    def extra(self) -> Dict[str, int]:
+        """The round header's ``extra`` fields."""
+        return {"iteration": self.iteration, "samples": self.samples, "valid_samples": self.valid_samples,
+                "lr_steps": self.lr_steps}
+
+    @classmethod
+    def from_extra(cls, extra: Dict[str, Any]) -> Optional["Counters"]:
+        try:
+            return cls(**{k: int(extra[k]) for k in ("iteration", "samples", "valid_samples", "lr_steps")})
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    @classmethod
+    def of(cls, args, scheduler, in_iteration: bool) -> "Counters":
+        """This job's counters (``args``: Megatron's; None: all zero); ``in_iteration``: called inside
+        ``optimizer.step()`` of an iteration whose counters Megatron has not advanced yet."""
+        if args is None:
+            return cls()
+        batch = int(getattr(args, "global_batch_size", 0) or 0) if in_iteration else 0
+        curr = getattr(args, "curr_iteration", None)
+        iteration = curr + 1 if in_iteration and curr is not None else int(getattr(args, "iteration", 0) or 0)
+        lr_steps = int(getattr(scheduler, "num_steps", 0) or 0) + batch if scheduler is not None else 0
+        return cls(int(iteration), int(getattr(args, "consumed_train_samples", 0) or 0) + batch,
+                   int(getattr(args, "consumed_valid_samples", 0) or 0), lr_steps)
+
+    def apply(self, opt: "OuterLoopOptimizer", args, scheduler) -> None:
+        """Put the job's loop at these counters (before its training loop starts)."""
+        opt.inner_calls = self.iteration
+        if args is not None:
+            args.iteration = self.iteration
+            args.consumed_train_samples = self.samples
+            args.consumed_valid_samples = self.valid_samples
+        if scheduler is not None and getattr(scheduler, "num_steps", None) is not None:
+            scheduler.num_steps = 0
+            scheduler.step(increment=self.lr_steps)   # sets the LR and weight decay of that step
+
+
+def megatron_args() -> Any:
+    """megatron.training's args, or None outside its training loop (tests driving the optimizer directly)."""
+    try:
+        from megatron.training.global_vars import get_args
+        return get_args()
+    except (ImportError, AssertionError):
+        return None
+
+
+def _scalar(v: Any) -> Any:
+    return v if v is None or isinstance(v, (bool, int, float, str)) else None
+
+
+def _inner_state(opt: "OuterLoopOptimizer", member: int) -> Dict[str, Any]:
+    """Member ``member``'s inner optimizer state on this rank: per shard tensor its state tensors."""
+    inner = _inner_optimizer(opt.shards[member])
+    if inner is None:
+        return {"params": [], "group_steps": []}
+    params = [{k: v for k, v in sorted(inner.state.get(t, {}).items()) if torch.is_tensor(v)}
+              for t in opt.shards[member].tensors]
+    return {"params": params, "group_steps": [_scalar(g.get("step")) for g in inner.param_groups]}
+
+
+class HealState:
+    """The state ``ElasticSession`` sends and receives for ``opt`` (module docstring).
+
+    ``args_fn()`` returns Megatron's args (None outside megatron.training); ``scheduler`` is set by
+    the plugin once Megatron built it; ``in_iteration`` says whether the rounds run inside a step."""
+
+    def __init__(self, opt: "OuterLoopOptimizer", args_fn: Callable[[], Any]):
+        self.opt, self.args_fn = opt, args_fn
+        self.scheduler = None
+        self.in_iteration = False
+        # the inner optimizer's state exists from the start (Adam's zeros and step 0, which is what
+        # its first step would create): a job that never stepped has the structure a heal fills
+        ensure_adam_step_state(opt.members)
+
+    def counters(self) -> Counters:
+        return Counters.of(self.args_fn(), self.scheduler, self.in_iteration)
+
+    def state(self) -> Dict[str, Any]:
+        """References to the live state (the quorum thread sends them while the training thread waits)."""
+        opt = self.opt
+        outer = [{"steps": s.outer_steps, **{k: v for k, v in s.elementwise_state().items()
+                                              if k not in s.heal_excluded_buffers and k not in s.attached_state}}
+                 for s in opt.strategies]
+        sched: Dict[str, Any] = self.scheduler.state_dict() if self.scheduler is not None else {}
+        return {"outer": outer, "inner": [_inner_state(opt, m) for m in range(len(opt.shards))],
+                "loop": {"inner_calls": opt.inner_calls, "outer_steps": opt.outer_steps},
+                "train": self.counters().extra(), "scheduler": {k: _scalar(v) for k, v in sched.items()}}
+
+    def template(self) -> Dict[str, Any]:
+        """The structure a heal must have: this job's own state, tensors as meta tensors (no memory)."""
+        def meta(x: Any) -> Any:
+            if isinstance(x, dict):
+                return {k: meta(v) for k, v in x.items()}
+            if isinstance(x, list):
+                return [meta(v) for v in x]
+            return torch.empty(x.shape, dtype=x.dtype, device="meta") if torch.is_tensor(x) else x
+        return meta(self.state())
+
+    @torch.no_grad()
+    def load(self, state: Dict[str, Any]) -> None:
+        """Apply a received state (validated against ``template``); θ_local ← θ_outer. No collective."""
+        opt = self.opt
+        for s, got in zip(opt.strategies, state["outer"]):
+            live = s.elementwise_state()
+            for k, v in got.items():
+                if k != "steps":
+                    live[k].copy_(v)
+            for k in s.heal_excluded_buffers:
+                if live.get(k) is not None:
+                    live[k].zero_()
+            s.outer_steps = int(got["steps"])
+            s.reset_to_anchor()
+        for m, got in enumerate(state["inner"]):
+            self._load_inner(m, got)
+        opt.rounds.log.outer_steps = int(state["loop"]["outer_steps"])
+        opt.rounds.fragment_syncs = [opt.rounds.log.outer_steps]
+        counters = Counters.from_extra(state["train"]) or Counters()
+        counters.apply(opt, self.args_fn(), self.scheduler)
+        opt.inner_calls = int(state["loop"]["inner_calls"])
+        opt._anchor_at_first_step = False
+
+    def _load_inner(self, member: int, got: Dict[str, Any]) -> None:
+        inner = _inner_optimizer(self.opt.shards[member])
+        if inner is None:
+            return
+        for t, values in zip(self.opt.shards[member].tensors, got["params"]):
+            st = inner.state[t]
+            for k, v in values.items():
+                st[k].copy_(v)
+        for g, step in zip(inner.param_groups, got["group_steps"]):
+            if step is not None and "step" in g:
+                g["step"] = step
+
+
+def heal_summary(records: List[Any]) -> str:
+    """``received N bytes in S s`` over a list of ``elastic.heal.HealRecord`` (empty: '')."""
+    got = [r for r in records if r.role == "received"]
+    if not got:
+        return ""
+    return f"{sum(r.nbytes for r in got)} bytes in {sum(r.seconds for r in got):.3f} s"
+
+
+__all__ = ["Counters", "HealState", "heal_summary", "megatron_args"]

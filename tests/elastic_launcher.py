@@ -1,0 +1,141 @@
+"""Test-only launcher for elastic jobs: ``megatron_sparseloco.run`` plus round records and fault hooks.
+
+    prefork/torchrun ... tests/elastic_launcher.py <pretrain script> <args>    (env ELASTIC_OUT, ELASTIC_TAG)
+
+Every rank appends one JSON line per elastic round to ``<ELASTIC_OUT>/<ELASTIC_TAG>.rank<r>.jsonl``
+(``ElasticRounds._end``: the round's step, outcome, participants and contributors as worker
+indices, whether it healed, ``sha`` / ``local``: sha256 of this rank's θ_outer / θ_local after the
+round, the heal records, the job's iteration) and, once ``train`` returns, a last line ``{"final": true, ...}``
+with θ_outer's sha256 and ``params``: sha256 over the model params (name order).
+
+Hooks, each set by an environment variable of the job:
+
+- ``ELASTIC_BARRIER=<dir>:<n>``: before the start-up round, touch ``<dir>/<tag>.<rank>`` and wait until
+  the directory holds n files (the jobs of a fresh run meet in one quorum);
+- ``ELASTIC_STARTUP_FILE=<path>``: touch ``path`` before the start-up round (a restarted job says it joins);
+- ``ELASTIC_HOLD=<path>``: before each contributing round, wait while ``path`` exists (a test holds
+  the survivors there until a restarted job joins);
+- ``ELASTIC_PAUSE=<step>:<path>``: rank 0, in the round after committed step ``step``, after the round
+  header and before its collectives, touches ``path`` and sleeps (a test kills or stops it there:
+  the other jobs are then waiting in the round's collectives).
+"""
+import hashlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_sparseloco.run import main
+
+OUT, TAG = os.environ["ELASTIC_OUT"], os.environ.get("ELASTIC_TAG", "job")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _path(suffix: str) -> str:
+    return os.path.join(OUT, f"{TAG}.rank{_rank()}.{suffix}")
+
+
+def _write(record: dict) -> None:
+    with open(_path("jsonl"), "a") as f:
+        f.write(json.dumps(dict(record, t=time.time(), pid=os.getpid())) + "\n")
+
+
+def _sha(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _spec(name: str):
+    value = os.environ.get(name)
+    if not value:
+        return None
+    step, path = value.split(":", 1)
+    return int(step), path
+
+
+def _install() -> None:
+    import megatron.training.training as mtrain
+
+    from megatron_sparseloco.megatron import elastic_rounds, plugin
+
+    rounds_cls = elastic_rounds.ElasticRounds
+    hold, pause = os.environ.get("ELASTIC_HOLD"), _spec("ELASTIC_PAUSE")
+    orig_startup, orig_round, orig_comm, orig_end = (rounds_cls.startup, rounds_cls._round, rounds_cls._communicate,
+                                                     rounds_cls._end)
+
+    def startup(self):
+        barrier = os.environ.get("ELASTIC_BARRIER")
+        if barrier:
+            where, n = barrier.rsplit(":", 1)
+            open(os.path.join(where, f"{TAG}.{_rank()}"), "w").close()
+            deadline = time.monotonic() + 300
+            while len(os.listdir(where)) < int(n) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if os.environ.get("ELASTIC_STARTUP_FILE"):
+            open(os.environ["ELASTIC_STARTUP_FILE"], "w").close()
+        return orig_startup(self)
+
+    def _round(self, contributes):
+        deadline = time.monotonic() + 300
+        while hold and contributes and os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return orig_round(self, contributes)
+
+    def _communicate(self, rnd):
+        nonlocal pause
+        if pause is not None and rnd.step == pause[0] and _rank() == 0:
+            pause = None
+            open(pause_path, "w").close()
+            time.sleep(3600)
+        return orig_comm(self, rnd)
+
+    pause_path = pause[1] if pause is not None else ""
+
+    def _end(self, committed, stats, rnd, t0):
+        heals = [vars(r) for r in self.session.transport.records]
+        orig_end(self, committed, stats, rnd, t0)
+        index = [None if h is None else h["index"] for h in rnd.peers]
+        args = self.heal.args_fn()
+        _write({"step": rnd.step, "after": self.session.step, "committed": committed, "healed": rnd.healed,
+                "behind": rnd.behind, "proceed": rnd.proceed, "reason": rnd.reason, "participants": index,
+                "contributors": [index[r] for r in rnd.contributors], "contributes": rnd.contributes,
+                "sha": _sha([s.anchor for s in self.strategies]), "heals": heals,
+                "local": _sha([t for s in self.strategies for t in s.params.tensors]),
+                "iteration": getattr(args, "iteration", None), "inner_calls": self.heal.opt.inner_calls,
+                "samples": getattr(args, "consumed_train_samples", None),
+                "seconds_quorum": rnd.seconds_quorum, "seconds_header": rnd.seconds_header})
+
+    orig_train = mtrain.train
+
+    def train(*a, **kw):
+        out = orig_train(*a, **kw)
+        opt = plugin.ACTIVE
+        model = a[1] if len(a) > 1 else kw["model"]
+        named = [(n, p) for chunk in model for n, p in sorted(chunk.named_parameters())]
+        tied = {k: _sha([p for n, p in named if n.endswith(suffix)])
+                for k, suffix in (("embedding", "embedding.word_embeddings.weight"), ("output", "output_layer.weight"))
+                if any(n.endswith(suffix) for n, _ in named)}
+        _write({"final": True, "sha": _sha([s.anchor for s in opt.strategies]), "params": _sha([p for _, p in named]),
+                "tied": tied,
+                "step": opt.session.step if opt.session is not None else opt.outer_steps,
+                "iteration": out[0] if isinstance(out, tuple) else None})
+        return out
+
+    rounds_cls.startup, rounds_cls._round, rounds_cls._communicate, rounds_cls._end = (startup, _round, _communicate,
+                                                                                        _end)
+    mtrain.train = train
+
+
+if __name__ == "__main__":
+    import sys
+    os.makedirs(OUT, exist_ok=True)
+    _install()
+    sys.argv = sys.argv[:1] + sys.argv[1:]
+    main(sys.argv[1:])
