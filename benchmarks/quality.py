@@ -438,7 +438,7 @@ def main(argv=None) -> int:
     for g in sorted(summary, key=lambda g: (g["workers"], g["steps"], g["mean"])):
         print(f"W={g['workers']} steps {g['steps']} {g['label']:40s} mean {g['mean']:.4f} spread {g['spread']:.4f} "
               f"({g['seeds']} seeds)")
-    config = {"model": asdict(model), "numel": rows[0]["numel"] if rows else None,
+    config = {"model": asdict(model), "numel": rows[0].get("numel") if rows else None,
               "corpus": args.corpus or "python stdlib", "steps": steps, "H": args.H, "workers": workers,
               "seeds": seeds, "methods": args.methods, "eval_windows": args.eval_windows,
               "inner": {"optimizer": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
