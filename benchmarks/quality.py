@@ -213,6 +213,19 @@ def sweep_runs(args, steps):
     return runs
 
 
+def strip_option(argv, option):
+    """``argv`` without ``option`` and its value (either ``--opt v`` or ``--opt=v``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return out
+
+
 def _run_key(cfg):
     """Identity of a run's configuration (a sweep run and a seed-0 run with equal keys give the same row)."""
     return json.dumps(asdict(cfg), sort_keys=True)
@@ -256,6 +269,7 @@ def row_of(results, W):
         "wall_s": max(r["wall_s"] for r in results),
         "final_train_loss": sum(sum(r["train_losses"][-10:]) / len(r["train_losses"][-10:]) for r in results) / W,
         "curve": points,
+        "run": run,   # the whole run configuration (what --reuse matches on)
     }
 
 
@@ -280,7 +294,40 @@ def summarise(rows):
     return out
 
 
+def reuse_index(paths, model, machine):
+    """(W, run key) → row from earlier quality results files of the same model on the same CPU model: runs are
+    deterministic there (docs/benchmarks.md), so a run made before is taken instead of made again."""
+    index, used = {}, []
+    for path in [p for p in (paths or "").split(",") if p.strip()]:
+        doc = schema.load(path)
+        if doc["benchmark"] != "quality" or doc["config"]["model"] != asdict(model):
+            raise SystemExit(f"--reuse {path}: not a quality results file of this model ({asdict(model)})")
+        if doc["machine"]["cpu"] != machine["cpu"]:
+            raise SystemExit(f"--reuse {path}: made on {doc['machine']['cpu']!r}, this is {machine['cpu']!r}: "
+                             "SparseLoCo runs differ between CPU models; run them here")
+        n = 0
+        for row in doc["rows"]:
+            if "run" in row:
+                index[(row["workers"], _run_key(RunCfg(**row["run"])))] = dict(
+                    row, reused_from=row.get("reused_from") or f"{path} ({doc['commit']}, {doc.get('date')})")
+                n += 1
+        used.append({"file": path, "commit": doc["commit"], "date": doc.get("date"), "rows": n})
+    return index, used
+
+
+REUSE: dict = {}   # filled by main() from --reuse
+
+
 def run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
+    """One row per run (those in REUSE are taken from there, marked ``reused_from``)."""
+    known = {i: REUSE[(W, _run_key(r))] for i, r in enumerate(runs) if (W, _run_key(r)) in REUSE}
+    todo = [r for i, r in enumerate(runs) if i not in known]
+    made = iter(_run_rows(W, model, todo, ft_runs, paths, timeout, env, notes) if todo or ft_runs else [])
+    rows = [dict(known[i]) if i in known else next(made) for i in range(len(runs))]
+    return rows + list(made)   # (+ the torchft rows)
+
+
+def _run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
     from megatron_sparseloco.testing.multirank import run_ranks
 
     rows = []
@@ -364,6 +411,11 @@ def main(argv=None) -> int:
                     help="comma-separated P values: for every diloco / sparseloco method also runs with the model "
                          "synced in P fragments (--sparseloco-fragments), blocking and with every --overlap-steps "
                          "τ < H/P")
+    ap.add_argument("--reuse", default="",
+                    help="comma-separated quality results files: a run whose configuration (model, W, every run "
+                         "setting) is in one of them, made on this CPU model, is taken from there instead of made "
+                         "again (runs are deterministic per machine); not part of the recorded command, the file "
+                         "lists what it reused")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=None, help="per-launch timeout in seconds")
     args = ap.parse_args(argv)
@@ -385,6 +437,9 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     load_before = schema.loadavg() or ""
     machine = common.machine_info()   # the commit as the run starts (the tree may move while it runs)
+    REUSE.clear()
+    reuse_index_, reused_files = reuse_index(args.reuse, model, machine)
+    REUSE.update(reuse_index_)
     if args.corpus:
         tag = "corpus-" + "".join(c if c.isalnum() else "_" for c in os.path.abspath(args.corpus))[-40:]
         paths = common.ensure_data(os.path.join(common.REPO, "data", tag), corpus=args.corpus,
@@ -449,7 +504,11 @@ def main(argv=None) -> int:
               # the outer settings each W ran at (the sweep's choice, or the --tuned file; unset: the plugin's)
               "tuned_per_w": {str(W): {k: list(v) for k, v in tuned_per_w.get(W, tuned).items()} for W in workers},
               "defaults": common.resolved_defaults(workers)}
-    out = schema.document("quality", schema.command_line("quality.py", argv), config, rows, machine=machine,
+    command = schema.command_line("quality.py", strip_option(argv if argv is not None else sys.argv[1:], "--reuse"))
+    if reused_files:
+        notes.append(f"{sum(1 for r in rows if r.get('reused_from'))} runs taken from earlier files (--reuse): "
+                     f"{reused_files}")
+    out = schema.document("quality", command, config, rows, machine=machine,
                           wall_s=total, load=load_before + " -> " + (schema.loadavg() or ""), notes=notes)
     if args.json:
         schema.write(args.json, out)

@@ -330,3 +330,41 @@ def test_quality_sparseloco_tags_reach_the_run_and_unknown_tags_are_refused():
 def test_quality_model_shape_flags_are_checked_before_any_run(argv):
     with pytest.raises(SystemExit, match="--layers / --hidden / --heads"):
         quality.main(argv)
+
+
+def test_reuse_takes_runs_made_before_and_keeps_the_command(tmp_path, monkeypatch):
+    """--reuse: a run whose configuration is in an earlier file of the same model and CPU is not made again;
+    the recorded command is the one without --reuse (what reproduces the file), the notes say what was reused."""
+    import json
+    import schema
+
+    calls = []
+
+    def fake(W, model, runs, ft_runs, paths, timeout, env, notes):
+        calls.append([r.outer_lr for r in runs])
+        return [{"method": r.method, "k": r.k, "label": r.label(), "seed": r.data_seed, "workers": W, "steps": r.steps,
+                 "outer_lr": r.outer_lr, "outer_momentum": r.outer_momentum, "held_out_loss": r.outer_lr,
+                 "bytes_sent_per_worker": 1, "curve": [], "run": dataclasses_asdict(r)} for r in runs]
+    monkeypatch.setattr(quality, "_run_rows", fake)
+    monkeypatch.setattr(quality.common, "ensure_data", lambda *a, **k: {})
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    base = ["--sweep", "--workers", "2", "--steps", "30", "--seeds", "1", "--methods", "sparseloco:64"]
+    quality.main(base + ["--sweep-grid", '{"sparseloco": [[1.0, null], [2.0, null]]}', "--json", str(first)])
+    assert calls == [[1.0, 2.0]]
+    quality.main(base + ["--sweep-grid", '{"sparseloco": [[0.5, null], [1.0, null], [2.0, null]]}',
+                         "--reuse", str(first), "--json", str(second)])
+    assert calls[1:] == [[0.5]]                                  # only the new grid point is made
+    doc = json.loads(second.read_text())
+    assert schema.check(doc) == [] and "--reuse" not in doc["command"]
+    assert [r["outer_lr"] for r in doc["rows"] if r.get("reused_from")] == [1.0, 2.0]
+    assert any("--reuse" in n for n in doc["notes"])
+    other = json.loads(first.read_text())
+    other["machine"]["cpu"] = "another CPU"
+    first.write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="SparseLoCo runs differ between CPU models"):
+        quality.main(base + ["--reuse", str(first)])
+
+
+def dataclasses_asdict(run):
+    from dataclasses import asdict
+    return asdict(run)
