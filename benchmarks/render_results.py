@@ -105,9 +105,19 @@ def chosen(doc: Dict, W: int) -> Dict[str, tuple]:
     return {k: tuple(v) for k, v in (doc["config"].get("tuned_per_w") or {}).get(str(W), {}).items()}
 
 
+def row_setting(row: Dict) -> tuple:
+    """(outer lr, μ) a row ran at: quality rows name what the run set (None: the plugin's default); network rows
+    carry the resolved strategy settings (``outer``)."""
+    if "outer_lr" in row:
+        return row["outer_lr"], row["outer_momentum"]
+    outer = row.get("outer") or {}
+    return outer.get("lr"), outer.get("momentum") if row["method"] == "diloco" else None
+
+
 def _at(row: Dict, setting: tuple) -> bool:
     lr, mu = setting
-    return row["outer_lr"] == lr and (row["method"] != "diloco" or row["outer_momentum"] == mu)
+    have_lr, have_mu = row_setting(row)
+    return have_lr == lr and (row["method"] != "diloco" or have_mu == mu)
 
 
 def seed_group(doc: Dict, W: int, key: str) -> Optional[Dict]:
@@ -288,7 +298,7 @@ def network_section(docs: Dict[str, Dict]) -> List[str]:
             if q is not None:
                 g = seed_group(q, W, k)
                 seed0 = next((x for x in (g or {}).get("rows", []) if x["seed"] == 0), None)
-                if seed0 is not None and _at(r, (seed0["outer_lr"], seed0["outer_momentum"])):
+                if seed0 is not None and _at(r, row_setting(seed0)):
                     d = r["held_out_loss"] - seed0["held_out_loss"]
                     same = "yes, to the bit" if d == 0 else f"Δ {d:+.1e}"
             out.append(f"| {W} | {NAMES[k]} | {r['held_out_loss']:.4f} | {fmt_s(r['sync_outer_step_s'])} | "
