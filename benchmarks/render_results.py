@@ -51,11 +51,11 @@ class Bench:
     root: bool = False  # needs root (network namespaces, tc)
 
 
-def _quality(W: int, extra: str = "", name: str = "") -> Bench:
+def _quality(W: int, extra: str = "", name: str = "", methods: str = METHODS) -> Bench:
     name = name or f"quality_w{W}"
-    cost = {2: "25 min", 4: "50 min", 8: "2 h"}[W] if not extra else {4: "4 h", 8: "8 h"}[W]
+    cost = {2: "25 min", 4: "50 min", 8: "2 h"}[W] if not extra else {4: "3 h", 8: "7 h"}[W]
     timeout = {2: 20000, 4: 30000, 8: 40000}[W] * (1 if not extra else 3)   # seconds, a whole sweep + seeds launch
-    return Bench(name, f"python benchmarks/quality.py --sweep --workers {W} --steps 900 --seeds 3 --methods {METHODS}"
+    return Bench(name, f"python benchmarks/quality.py --sweep --workers {W} --steps 900 --seeds 3 --methods {methods}"
                        f"{extra} --timeout {timeout} --json docs/results/{name}.json", cost)
 
 
@@ -68,10 +68,11 @@ def _network(W: int) -> Bench:
 
 
 GASLOC_METHODS = "diloco:lr0.7:mu0.6,gasloc:bandwidth:lap:r2:lr0.7:mu0.6"
+#: in the order `make bench` runs them (the most important first; a network file reads its quality file)
 PLAN: List[Bench] = (
-    [_quality(W) for W in HEADLINE_W]
-    + [_network(W) for W in HEADLINE_W]
-    + [Bench("codec_llama1b", "python benchmarks/codec.py --llama-1b --json docs/results/codec_llama1b.json", "1 min"),
+    [_quality(2), _network(2),
+     Bench("codec_llama1b", "python benchmarks/codec.py --llama-1b --json docs/results/codec_llama1b.json", "1 min"),
+     _quality(4), _network(4), _quality(8), _network(8),
        Bench("network_gasloc", "python benchmarks/network.py --no-uniform --no-ddp --hetero-workers 4 --hetero-steps 180 "
                                f"--diloco-target-step 90 --timeout 3000 --hetero-methods {GASLOC_METHODS} "
                                "--json docs/results/network_gasloc.json", "8 min", root=True),
@@ -79,8 +80,8 @@ PLAN: List[Bench] = (
                                     "--hetero-slow-compute 2 --hetero-steps 120 --diloco-target-step 90 --timeout 3000 "
                                     f"--hetero-methods {GASLOC_METHODS},{GASLOC_METHODS.split(',')[1]}:auto "
                                     "--json docs/results/network_gasloc_slow.json", "12 min", root=True)]
-    + [_quality(W, " --layers 4 --hidden 256 --sweep-grid benchmarks/grids/4x256.json", f"quality_4x256_w{W}")
-       for W in SIZE2_W]
+    + [_quality(W, " --layers 4 --hidden 256 --sweep-grid benchmarks/grids/4x256.json", f"quality_4x256_w{W}",
+                "diloco,sparseloco:64") for W in SIZE2_W]
 )
 #: a results file another benchmark will write; its section renders whatever rows it holds
 ELASTIC = "elastic"
@@ -142,7 +143,7 @@ def sweep_points(doc: Dict, W: int, key: str) -> List[Dict]:
 
 
 def on_edge(points: List[Dict], setting: tuple) -> List[str]:
-    """The grid axes on whose edge the chosen point sits (['lr low'] ...): the grid should be widened there."""
+    """The grid axes on whose edge the chosen point sits (['lowest lr'] ...): the grid should be widened there."""
     lr, mu = setting
     lrs = sorted({p["outer_lr"] for p in points if p["outer_momentum"] == mu})
     out = []
@@ -151,7 +152,7 @@ def on_edge(points: List[Dict], setting: tuple) -> List[str]:
     if len(lrs) > 1 and lr == lrs[-1]:
         out.append("highest lr")
     mus = sorted({p["outer_momentum"] for p in points if p["outer_lr"] == lr and p["outer_momentum"] is not None})
-    if len(mus) > 1 and mu == mus[0]:
+    if len(mus) > 1 and mu == mus[0] and mu > 0:   # μ = 0 is the end of the axis, not of the grid
         out.append("lowest μ")
     if len(mus) > 1 and mu == mus[-1]:
         out.append("highest μ")
