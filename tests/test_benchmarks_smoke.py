@@ -119,7 +119,7 @@ def test_aggregation_wire_smoke(tmp_path):
     if r.returncode == 2 and "cannot run" in r.stderr:
         pytest.skip(r.stderr.strip().splitlines()[-1])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    rows = {row["mode"]: row for row in json.loads(out.read_text())["results"]}
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
     ag, hier, rs = rows["allgather"], rows["hierarchical"], rows["reduce-scatter"]
     assert all(row["anchor_identical_across_ranks"] and row["wire_s"] > 0 for row in rows.values())
     assert hier["anchor_sha256"] == ag["anchor_sha256"] != rs["anchor_sha256"]
