@@ -247,6 +247,12 @@ def strategy_fields(run: RunCfg, workers: int) -> Dict:
     raise ValueError(run.method)
 
 
+def outer_settings(run: RunCfg, workers: int) -> Optional[Dict]:
+    """``strategy_fields`` for a run of the plugin's outer loop; None for ddp and torchft_diloco (no outer strategy
+    of ours: ddp has no outer step, torchft's is its own SGD, lr 0.7, momentum 0.9, Nesterov)."""
+    return None if run.method in ("ddp", "torchft_diloco") else strategy_fields(run, workers)
+
+
 def resolved_defaults(workers: Sequence[int]) -> Dict:
     """What a run that sets no outer setting gets at each W (for a results file's config block)."""
     out = {}

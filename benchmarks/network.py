@@ -330,7 +330,7 @@ def summarise(res, world, case):
         steps = curve[-1]["step"]
         wall = max(p["wall_s"] for p in per_rank)
         row = {"case": case, "label": RunCfg(**run).label(), "method": run["method"], "k": run["k"], "H": run["H"] if run["method"] not in ("ddp", "local") else None,
-               "outer": common.strategy_fields(RunCfg(**run), world),
+               "outer": common.outer_settings(RunCfg(**run), world),
                "workers": world, "overlap_steps": run.get("overlap_steps", 0), "fragments": run.get("fragments", 1),
                "numel": per_rank[0]["numel"], "steps": steps, "tokens": curve[-1]["tokens"],
                "held_out_loss": curve[-1]["held_out_loss"],

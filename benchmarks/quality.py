@@ -249,7 +249,7 @@ def row_of(results, W):
         "outer_lr": run["outer_lr"],
         "outer_momentum": run["outer_momentum"],
         # the outer strategy's settings as run: the run's own, the plugin's defaults for the rest (resolved at W)
-        "outer": common.strategy_fields(common.RunCfg(**run), W),
+        "outer": common.outer_settings(common.RunCfg(**run), W),
         "chunking": run["chunking"] if run["method"] == "sparseloco" else None,
         "k": run["k"],
         "index_coding": run["index_coding"] if run["method"] == "sparseloco" else None,
