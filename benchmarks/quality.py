@@ -1,6 +1,8 @@
 """Quality benchmark: held-out loss and bytes sent per worker, every method on the same model and data.
 
-    python benchmarks/quality.py [--quick] [--steps N] [--workers W] [--json docs/results/quality.json]
+    python benchmarks/quality.py --sweep --workers W --steps 900 --seeds 3 --methods diloco,sparseloco:64,sparseloco:128 \
+        --json docs/results/quality_wW.json          # the protocol (docs/benchmarks.md), one W per file
+    python benchmarks/quality.py --quick             # plumbing check
 
 Writes the results schema (benchmarks/schema.py): rows = every run once; a sweep row has ``sweep``
 true, a row of the seeds at the chosen settings has ``seed_run`` true (a seed-0 sweep run at the chosen
@@ -13,10 +15,12 @@ same inner AdamW (lr 1e-3, betas 0.9/0.95, wd 0.1, constant lr, no clipping) and
 of inner steps (so the same tokens):
 
   ddp             plain Megatron DDP + distributed optimizer, all W ranks one data-parallel group
-  diloco          OuterLoopOptimizer + diloco, outer Nesterov SGD lr 0.7, momentum 0.9
-  sparseloco      k ∈ {32, 64, 128} of C = 4096, 2-bit values, EF β 0.95, outer lr 1 (+ one k=64
-                  row with entropy-coded indices)
-  gasloc          ring gossip, η 1.0, γ 0.9 (the plugin's defaults)
+  diloco          OuterLoopOptimizer + diloco, outer Nesterov SGD
+  sparseloco      Top-k of each 4096-chunk (k from the spec), 2-bit values, EF β 0.95 (tags change these)
+  gasloc          gossip (topology and rule from the spec)
+Every outer setting a run does not set (outer lr / momentum: --sweep or --tuned set them) is the plugin's
+default, resolved for the run's W (common.strategy_fields): DiLoCo 0.7 / 0.9, SparseLoCo's lr rule
+0.375/√(W·k/C), GASLoC η 0.7, γ 0.6.
   torchft_diloco  PyPI torchft's DiLoCo (Manager + LighthouseServer, ProcessGroupGloo), inner
                   torch AdamW with the same settings, outer SGD lr 0.7 momentum 0.9 Nesterov
 
