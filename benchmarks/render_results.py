@@ -344,13 +344,19 @@ def sweep_section(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> Li
         if not out:
             out = ["| W | method | outer lr (/ μ) → held-out loss, seed 0 (bold: chosen) | chosen on the grid's edge |",
                    "|---|---|---|---|"]
+        default = (doc["config"].get("defaults") or {}).get(str(W), {})
         for k in KEYS:
             pts, setting = sweep_points(doc, W, k), chosen(doc, W).get(k)
             if not pts or setting is None:
                 continue
-            cells = [(f"**{fmt_setting(k, (p['outer_lr'], p['outer_momentum']))} {p['held_out_loss']:.4f}**"
-                      if _at(p, setting) else
-                      f"{fmt_setting(k, (p['outer_lr'], p['outer_momentum']))} {p['held_out_loss']:.4f}") for p in pts]
+            d = default.get(k) or {}
+            dflt = (d.get("lr"), d.get("momentum") if k == "diloco" else None)
+
+            def cell(p):
+                text = f"{fmt_setting(k, (p['outer_lr'], p['outer_momentum']))} {p['held_out_loss']:.4f}"
+                text = f"**{text}**" if _at(p, setting) else text
+                return text + (" (default)" if _at(p, dflt) else "")
+            cells = [cell(p) for p in pts]
             edge = on_edge(pts, setting)
             out.append(f"| {W} | {NAMES[k]} | {', '.join(cells)} | {'**yes: ' + ', '.join(edge) + '**' if edge else 'no'} |")
     return out
@@ -464,7 +470,9 @@ def render_page(docs: Dict[str, Dict]) -> str:
         L += ["Not measured yet: `benchmarks/elastic.py` (to come) writes `docs/results/elastic.json` in the results "
               "schema; this section renders it as soon as it is there."]
     L += ["", "## Sweeps", "", "Seed 0, held-out loss at every grid point; the chosen point is the lowest. A chosen "
-          "point on the edge of its grid is flagged (the grid should be widened there).", ""]
+          "point on the edge of its grid is flagged (the grid should be widened there). *(default)*: what the plugin "
+          "runs when the outer lr / momentum flags are not given (SparseLoCo's lr rule at this W and k; DiLoCo's "
+          "0.7 / 0.9).", ""]
     sw = sweep_section(docs, "", HEADLINE_W)
     L += (["Quality model:", ""] + sw + [""]) if sw else []
     sw = sweep_section(docs, "_4x256", SIZE2_W)

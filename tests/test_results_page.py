@@ -83,7 +83,9 @@ def quality_doc(W, diloco_losses=(2.10, 2.12, 2.14), sl_losses=(2.05, 2.13, 2.08
                  _row(W, "sparseloco", 128, 1.0, None, s, 2.01, False, True, 1600)]
     config = {"model": {"layers": 2, "hidden": 128, "heads": 4, "seq": 128, "vocab": 257}, "numel": 446_000,
               "steps": 900, "H": 15, "workers": [W], "seeds": [0, 1, 2], "inner": {"lr": 1e-3, "micro_batch": 4},
-              "tuned_per_w": {str(W): {"diloco": [0.5, 0.8], "sparseloco": [1.5, None], "sparseloco:128": [1.0, None]}}}
+              "tuned_per_w": {str(W): {"diloco": [0.5, 0.8], "sparseloco": [1.5, None], "sparseloco:128": [1.0, None]}},
+              "defaults": {str(W): {"diloco": {"lr": 0.7, "momentum": 0.9}, "sparseloco": {"lr": 2.0},
+                                    "sparseloco:128": {"lr": 1.5}}}}
     plan = {b.name: b.command for b in R.PLAN}
     return schema.document("quality", command or plan[f"quality_w{W}"], config, rows, machine=dict(MACHINE),
                            load="1.0 1.0 1.0 -> 2.0 2.0 2.0")
@@ -128,6 +130,8 @@ def test_the_headline_is_computed_from_the_seeds_at_the_chosen_settings(tmp_path
     assert sweep_128.endswith("**yes: lowest lr** |")
     sweep_64 = next(l for l in page.splitlines() if l.startswith("| 4 | SparseLoCo k = 64 | 1 2.2000"))
     assert sweep_64.endswith("| no |")
+    assert "2 2.3000 (default)" in sweep_64 and "1.5 2.1000 (default)" in sweep_128   # the plugin's own settings
+    assert "(default)" not in next(l for l in page.splitlines() if l.startswith("| 4 | DiLoCo | 0.5 / 0.8 2.1000"))
     # the command and the machine under the table
     assert PLAN["quality_w4"] in page and "Test CPU, 2 CPUs" in page and "load 1.0 1.0 1.0 -> 2.0 2.0 2.0" in page
     assert "![W = 4:" in page and R.plot_names(docs) == ["results_W4.png"]
