@@ -131,7 +131,8 @@ def test_the_headline_is_computed_from_the_seeds_at_the_chosen_settings(tmp_path
     sweep_64 = next(l for l in page.splitlines() if l.startswith("| 4 | SparseLoCo k = 64 | 1 2.2000"))
     assert sweep_64.endswith("| no |")
     assert "2 2.3000 (default)" in sweep_64 and "1.5 2.1000 (default)" in sweep_128   # the plugin's own settings
-    assert "(default)" not in next(l for l in page.splitlines() if l.startswith("| 4 | DiLoCo | 0.5 / 0.8 2.1000"))
+    diloco_sweep = next(l for l in page.splitlines() if l.startswith("| 4 | DiLoCo | **0.5 / 0.8 2.1000**"))
+    assert "**0.5 / 0.8 2.1000**," in diloco_sweep and "0.7 / 0.9 2.3000 (default)" in diloco_sweep
     # the command and the machine under the table
     assert PLAN["quality_w4"] in page and "Test CPU, 2 CPUs" in page and "load 1.0 1.0 1.0 -> 2.0 2.0 2.0" in page
     assert "![W = 4:" in page and R.plot_names(docs) == ["results_W4.png"]
