@@ -154,3 +154,31 @@ def test_machine_info_names_the_installed_megatron_core_and_this_commit(tmp_path
                          capture_output=True, text=True, cwd=copy, env=dict(os.environ, PYTHONPATH=str(copy)))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "unknown"
+
+
+def test_network_per_worker_links_run_at_a_quality_files_chosen_settings(tmp_path):
+    """--links per-worker: one shaped link per worker (the headline's time columns); --tuned: the diloco /
+    sparseloco specs run at the settings a quality results file chose at this W."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import schema
+
+    tuned = tmp_path / "quality_w2.json"
+    schema.write(str(tuned), schema.document(
+        "quality", "python benchmarks/quality.py --sweep --workers 2", {
+            "model": {}, "tuned_per_w": {"2": {"diloco": [0.5, 0.8], "sparseloco": [2.12, None],
+                                               "sparseloco:128": [1.5, None]}}},
+        [{"method": "diloco"}]))
+    out = tmp_path / "network.json"
+    r = _run([sys.executable, NETWORK, "--smoke", "--no-hetero", "--no-ddp", "--links", "per-worker", "--workers", "2",
+              "--uniform-methods", "diloco,sparseloco:64,sparseloco:128", "--tuned", str(tuned), "--json", str(out)],
+             timeout=400)
+    if r.returncode == 2 and "cannot run" in r.stderr:
+        pytest.skip(r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    data = json.loads(out.read_text())
+    assert schema.check(data) == [] and data["config"]["uniform"]["links"] == "per-worker"
+    outer = {(row["method"], row["k"]): row["outer"] for row in data["rows"]}
+    assert (outer[("diloco", None)]["lr"], outer[("diloco", None)]["momentum"]) == (0.5, 0.8)
+    assert outer[("sparseloco", 64)]["lr"] == 2.12 and outer[("sparseloco", 128)]["lr"] == 1.5
+    assert all(row["sync_outer_step_s"] > 0 for row in data["rows"])
+    assert next(row for row in data["rows"] if row["method"] == "diloco")["time_to_diloco_s"] > 0
