@@ -18,11 +18,12 @@ of inner steps (so the same tokens):
   diloco          OuterLoopOptimizer + diloco, outer Nesterov SGD
   sparseloco      Top-k of each 4096-chunk (k from the spec), 2-bit values, EF β 0.95 (tags change these)
   gasloc          gossip (topology and rule from the spec)
+  torchft_diloco  PyPI torchft's DiLoCo (Manager + LighthouseServer, ProcessGroupGloo), inner
+                  torch AdamW with the same settings, outer SGD lr 0.7 momentum 0.9 Nesterov
+
 Every outer setting a run does not set (outer lr / momentum: --sweep or --tuned set them) is the plugin's
 default, resolved for the run's W (common.strategy_fields): DiLoCo 0.7 / 0.9, SparseLoCo's lr rule
 0.375/√(W·k/C), GASLoC η 0.7, γ 0.6.
-  torchft_diloco  PyPI torchft's DiLoCo (Manager + LighthouseServer, ProcessGroupGloo), inner
-                  torch AdamW with the same settings, outer SGD lr 0.7 momentum 0.9 Nesterov
 
 Held-out loss: mean token cross-entropy (nats) of the bare GPTModel on a fixed set of held-out
 windows. diloco / sparseloco / torchft: the synced model (after the last outer step every worker
