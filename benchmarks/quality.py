@@ -57,14 +57,15 @@ from common import ModelCfg, RunCfg  # noqa: E402
 
 METHODS_DEFAULT = "ddp,average,diloco,sparseloco:64,sparseloco:128,sparseloco:64:flat"
 #: The outer-lr sweep: every compared method tuned on its own grid with the same spacing, on seed 0 at each W.
-#: DiLoCo: lr × μ, lr in steps of about √2 around the plugin's 0.7, μ ∈ {0.6, 0.8, 0.9} (the plugin's 0.9).
+#: DiLoCo: lr × μ, lr in steps of about √2 around the plugin's 0.7 (1.0 added when 0.7 / 0.8 won at W = 4),
+#: μ ∈ {0.6, 0.8, 0.9} (the plugin's 0.9).
 #: SparseLoCo: lr in steps of √2, 0.53 … 3.0: the values of the plugin's default rule
 #: (``default_outer_lr``: 2.12 / 1.5 / 1.06 at W = 2 / 4 / 8 for k = 64, 1.5 / 1.06 / 0.75 for k = 128) and
 #: one step beyond them on each side; k = 128 is tuned on its own. A winner on an edge of its grid is
 #: flagged by the results page (``render_results.py``): widen the grid then (``--sweep-grid``).
 SWEEP_SPARSELOCO_LRS = (0.53, 0.75, 1.06, 1.5, 2.12, 3.0)
 SWEEP = {
-    "diloco": [(lr, mu) for lr in (0.35, 0.5, 0.7) for mu in (0.6, 0.8, 0.9)],
+    "diloco": [(lr, mu) for lr in (0.35, 0.5, 0.7, 1.0) for mu in (0.6, 0.8, 0.9)],
     "sparseloco": [(lr, None) for lr in SWEEP_SPARSELOCO_LRS],
     "sparseloco:128": [(lr, None) for lr in SWEEP_SPARSELOCO_LRS],
 }
@@ -312,12 +313,26 @@ def reuse_index(paths, model, machine):
                              "SparseLoCo runs differ between CPU models; run them here")
         n = 0
         for row in doc["rows"]:
-            if "run" in row:
-                index[(row["workers"], _run_key(RunCfg(**row["run"])))] = dict(
+            run = row.get("run") or _run_of_plain_row(row, doc["config"])
+            if run is not None:
+                index[(row["workers"], _run_key(RunCfg(**run)))] = dict(
                     row, reused_from=row.get("reused_from") or f"{path} ({doc['commit']}, {doc.get('date')})")
                 n += 1
         used.append({"file": path, "commit": doc["commit"], "date": doc.get("date"), "rows": n})
     return index, used
+
+
+def _run_of_plain_row(row, config):
+    """The run configuration of a row written before rows carried it (``run``): rebuilt from the row and the
+    file's config, for a diloco / sparseloco row with no tag (the label of the rebuilt run must equal the row's,
+    else None: such a row is not reused)."""
+    if row.get("method") not in ("diloco", "sparseloco"):
+        return None
+    run = RunCfg(row["method"], H=row["H"], steps=row["steps"], mbs=config["inner"]["micro_batch"],
+                 lr=config["inner"]["lr"], eval_windows=config["eval_windows"], seed=1234 + row["seed"],
+                 data_seed=row["seed"], outer_lr=row["outer_lr"], outer_momentum=row["outer_momentum"],
+                 **({"k": row["k"]} if row["method"] == "sparseloco" else {}))
+    return asdict(run) if run.label() == row["label"] else None
 
 
 REUSE: dict = {}   # filled by main() from --reuse

@@ -581,7 +581,23 @@ def plan_problems(docs: Dict[str, Dict]) -> List[str]:
             out.append(f"docs/results/{name}.json: not in render_results.PLAN (move it to docs/archive/ or add it)")
         elif doc["command"] != plan[name].command:
             out.append(f"docs/results/{name}.json: made by {doc['command']!r}, PLAN runs {plan[name].command!r}")
+        elif doc["benchmark"] == "quality" and (doc["config"].get("sweep") or {}).get("grid") != sweep_grid_of(doc["command"]):
+            out.append(f"docs/results/{name}.json: swept another grid than its command sweeps today "
+                       f"(quality.SWEEP or its --sweep-grid file changed): rerun it (quality.py --reuse saves the runs "
+                       "it already has)")
     return out
+
+
+def sweep_grid_of(command: str) -> Optional[Dict]:
+    """The grid ``command`` (a quality.py --sweep command) sweeps with today's code, as a results file records it."""
+    import quality
+    argv = shlex.split(command)
+    if "--sweep" not in argv:
+        return None
+    text = argv[argv.index("--sweep-grid") + 1] if "--sweep-grid" in argv else ""
+    if text and not os.path.isabs(text) and os.path.exists(os.path.join(REPO, text)):
+        text = os.path.join(REPO, text)
+    return {m: [list(p) for p in pts] for m, pts in quality.sweep_grid(text).items()}
 
 
 def check(results_dir: str = RESULTS, page: str = PAGE, readme: str = README) -> List[str]:

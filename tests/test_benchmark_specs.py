@@ -368,3 +368,19 @@ def test_reuse_takes_runs_made_before_and_keeps_the_command(tmp_path, monkeypatc
 def dataclasses_asdict(run):
     from dataclasses import asdict
     return asdict(run)
+
+
+def test_reuse_rebuilds_the_run_of_a_row_written_before_rows_carried_it():
+    """A plain diloco / sparseloco row (no tags) of an older file is matched by its rebuilt configuration; the
+    rebuilt run must carry the row's own label, else the row is not reused."""
+    import argparse
+    import common
+
+    config = {"inner": {"micro_batch": 4, "lr": 1e-3}, "eval_windows": 64}
+    args = argparse.Namespace(sweep_grid='{"diloco": [[0.5, 0.8]], "sparseloco:128": [[1.5, null]]}', mbs=4,
+                              lr=1e-3, eval_windows=64, H=15)
+    for run in quality.sweep_runs(args, 900):
+        row = {"method": run.method, "k": run.k, "H": 15, "steps": 900, "seed": 0, "outer_lr": run.outer_lr,
+               "outer_momentum": run.outer_momentum, "label": run.label()}
+        assert quality._run_key(common.RunCfg(**quality._run_of_plain_row(row, config))) == quality._run_key(run)
+        assert quality._run_of_plain_row(dict(row, label=run.label() + " flat"), config) is None

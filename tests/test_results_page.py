@@ -86,8 +86,9 @@ def quality_doc(W, diloco_losses=(2.10, 2.12, 2.14), sl_losses=(2.05, 2.13, 2.08
               "tuned_per_w": {str(W): {"diloco": [0.5, 0.8], "sparseloco": [1.5, None], "sparseloco:128": [1.0, None]}},
               "defaults": {str(W): {"diloco": {"lr": 0.7, "momentum": 0.9}, "sparseloco": {"lr": 2.0},
                                     "sparseloco:128": {"lr": 1.5}}}}
-    plan = {b.name: b.command for b in R.PLAN}
-    return schema.document("quality", command or plan[f"quality_w{W}"], config, rows, machine=dict(MACHINE),
+    command = command or PLAN[f"quality_w{W}"]
+    config["sweep"] = {"grid": R.sweep_grid_of(command)}     # the grid today's code sweeps for that command
+    return schema.document("quality", command, config, rows, machine=dict(MACHINE),
                            load="1.0 1.0 1.0 -> 2.0 2.0 2.0")
 
 
@@ -165,12 +166,19 @@ def test_missing_files_render_their_command_and_elastic_appears_when_written(tmp
     assert "python benchmarks/elastic.py" in elastic
 
 
-def test_a_file_made_by_another_command_than_make_bench_is_refused(tmp_path):
+def test_a_file_made_by_another_command_or_grid_than_make_bench_is_refused(tmp_path):
+    write(tmp_path, "quality_w4", quality_doc(4))
+    assert R.plan_problems(R.load_results(str(tmp_path))) == []
     write(tmp_path, "quality_w2", quality_doc(2, command="python benchmarks/quality.py --tuned t.json --workers 2"))
     write(tmp_path, "stray", quality_doc(2))
+    old_grid = quality_doc(8)
+    old_grid["config"]["sweep"]["grid"]["diloco"] = old_grid["config"]["sweep"]["grid"]["diloco"][:-1]
+    write(tmp_path, "quality_w8", old_grid)          # the code's grid grew after the file was made
     problems = R.plan_problems(R.load_results(str(tmp_path)))
     assert any("quality_w2.json: made by" in p for p in problems)
     assert any("stray.json: not in render_results.PLAN" in p for p in problems)
+    assert any("quality_w8.json: swept another grid" in p for p in problems)
+    assert not any("quality_w4" in p for p in problems)
 
 
 def test_check_reports_a_stale_page_and_readme(tmp_path):
