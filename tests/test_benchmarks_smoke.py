@@ -182,3 +182,27 @@ def test_network_per_worker_links_run_at_a_quality_files_chosen_settings(tmp_pat
     assert outer[("sparseloco", 64)]["lr"] == 2.12 and outer[("sparseloco", 128)]["lr"] == 1.5
     assert all(row["sync_outer_step_s"] > 0 for row in data["rows"])
     assert next(row for row in data["rows"] if row["method"] == "diloco")["time_to_diloco_s"] > 0
+
+
+def test_runs_in_one_rank_process_do_not_pile_up_process_groups():
+    """benchmarks/common.rank_run_all trains run after run in the same ranks: each run's process groups (and
+    their gloo threads) are released, so the thread count does not grow with the number of runs."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import common
+    from megatron_sparseloco.testing.multirank import run_ranks
+
+    model = common.ModelCfg(layers=1, hidden=64, heads=4, seq=32)
+    runs = [common.RunCfg(m, k=64 if m == "sparseloco" else None, steps=4, H=2, mbs=2, eval_windows=4)
+            for m in ("diloco", "sparseloco", "diloco", "sparseloco")]
+    counts = run_ranks(_threads_after_each_run, 2, args=(model, runs, common.ensure_data()), timeout=300)
+    for per_rank in counts:
+        assert per_rank[-1] <= per_rank[1], per_rank     # flat after the first run (lazy start-up threads aside)
+
+
+def _threads_after_each_run(rank, world, model, runs, paths):
+    import common
+    out = []
+    for run in runs:
+        common.rank_run_all(rank, world, model, [run], paths)
+        out.append(len(os.listdir("/proc/self/task")))
+    return out
