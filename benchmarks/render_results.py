@@ -185,6 +185,10 @@ def machine_line(doc: Dict, name: str) -> str:
     m = doc["machine"]
     load = f", load {doc['load']}" if doc.get("load") else ""
     wall = f", {doc['wall_s'] / 60:.0f} min" if doc.get("wall_s") else ""
+    reused = sorted({re.sub(r"^.*\((\S+), .*$", r"\1", r["reused_from"]) for r in doc["rows"] if r.get("reused_from")})
+    if reused:   # quality.py --reuse: runs taken from an earlier run of the same configuration on this CPU model
+        n = sum(1 for r in doc["rows"] if r.get("reused_from"))
+        wall += f" ({n} of {len(doc['rows'])} runs from an earlier run at {', '.join(reused)}, same CPU model)"
     return (f"{m['cpu']}, {m['cpus']} CPUs, torch {m['torch']}, megatron-core {m['megatron_core']}; "
             f"plugin {doc['commit']}, {doc.get('date', 'date not recorded')}{wall}{load}; "
             f"[`results/{name}.json`](results/{name}.json)")

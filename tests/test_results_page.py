@@ -139,6 +139,15 @@ def test_the_headline_is_computed_from_the_seeds_at_the_chosen_settings(tmp_path
     assert "![W = 4:" in page and R.plot_names(docs) == ["results_W4.png"]
 
 
+def test_the_machine_line_says_which_runs_came_from_an_earlier_run(tmp_path):
+    doc = quality_doc(2)
+    for r in doc["rows"][:3]:
+        r["reused_from"] = "docs/results/quality_w2_first.json (3ebde43, 2026-12-05)"
+    write(tmp_path, "quality_w2", doc)
+    page = R.render_page(R.load_results(str(tmp_path)))
+    assert "(3 of 13 runs from an earlier run at 3ebde43, same CPU model)" in page
+
+
 def test_the_network_columns_and_the_readme_table_come_from_the_network_file(tmp_path):
     write(tmp_path, "quality_w2", quality_doc(2))
     write(tmp_path, "network_w2", network_doc(2))
