@@ -436,6 +436,7 @@ def render_page(docs: Dict[str, Dict]) -> str:
               "over the seeds.", ""]
     L += ["## SparseLoCo against DiLoCo", ""]
     L += headline(docs)
+    L += ["", reading(docs)] if reading(docs) else []
     L += ["", "Outer step and time: the same runs on one 100 Mbit/s link per worker (next section). "
           "*Seeds ahead*: on how many seeds SparseLoCo's loss is below DiLoCo's on the same seed.", ""]
     L += command_block([(f"quality_w{W}", docs[f"quality_w{W}"]) for W in HEADLINE_W if f"quality_w{W}" in docs])
@@ -461,6 +462,7 @@ def render_page(docs: Dict[str, Dict]) -> str:
           "The same protocol on a 7× larger model (3.26 M parameters), W = 4 and 8, 3 seeds; both methods tuned on "
           "grids widened until the chosen point is inside (sweep tables below).", ""]
     L += headline(docs, "_4x256", SIZE2_W)
+    L += ["", reading(docs, "_4x256", SIZE2_W)] if reading(docs, "_4x256", SIZE2_W) else []
     big = [(f"quality_4x256_w{W}", docs[f"quality_4x256_w{W}"]) for W in SIZE2_W if f"quality_4x256_w{W}" in docs]
     if big:
         L += [""] + command_block(big)
@@ -482,6 +484,26 @@ def render_page(docs: Dict[str, Dict]) -> str:
     sw = sweep_section(docs, "_4x256", SIZE2_W)
     L += (["4 layers × 256:", ""] + sw + [""]) if sw else []
     return "\n".join(L).rstrip() + "\n"
+
+
+def reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADLINE_W) -> str:
+    """One sentence per k, computed from the seeds: where SparseLoCo's mean is below / above DiLoCo's."""
+    parts = []
+    for k in ("sparseloco", "sparseloco:128"):
+        ahead, behind = [], []
+        for W in widths:
+            doc = docs.get(f"quality{size}_w{W}")
+            g, d = (seed_group(doc, W, k), seed_group(doc, W, "diloco")) if doc else (None, None)
+            if g is None or d is None:
+                continue
+            delta = g["mean"] - d["mean"]
+            (ahead if delta < 0 else behind).append(f"W = {W} ({delta:+.3f})")
+        if ahead or behind:
+            parts.append(f"{NAMES[k]} is " + "; ".join(
+                x for x in (f"ahead of DiLoCo at {', '.join(ahead)}" if ahead else "",
+                            (f"behind at {', '.join(behind)}" if ahead else f"behind DiLoCo at {', '.join(behind)}")
+                            if behind else "") if x))
+    return ("Mean held-out loss against DiLoCo's (negative: SparseLoCo lower): " + ". ".join(parts) + ".") if parts else ""
 
 
 def render_readme_block(docs: Dict[str, Dict]) -> str:
@@ -512,6 +534,7 @@ def render_readme_block(docs: Dict[str, Dict]) -> str:
                      f"{g['sparseloco:128']['mean']:.3f} ± {g['sparseloco:128']['spread']:.3f} | "
                      f"{fmt_bytes(g['diloco']['bytes_sent'])} → {fmt_bytes(g['sparseloco']['bytes_sent'])} | {time_} |")
         m = docs[f"quality_w{have[0]}"]["machine"]
+        L += ["", reading(docs)]
         L += ["", f"Measured on {m['cpu']} ({m['cpus']} CPUs); commands, machine, the bytes ratio on Llama-1B's "
               "tensors, a second model size and plots: [docs/results.md](docs/results.md)."]
     return "\n".join(L + ["", README_END])
