@@ -53,7 +53,8 @@ class Bench:
 
 def _quality(W: int, extra: str = "", name: str = "", methods: str = METHODS) -> Bench:
     name = name or f"quality_w{W}"
-    cost = {2: "25 min", 4: "50 min", 8: "2 h"}[W] if not extra else {4: "3 h", 8: "7 h"}[W]
+    # on a quiet 2-core machine (runs of 30 / 75 / 180 s at W = 2 / 4 / 8; 4 x 256: about 400 / 1000 s)
+    cost = {2: "15 min", 4: "40 min", 8: "1.5 h"}[W] if not extra else {4: "2 h", 8: "5.5 h"}[W]
     timeout = {2: 20000, 4: 30000, 8: 40000}[W] * (1 if not extra else 3)   # seconds, a whole sweep + seeds launch
     return Bench(name, f"python benchmarks/quality.py --sweep --workers {W} --steps 900 --seeds 3 --methods {methods}"
                        f"{extra} --timeout {timeout} --json docs/results/{name}.json", cost)
@@ -64,7 +65,7 @@ def _network(W: int) -> Bench:
                                   f"--rate 100mbit --layers 2 --hidden 128 --steps 900 --eval-windows 64 "
                                   f"--uniform-methods {METHODS} --tuned docs/results/quality_w{W}.json --timeout 6000 "
                                   f"--json docs/results/network_w{W}.json",
-                 {2: "5 min", 4: "10 min", 8: "25 min"}[W], root=True)
+                 {2: "4 min", 4: "8 min", 8: "20 min"}[W], root=True)
 
 
 GASLOC_METHODS = "diloco:lr0.7:mu0.6,gasloc:bandwidth:lap:r2:lr0.7:mu0.6"
@@ -75,11 +76,11 @@ PLAN: List[Bench] = (
      _quality(4), _network(4), _quality(8), _network(8),
        Bench("network_gasloc", "python benchmarks/network.py --no-uniform --no-ddp --hetero-workers 4 --hetero-steps 180 "
                                f"--diloco-target-step 90 --timeout 3000 --hetero-methods {GASLOC_METHODS} "
-                               "--json docs/results/network_gasloc.json", "8 min", root=True),
+                               "--json docs/results/network_gasloc.json", "7 min", root=True),
        Bench("network_gasloc_slow", "python benchmarks/network.py --no-uniform --no-ddp --hetero-workers 4 "
                                     "--hetero-slow-compute 2 --hetero-steps 120 --diloco-target-step 90 --timeout 3000 "
                                     f"--hetero-methods {GASLOC_METHODS},{GASLOC_METHODS.split(',')[1]}:auto "
-                                    "--json docs/results/network_gasloc_slow.json", "12 min", root=True)]
+                                    "--json docs/results/network_gasloc_slow.json", "11 min", root=True)]
     + [_quality(W, " --layers 4 --hidden 256 --sweep-grid benchmarks/grids/4x256.json", f"quality_4x256_w{W}",
                 "diloco,sparseloco:64") for W in SIZE2_W]
 )
