@@ -2,7 +2,7 @@
 #   make test    the test suite (what CI runs)
 #   make lint    ruff over the repo, mypy over megatron_sparseloco/ (CI runs it before the tests)
 #   make demo    the main job: real Megatron pretraining on CPU with SparseLoCo, 4 ranks
-#   make bench   benchmarks (results under docs/results/)
+#   make bench   every benchmark behind docs/results.md, then the page (hours; see docs/benchmarks.md)
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -35,15 +35,19 @@ lint: venv
 demo: venv
 	$(PY) -m megatron_sparseloco.demo
 
+# bench: every results file docs/results.md shows (benchmarks/render_results.py PLAN, in order; `--list` gives
+# each one's command and cost: about 3.5 h for the headline, 7.5 h more for the second model size on a quiet
+# 2-core machine;
+# the network cases need root), then the page, the README table and the plots. One file:
+# `$(PY) benchmarks/render_results.py --run --only quality_w2`.
 bench: venv
-	$(PY) benchmarks/codec.py --json docs/results/codec.json
-	$(PY) benchmarks/quality.py --workers 2,4,8 --seeds 3 --sweep --sweep-each-w --long 3 --json docs/results/quality.json --plots docs/results
-	$(PY) benchmarks/codec.py --llama-1b --json docs/results/codec_llama1b.json
-	$(PY) benchmarks/network.py --json docs/results/network.json
+	$(PY) benchmarks/render_results.py --run
 
+# bench-smoke (seconds): the results files against the schema, the page / README table against the files,
+# the renderer on synthetic files. The benchmarks' own plumbing: tests/test_benchmarks_smoke.py (minutes).
 bench-smoke: venv
-	$(PY) benchmarks/codec.py --quick --json /tmp/sparseloco-codec-smoke.json
-	$(PY) -m pytest -q tests/test_benchmarks_smoke.py
+	$(PY) benchmarks/render_results.py --check
+	$(PY) -m pytest -q tests/test_results_page.py tests/test_benchmark_defaults.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,7 +1,6 @@
 """Bytes received per worker per outer step, all-gather against reduce-scatter, measured on CPU (gloo).
 
-    python benchmarks/aggregation_bytes.py --worlds 2,4,8,16 --json docs/results/aggregation_bytes.json \
-        --plot docs/results/aggregation_bytes.png
+    python benchmarks/aggregation_bytes.py --worlds 2,4,8,16 --json aggregation_bytes.json --plot aggregation_bytes.png
 
 One spawn of W gloo ranks per W (one rank per worker); every rank holds the same shard (a few
 Llama-like 2-D weights and norms, 1.44 M elements), runs one SparseLoCo outer step with each
@@ -16,7 +15,6 @@ WAN (``wan_bytes_received``): per worker, and summed over the g workers of a sit
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -100,8 +98,11 @@ def main(argv=None) -> int:
             print(f"W={w:3d} {mode:28s} received {recv:10d} B = {recv / own:6.2f} x own payload ({own} B){wan}",
                   flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"shapes": SHAPES, "rows": rows}, f, indent=1)
+        import schema
+        config = {"shapes": SHAPES, "worlds": args.worlds, "owner_codecs": args.owner_codecs,
+                  "site_groups": args.site_groups}
+        schema.write(args.json, schema.document("aggregation_bytes", schema.command_line("aggregation_bytes.py", argv),
+                                                config, rows))
     if args.plot:
         import matplotlib
 

@@ -38,6 +38,7 @@ from dataclasses import asdict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import schema  # noqa: E402
 import network  # noqa: E402
 from common import ModelCfg  # noqa: E402
 
@@ -216,6 +217,7 @@ def main(argv=None) -> int:
              else ModelCfg(layers=4, hidden=256, heads=4, seq=128))
     spec = {"model": asdict(model), "modes": modes, "rounds": args.rounds, "k": args.k, "sites": args.sites}
     t0 = time.perf_counter()
+    machine, load_before = common.machine_info(), schema.loadavg() or ""
     res = network.run_in_namespaces(
         lambda nss: network.sites_netns(nss, args.workers, args.sites, args.lan_rate, args.wan_rate, args.wan_delay),
         spec, args.timeout, script=HERE)
@@ -232,14 +234,13 @@ def main(argv=None) -> int:
     same = {r["mode"]: r["anchor_sha256"] for r in rows}
     if "allgather" in same and "hierarchical" in same:
         print(f"  hierarchical θ_outer == all-gather's: {same['allgather'] == same['hierarchical']}")
-    out = {"benchmark": "aggregation wire", "model": asdict(model), "machine": common.machine_info(),
-           "workers": args.workers, "sites": args.sites, "lan_rate": args.lan_rate, "wan_rate": args.wan_rate,
-           "wan_delay": args.wan_delay, "k": args.k, "rounds": args.rounds, "results": rows,
-           "total_wall_s": time.perf_counter() - t0}
+    config = {"model": asdict(model), "workers": args.workers, "sites": args.sites, "lan_rate": args.lan_rate,
+              "wan_rate": args.wan_rate, "wan_delay": args.wan_delay, "k": args.k, "rounds": args.rounds, "modes": modes}
+    out = schema.document("aggregation_wire", schema.command_line("aggregation_wire.py", argv), config, rows,
+                          machine=machine, wall_s=time.perf_counter() - t0,
+                          load=load_before + " -> " + (schema.loadavg() or ""))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        schema.write(args.json, out)
         print(f"[aggregation_wire] wrote {args.json}")
     return 0
 

@@ -12,7 +12,6 @@ payload_bytes (real, header and side info included), bits_per_param, ratio_vs_fp
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -25,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+import schema  # noqa: E402
 from megatron_sparseloco.compress import CodecConfig, analytic_bits_per_param, decode, encode, payload_nbytes
 from megatron_sparseloco.compress.segments import TensorSlice, bucket_payload_nbytes, encode_bucket, plan_buckets
 
@@ -44,12 +46,12 @@ LLAMA_1B = (
 )
 
 
-def llama_payloads(k: int = 64, chunk: int = 4096) -> dict:
-    """Real per-tensor payload bytes (packed and entropy-coded indices, 2-bit values, 1-D dense) of the
+def llama_payloads(k: int = 64, chunk: int = 4096, codings=("packed", "entropy")) -> dict:
+    """Real per-tensor payload bytes (packed and / or entropy-coded indices, 2-bit values, 1-D dense) of the
     Llama-1B tensor set, one whole tensor per rank; values torch.randn with a per-tensor fixed seed."""
     numel = sum(math.prod(s) for _, s in LLAMA_1B)
     out = {"model": "llama-1b shapes", "numel": numel, "k": k, "chunk": chunk, "tensors": len(LLAMA_1B)}
-    for coding in ("packed", "entropy"):
+    for coding in codings:
         cfg = CodecConfig(chunk=chunk, k=k, index_coding=coding)
         total = formula = 0
         t0 = time.perf_counter()
@@ -156,25 +158,37 @@ def bench_row(x: torch.Tensor, cfg: CodecConfig, device: torch.device, repeats: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2**22 elements, 2 repeats, main configurations only")
-    parser.add_argument("--json", type=Path, help="write {'meta': ..., 'results': [...]} here")
+    parser.add_argument("--json", type=Path, help="write the results (benchmarks/schema.py) here")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--numel", type=int, help="buffer size (default 2**24, or 2**22 with --quick)")
     parser.add_argument("--threads", default="0", help="comma list of torch thread counts; 0 = torch default")
     parser.add_argument("--repeats", type=int, help="timed runs per measurement (median reported)")
     parser.add_argument("--llama-1b", action="store_true", help="only the per-tensor payload size of a 1B Llama's tensors")
+    parser.add_argument("--index-codings", default="packed",
+                        help="with --llama-1b: packed (the plugin's default) and / or entropy (slow on CPU: ~45 min)")
     args = parser.parse_args(argv)
     if args.llama_1b:
-        result = llama_payloads()
-        result["command"] = " ".join(["python", "benchmarks/codec.py", *(argv if argv is not None else sys.argv[1:])])
-        result["cpu"] = cpu_model()
+        codings = [c.strip() for c in args.index_codings.split(",") if c.strip()]
+        if not codings or any(c not in ("packed", "entropy") for c in codings):
+            parser.error(f"--index-codings: packed and / or entropy, got {args.index_codings!r}")
+        from megatron_sparseloco.outer.sparseloco import SparseLoCoConfig
+        default = SparseLoCoConfig()   # the plugin's codec defaults: k, C, value bits
+        machine = common.machine_info()
+        result = llama_payloads(k=default.k, chunk=default.chunk, codings=codings)
+        rows = [dict(index_coding=c, **result[c]) for c in codings]
+        config = {"model": result["model"], "numel": result["numel"], "tensors": result["tensors"], "k": result["k"],
+                  "chunk": result["chunk"], "value_bits": default.value_bits, "chunking": "tensor", "dense_1d": default.dense_1d,
+                  "shapes": "Llama-3.2-1B as Megatron holds them (fused QKV and fc1), tied embeddings",
+                  "values": "torch.randn, a fixed seed per tensor"}
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=1) + "\n")
+            schema.write(str(args.json), schema.document("codec_llama1b", schema.command_line("codec.py", argv),
+                                                         config, rows, machine=machine))
             print(f"wrote {args.json}")
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
     device = torch.device(args.device)
+    machine = common.machine_info()
     numel = args.numel or (2**22 if args.quick else 2**24)
     repeats = args.repeats or (2 if args.quick else 5)
     default_threads = torch.get_num_threads()
@@ -213,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         "input": "torch.randn (seed 0), fp32",
     }
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
+        command = meta.pop("command")
+        schema.write(str(args.json), schema.document("codec", command, meta, rows, machine=machine))
         print(f"wrote {args.json}")
     return 0
 

@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -110,6 +111,18 @@ def mean_model_heldout_loss(gpt, windows: torch.Tensor, workers: int) -> float:
 
 
 # ---------------------------------------------------------------------------- config
+def _plugin_defaults():
+    """The plugin's own config dataclasses, built with no argument: their field values are the defaults
+    every benchmark run starts from (so a benchmark default is never a second copy of the plugin's)."""
+    from megatron_sparseloco.outer.diloco import DiLoCoConfig
+    from megatron_sparseloco.outer.gasloc import GASLoCConfig
+    from megatron_sparseloco.outer.sparseloco import SparseLoCoConfig
+    return DiLoCoConfig(), SparseLoCoConfig(), GASLoCConfig()
+
+
+DILOCO_DEFAULT, SPARSELOCO_DEFAULT, GASLOC_DEFAULT = _plugin_defaults()
+
+
 @dataclass
 class ModelCfg:
     layers: int = 2
@@ -124,8 +137,8 @@ class RunCfg:
     method: str                       # ddp | diloco | sparseloco | gasloc | torchft_diloco | local (W workers, never synced)
     H: int = 15
     steps: int = 300                  # inner steps per worker
-    k: Optional[int] = None           # sparseloco top-k of C=4096
-    index_coding: str = "packed"      # sparseloco: packed | entropy
+    k: Optional[int] = None           # sparseloco top-k per chunk (None: the plugin's, SparseLoCoConfig.k)
+    index_coding: str = SPARSELOCO_DEFAULT.index_coding   # sparseloco: packed | entropy
     mbs: int = 8
     lr: float = 1e-3                  # inner AdamW lr (same for every method)
     weight_decay: float = 0.1
@@ -133,40 +146,40 @@ class RunCfg:
     data_seed: int = 0
     eval_every: int = 15              # ddp eval interval; outer methods evaluate at every outer step
     eval_windows: int = 64
-    gasloc_topology: str = "ring"
-    gasloc_rule: str = "ours"               # gasloc: ours | laplacian-momentum (docs/gasloc.md §2)
+    gasloc_topology: str = GASLOC_DEFAULT.topology
+    gasloc_rule: str = GASLOC_DEFAULT.rule  # gasloc: ours | laplacian-momentum | mixed-nesterov (docs/gasloc.md §2)
     gasloc_compress: bool = False           # gasloc: SparseLoCo-compressed proposals (k=64 of 4096, 2-bit)
-    gasloc_refresh: int = 8                 # gasloc topology bandwidth: rounds between link-cost agreements
-    gasloc_rounds: int = 1                  # gasloc: mixing steps per outer round (--sparseloco-gossip-rounds)
+    gasloc_refresh: int = GASLOC_DEFAULT.bandwidth_refresh  # gasloc topology bandwidth: rounds between link-cost agreements
+    gasloc_rounds: int = GASLOC_DEFAULT.gossip_rounds       # gasloc: mixing steps per outer round (--sparseloco-gossip-rounds)
     slow_compute: float = 1.0               # the last worker's inner steps take this many times longer (sleep)
     auto_h: bool = False                    # --sparseloco-inner-steps-per-worker auto (H_w from step times)
-    outer_lr: Optional[float] = None       # None: the method's reference value (below)
-    outer_momentum: Optional[float] = None  # diloco; sparseloco: Nesterov μ (None: none, EF plays that role)
-    chunking: str = "tensor"                # sparseloco: per-tensor (default) or flat
-    aggregation: str = "allgather"          # sparseloco: allgather | reduce-scatter (--sparseloco-aggregation)
+    outer_lr: Optional[float] = None       # None: the plugin's default for the method (and W, k: strategy_fields)
+    outer_momentum: Optional[float] = None  # None: the plugin's; sparseloco: Nesterov μ when set
+    chunking: str = SPARSELOCO_DEFAULT.chunking          # sparseloco: per-tensor (default) or flat
+    aggregation: str = SPARSELOCO_DEFAULT.aggregation    # sparseloco: allgather | reduce-scatter | hierarchical
     owner_k: int = 0                        # reduce-scatter: values the owners keep per chunk (0: k)
     owner_value_bits: int = 0               # reduce-scatter: bits of the owners' values (0: value bits)
     owner_residual: str = "owner"           # reduce-scatter: owner | workers (where the unsent aggregate waits)
     aggregation_groups: int = 0             # hierarchical: site groups G (--sparseloco-aggregation-groups)
-    reduce: str = "contributors"            # sparseloco: contributors | all (--sparseloco-reduce)
-    ef_beta: float = 0.95                   # sparseloco: error-feedback decay β (--sparseloco-ef-decay)
-    value_bits: int = 2                     # sparseloco: bits per kept value (--sparseloco-value-bits)
+    reduce: str = SPARSELOCO_DEFAULT.reduce              # sparseloco: contributors | all (--sparseloco-reduce)
+    ef_beta: float = SPARSELOCO_DEFAULT.ef_beta          # sparseloco: error-feedback decay β (--sparseloco-ef-decay)
+    value_bits: int = SPARSELOCO_DEFAULT.value_bits      # sparseloco: bits per kept value (--sparseloco-value-bits)
     overlap_steps: int = 0                  # τ: delayed outer step (--sparseloco-overlap-steps), 0: blocking
     overlap_merge: str = "replay"           # replay | lerp (alpha 0.5)
     fragments: int = 1                      # P: Streaming-DiLoCo fragments (--sparseloco-fragments)
 
     def label(self) -> str:
         if self.method == "sparseloco":
-            tag = f"sparseloco k={self.k}" + ("" if self.index_coding == "packed" else f" {self.index_coding}")
-            tag += "" if self.chunking == "tensor" else f" {self.chunking}"
-            tag += "" if self.aggregation == "allgather" else f" {self.aggregation}"
+            tag = f"sparseloco k={self.k}" + ("" if self.index_coding == SPARSELOCO_DEFAULT.index_coding else f" {self.index_coding}")
+            tag += "" if self.chunking == SPARSELOCO_DEFAULT.chunking else f" {self.chunking}"
+            tag += "" if self.aggregation == SPARSELOCO_DEFAULT.aggregation else f" {self.aggregation}"
             tag += f" G={self.aggregation_groups}" if self.aggregation_groups else ""
             tag += f" owner-k={self.owner_k}" if self.owner_k else ""
             tag += f" owner-bits={self.owner_value_bits}" if self.owner_value_bits else ""
             tag += "" if self.owner_residual == "owner" else f" residual={self.owner_residual}"
-            tag += "" if self.reduce == "contributors" else f" reduce={self.reduce}"
-            tag += "" if self.ef_beta == 0.95 else f" beta={self.ef_beta:g}"
-            tag += "" if self.value_bits == 2 else f" bits={self.value_bits}"
+            tag += "" if self.reduce == SPARSELOCO_DEFAULT.reduce else f" reduce={self.reduce}"
+            tag += "" if self.ef_beta == SPARSELOCO_DEFAULT.ef_beta else f" beta={self.ef_beta:g}"
+            tag += "" if self.value_bits == SPARSELOCO_DEFAULT.value_bits else f" bits={self.value_bits}"
         else:
             tag = self.method
         if self.outer_lr is not None:
@@ -189,41 +202,66 @@ class RunCfg:
         return tag if self.method in ("ddp", "local") else f"{tag} H={self.H}"
 
 
-def strategy_fields(run: RunCfg) -> Dict:
-    """The outer strategy and its config fields for a run (reference hyper-parameters, docs/design.md §1,
-    unless the run sets its outer lr / momentum)."""
+def strategy_fields(run: RunCfg, workers: int) -> Dict:
+    """The outer strategy's config fields for a run on ``workers`` workers: the run's settings, and for every
+    setting the run leaves unset the plugin's own default, resolved as the Megatron flags resolve it
+    (``SparseLoCoConfig.resolve_for_workers``: the outer-lr rule of W and k)."""
     if run.method in ("average", "local"):  # local: a strategy that never runs
         return dict()
     if run.method == "diloco":
-        momentum = 0.9 if run.outer_momentum is None else run.outer_momentum
-        return dict(lr=0.7 if run.outer_lr is None else run.outer_lr, momentum=momentum,
-                    nesterov=momentum > 0)   # μ = 0: plain outer SGD (Nesterov needs a momentum)
+        default = DILOCO_DEFAULT
+        momentum = default.momentum if run.outer_momentum is None else run.outer_momentum
+        return dict(lr=default.lr if run.outer_lr is None else run.outer_lr, momentum=momentum,
+                    nesterov=default.nesterov and momentum > 0)   # μ = 0: plain outer SGD (Nesterov needs a momentum)
     if run.method == "sparseloco":
-        return dict(k=run.k, chunk=4096, value_bits=run.value_bits, ef_beta=run.ef_beta, lr=1.0 if run.outer_lr is None else run.outer_lr,
-                    index_coding=run.index_coding, chunking=run.chunking,
-                    aggregation=run.aggregation, **({"owner_k": run.owner_k} if run.owner_k else {}),
-                    **({"owner_value_bits": run.owner_value_bits} if run.owner_value_bits else {}),
-                    **({"owner_residual": run.owner_residual} if run.owner_residual != "owner" else {}),
-                    **({"aggregation_groups": run.aggregation_groups} if run.aggregation_groups else {}),
-                    **({"reduce": run.reduce} if run.reduce != "contributors" else {}),
-                    **({"momentum": run.outer_momentum, "nesterov": run.outer_momentum > 0}
-                       if run.outer_momentum is not None else {}))
+        fields = dict(k=SPARSELOCO_DEFAULT.k if run.k is None else run.k, chunk=SPARSELOCO_DEFAULT.chunk,
+                      value_bits=run.value_bits, ef_beta=run.ef_beta, index_coding=run.index_coding,
+                      chunking=run.chunking, aggregation=run.aggregation,
+                      **({"owner_k": run.owner_k} if run.owner_k else {}),
+                      **({"owner_value_bits": run.owner_value_bits} if run.owner_value_bits else {}),
+                      **({"owner_residual": run.owner_residual} if run.owner_residual != "owner" else {}),
+                      **({"aggregation_groups": run.aggregation_groups} if run.aggregation_groups else {}),
+                      **({"reduce": run.reduce} if run.reduce != SPARSELOCO_DEFAULT.reduce else {}),
+                      **({"momentum": run.outer_momentum, "nesterov": run.outer_momentum > 0}
+                         if run.outer_momentum is not None else {}))
+        if run.outer_lr is not None:
+            fields["lr"] = run.outer_lr
+        else:   # the plugin's rule, resolved exactly as the Megatron flags do when --sparseloco-outer-lr is unset
+            from megatron_sparseloco.outer.sparseloco import SparseLoCoConfig
+            config = SparseLoCoConfig(**fields)
+            config.resolve_for_workers(workers, set(fields))
+            fields["lr"] = config.lr
+        return fields
     if run.method == "gasloc":
-        # the plugin's defaults for gasloc (GASLoCConfig, outer/gasloc.py): η = 0.7, γ = 0.6 since 2026-12-01
-        # (results before that used η = 1.0, γ = 0.9: the spec's lr1.0:mu0.9 reproduces them)
-        from megatron_sparseloco.outer.gasloc import GASLoCConfig
-        default = GASLoCConfig()
+        default = GASLOC_DEFAULT
         out = dict(topology=run.gasloc_topology,
                    proposal_lr=default.proposal_lr if run.outer_lr is None else run.outer_lr,
                    momentum=default.momentum if run.outer_momentum is None else run.outer_momentum, rule=run.gasloc_rule)
         if run.gasloc_compress:
-            out.update(compress=True, chunk=4096, k=64, value_bits=2)
+            out.update(compress=True, chunk=default.chunk, k=default.k, value_bits=default.value_bits)
         if run.gasloc_topology == "bandwidth":
             out.update(bandwidth_refresh=run.gasloc_refresh)
         if run.gasloc_rounds != 1:
             out.update(gossip_rounds=run.gasloc_rounds)
         return out
     raise ValueError(run.method)
+
+
+def outer_settings(run: RunCfg, workers: int) -> Optional[Dict]:
+    """``strategy_fields`` for a run of the plugin's outer loop; None for ddp and torchft_diloco (no outer strategy
+    of ours: ddp has no outer step, torchft's is its own SGD, lr 0.7, momentum 0.9, Nesterov)."""
+    return None if run.method in ("ddp", "torchft_diloco") else strategy_fields(run, workers)
+
+
+def resolved_defaults(workers: Sequence[int]) -> Dict:
+    """What a run that sets no outer setting gets at each W (for a results file's config block)."""
+    out = {}
+    for W in workers:
+        out[str(W)] = {"diloco": strategy_fields(RunCfg("diloco"), W),
+                       "sparseloco": strategy_fields(RunCfg("sparseloco"), W),
+                       "sparseloco:128": strategy_fields(RunCfg("sparseloco", k=128), W),
+                       "gasloc": strategy_fields(RunCfg("gasloc"), W)}
+    return out
 
 
 GASLOC_TOPOLOGIES = ("ring", "exponential", "random1", "random2", "complete", "bandwidth")
@@ -316,7 +354,7 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
     if run.method != "ddp":  # local: the outer loop's worker-local inner steps, its round never comes
         from megatron_sparseloco.megatron.optimizer import OuterLoopConfig, OuterLoopOptimizer
         from megatron_sparseloco.outer.registry import build_outer_strategy
-        fields_ = strategy_fields(run)
+        fields_ = strategy_fields(run, W)
 
         def factory(params, group, names, slices=None):
             return build_outer_strategy("average" if run.method == "local" else run.method, params, group, names=names, slices=slices, **fields_)
@@ -546,8 +584,33 @@ def rank_run_all(rank: int, world: int, model: ModelCfg, runs: List[RunCfg], pat
         res["elapsed_s"] = time.perf_counter() - t0
         out.append(res)
         print(f"[rank {rank}] {run.label()}: held-out {res['curve'][-1]['held_out_loss']:.4f} "
-              f"in {res['elapsed_s']:.1f}s", flush=True)
+              f"in {res['elapsed_s']:.1f}s ({threading.active_count()} threads, "
+              f"{len(os.listdir('/proc/self/task')) if os.path.isdir('/proc/self/task') else '?'} native)", flush=True)
+        release_process_groups()
     return out
+
+
+def release_process_groups() -> None:
+    """Destroy every process group but the world group after a run. Each run builds Megatron's parallel state
+    and the outer loop's groups anew; megatron-core's ``destroy_model_parallel`` only drops its references,
+    so without this the groups of every earlier run stay alive in c10d, each gloo group with its transport
+    threads (about 50 threads a run here: a 27-run sweep ended with 1,500 threads per rank, half of them
+    runnable, slowing every later run 3x and the whole machine)."""
+    import gc
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        return
+    dist.barrier()   # every rank is done with the run's groups
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    world = dist.group.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
+    gc.collect()
 
 
 def rank_torchft(rank: int, world: int, model: ModelCfg, runs: List[RunCfg], paths: Dict[str, str],

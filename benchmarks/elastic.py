@@ -672,6 +672,7 @@ def main(argv=None) -> int:
     root = args.log_dir or f"/tmp/elastic-bench-{os.getpid()}"
     os.makedirs(root, exist_ok=True)
     rows: List[dict] = []
+    machine = common.machine_info()
     t_start = time.time()
     for name in names:
         seeds = range(args.inject_seeds) if name.startswith("inject") else range(1)
@@ -682,20 +683,30 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{name} seed {seed}: goodput {row['goodput_steps_per_s']}, loss {row['held_out_loss']}, "
                   f"detection {row['detection_s']}, heal {row['heal_s']} ({time.time() - t:.0f} s)", flush=True)
-    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, common.REPO)]
-                                   + (sys.argv[1:] if argv is None else list(argv)))
-    data = {"benchmark": "elastic", "machine": common.machine_info(), "commit": common.plugin_commit(),
-            "command": command, "config": dict(cfg, workers=args.workers, kill_at=args.kill_at,
-                                               restart_after=args.restart_after, fail_every=args.fail_every,
-                                               inject_rounds=args.inject_rounds, scenarios=names,
-                                               paths=None, total_wall_s=time.time() - t_start),
-            "summary": summarize(rows), "rows": rows}
+    import schema
+    data = schema.document(
+        "elastic", recorded_command(sys.argv[1:] if argv is None else list(argv)),
+        dict(cfg, workers=args.workers, kill_at=args.kill_at, restart_after=args.restart_after,
+             fail_every=args.fail_every, inject_rounds=args.inject_rounds, scenarios=names, paths=None),
+        rows, machine=machine, wall_s=time.time() - t_start, summary=summarize(rows))
     print(markdown(data))
     print(json.dumps(data["summary"], indent=1))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=1)
+        schema.write(args.json, data)
     return 0
+
+
+def recorded_command(argv: List[str]) -> str:
+    """The command as a results file records it: ``--log-dir`` (where the jobs' logs went) left out."""
+    keep, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--log-dir":
+            skip = True
+        elif not a.startswith("--log-dir="):
+            keep.append(a)
+    return " ".join(["python", "benchmarks/elastic.py"] + [shlex.quote(a) for a in keep])
 
 
 if __name__ == "__main__":

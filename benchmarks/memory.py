@@ -28,7 +28,6 @@ Allocations inside collectives and file writers (C++ without an aten op) are not
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -90,8 +89,8 @@ def _measure(rank: int, world: int, numel: int, bucket: int, rows):
                     strat.first_nonfinite_tensor()
                 with TensorAccounting() as step:
                     if drv is None:
-                        from megatron_sparseloco.outer.base import OuterStepStats
-                        strat._outer_step(OuterStepStats(), None)   # the step after the non-finite guard
+                        # the step after the non-finite guard: the round's plan, pipelined
+                        strat.begin_round(strat.new_stats(), None, held=False).run_pipelined(write_back=True)
                         strat.anchor_ready()
                     else:
                         drv.launch()
@@ -103,7 +102,7 @@ def _measure(rank: int, world: int, numel: int, bucket: int, rows):
         held = acc.live["cpu"]
         host = strat.anchor.untyped_storage().nbytes() if fields.get("anchor_on_cpu") else 0
         save_peak = None
-        if strat.identical_across_workers:
+        if strat.capabilities.identical_across_workers:
             model = [torch.nn.Parameter(torch.zeros(s)) for s in shp]
             shards = MainParamShards(optimizer=object(), tensors=params, names=[f"p{i}" for i in range(len(params))],
                                      model_params=model, ranges=[(0, m.numel()) for m in model],
@@ -126,6 +125,9 @@ def _measure(rank: int, world: int, numel: int, bucket: int, rows):
 
 
 def table(res) -> str:
+    """The docs table of ``res`` (label → row, or a results document's rows, each with its ``label``)."""
+    if isinstance(res, list):
+        res = {r["label"]: r for r in res}
     lines = ["| algorithm, option | params' device, B / shard elt | host, B / shard elt | outer step after the guard | "
              "save | non-finite guard |", "|---|---|---|---|---|---|"]
     for label, r in res.items():
@@ -151,9 +153,12 @@ def main(argv=None) -> int:
     print(f"W = {args.workers}, shard {next(iter(res.values()))['numel']} elements, bucket {args.bucket}")
     print(table(res))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"workers": args.workers, "bucket": args.bucket, "shapes": shapes(args.numel), "rows": res}, f,
-                      indent=1)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import schema
+        rows = [{"label": label, **r} for label, r in res.items()]
+        schema.write(args.json, schema.document(
+            "memory", schema.command_line("memory.py", argv),
+            {"workers": args.workers, "numel": args.numel, "bucket": args.bucket, "shapes": shapes(args.numel)}, rows))
     return 0
 
 

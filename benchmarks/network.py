@@ -35,6 +35,7 @@ outer-sync time; all-gather and hierarchical must end on the same loss (bitwise 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -47,6 +48,7 @@ from dataclasses import asdict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import schema  # noqa: E402
 from common import ModelCfg, RunCfg  # noqa: E402
 
 HERE = os.path.abspath(__file__)
@@ -328,6 +330,7 @@ def summarise(res, world, case):
         steps = curve[-1]["step"]
         wall = max(p["wall_s"] for p in per_rank)
         row = {"case": case, "label": RunCfg(**run).label(), "method": run["method"], "k": run["k"], "H": run["H"] if run["method"] not in ("ddp", "local") else None,
+               "outer": common.outer_settings(RunCfg(**run), world),
                "workers": world, "overlap_steps": run.get("overlap_steps", 0), "fragments": run.get("fragments", 1),
                "numel": per_rank[0]["numel"], "steps": steps, "tokens": curve[-1]["tokens"],
                "held_out_loss": curve[-1]["held_out_loss"],
@@ -438,6 +441,31 @@ def hetero_runs(text: str, base: dict, sites: int = 0):
     return runs
 
 
+def tuned_settings(path: str, workers: int) -> dict:
+    """The outer settings a quality results file (benchmarks/quality.py, docs/results/quality_w*.json) chose at
+    ``workers`` workers: {"diloco": (lr, mu), "sparseloco": (lr, None), "sparseloco:128": ...}."""
+    import schema
+    doc = schema.load(path)
+    per_w = (doc["config"].get("tuned_per_w") or {}).get(str(workers))
+    if doc["benchmark"] != "quality" or not per_w:
+        raise SystemExit(f"--tuned {path}: a quality results file with settings chosen at W = {workers} "
+                         f"(it has {sorted((doc['config'].get('tuned_per_w') or {}))})")
+    return {key: tuple(v) for key, v in per_w.items()}
+
+
+def apply_tuned(runs, tuned: dict):
+    """Runs whose spec sets no outer lr get ``tuned``'s setting for their method (sparseloco: the entry of their
+    k, else k = 64's, as quality.py does); the others are left as they are."""
+    out = []
+    for r in runs:
+        key = f"{r.method}:{r.k}" if f"{r.method}:{r.k}" in tuned else r.method
+        if r.method in ("diloco", "sparseloco") and r.outer_lr is None and key in tuned:
+            lr, mu = tuned[key]
+            r = dataclasses.replace(r, outer_lr=lr, outer_momentum=mu if r.method == "diloco" else r.outer_momentum)
+        out.append(r)
+    return out
+
+
 def label(r):
     if r.get("label"):
         return r["label"]
@@ -501,6 +529,17 @@ def main(argv=None) -> int:
                     help="comma-separated methods of the sites case, as --hetero-methods, with the sparseloco "
                          "tags hier (hierarchical in the --sites groups) and rs (reduce-scatter)")
     ap.add_argument("--no-ddp", action="store_true")
+    ap.add_argument("--links", choices=("shared", "per-worker"), default="shared",
+                    help="the uniform case's link: 'shared' (one shaped loopback carries every worker's traffic: the "
+                         "rate is the aggregate) or 'per-worker' (one namespace per worker, its own link at --rate "
+                         "in both directions to a hub bridge, as the heterogeneous case with every link equal)")
+    ap.add_argument("--layers", type=int, default=4, help="transformer layers (default 4: the network model)")
+    ap.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--eval-windows", type=int, default=None, help="held-out windows (default 32; 8 with --smoke)")
+    ap.add_argument("--tuned", default=None, metavar="QUALITY_JSON",
+                    help="a quality results file (docs/results/quality_w*.json): diloco / sparseloco specs without an "
+                         "lr tag run at the settings it chose at this case's W (default: the plugin's defaults)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=None)
     # internal entry points (run inside a namespace)
@@ -523,12 +562,22 @@ def main(argv=None) -> int:
         model = ModelCfg(layers=2 if args.fragments else 1, hidden=64, heads=4, seq=32)
         steps, H, mbs = args.steps or 4, 2, 2
     else:
-        model = ModelCfg(layers=4, hidden=256, heads=4, seq=128)
+        if args.layers < 1 or args.hidden < 1 or args.heads < 1 or args.hidden % args.heads:
+            raise SystemExit(f"--layers / --hidden / --heads: need positive values with --heads dividing --hidden, "
+                             f"got {args.layers} / {args.hidden} / {args.heads}")
+        model = ModelCfg(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=128)
         steps, H, mbs = args.steps or (60 if args.quick else 150), args.H, 4
     t0 = time.perf_counter()
+    load_before = schema.loadavg() or ""
+    machine = common.machine_info()
     paths = common.ensure_data()
-    base = dict(H=H, steps=steps, mbs=mbs, eval_windows=8 if args.smoke else 32, eval_every=H)
+    base = dict(H=H, steps=steps, mbs=mbs, eval_every=H,
+                eval_windows=args.eval_windows or (8 if args.smoke else 32))
     methods = hetero_runs(args.uniform_methods, base)
+    tuned = {}
+    if args.tuned:
+        tuned = {"uniform": tuned_settings(args.tuned, args.workers)} if not args.no_uniform else {}
+        methods = apply_tuned(methods, tuned.get("uniform", {}))
     taus = [int(t) for t in args.overlap_steps.split(",") if t.strip()]
     if any(not 1 <= t < H for t in taus):
         raise SystemExit(f"--overlap-steps: every τ must be in [1, H={H}), got {taus}")
@@ -548,18 +597,23 @@ def main(argv=None) -> int:
     # one run_ranks call trains every method in turn: its budget grows with the method count
     # (a 150-step run takes 60–140 s here; the fixed 1500 s ran out at 14 methods)
     timeout = args.timeout or (240 if args.smoke else 300 * len(methods))
-    out = {"benchmark": "network", "model": asdict(model), "machine": common.machine_info(),
-           "uniform": {"rate": args.rate, "tbf": TBF, "workers": args.workers,
-                       "note": "all ranks share the shaped loopback: the rate is the aggregate of all traffic"},
-           "results": []}
+    config = {"model": asdict(model), "H": H, "steps": steps, "micro_batch": mbs, "eval_windows": base["eval_windows"],
+              "tuned_from": args.tuned, "defaults": None}
+    if not args.no_uniform:
+        config["uniform"] = {"rate": args.rate, "tbf": TBF, "workers": args.workers, "links": args.links,
+                             "note": ("all ranks share the shaped loopback: the rate is the aggregate of all traffic"
+                                      if args.links == "shared" else
+                                      "one namespace per worker, veth to a hub bridge, tbf at the rate both directions")}
+    out = {"results": []}
     if args.no_uniform and args.no_hetero and not args.sites:
         raise SystemExit("--no-uniform and --no-hetero together leave nothing to run (add --sites G for the sites case)")
     if args.sites:
         sites_addresses(args.sites_workers, args.sites)   # refuses a G that does not divide W, before any run
     if not args.no_uniform:
-        print(f"[network] uniform: W={args.workers}, lo tbf {args.rate}, methods "
+        print(f"[network] uniform: W={args.workers}, {args.links} links tbf {args.rate}, methods "
               f"{[m.method for m in methods]}, {steps} steps, H={H}", flush=True)
-        res = run_uniform(model, methods, paths, args.workers, args.rate, timeout)
+        res = (run_uniform(model, methods, paths, args.workers, args.rate, timeout) if args.links == "shared" else
+               run_hetero(model, methods, paths, [args.rate] * args.workers, timeout))
         rows = add_time_to_target(summarise(res, args.workers, "uniform"), args.diloco_target_step)
         out["results"] += rows
         for r in rows:
@@ -569,8 +623,8 @@ def main(argv=None) -> int:
     if not args.no_hetero:
         Wh = args.hetero_workers
         rates = [args.rate] * (Wh - 1) + [args.slow_rate]
-        out["hetero"] = {"rates": rates, "tbf": TBF, "workers": Wh,
-                         "note": "one namespace per worker, veth to a hub bridge, tbf both directions"}
+        out["hetero"] = config["hetero"] = {"rates": rates, "tbf": TBF, "workers": Wh,
+                                            "note": "one namespace per worker, veth to a hub bridge, tbf both directions"}
         hsteps = args.hetero_steps or (steps if args.smoke else (30 if args.quick else 90))
         hbase = dict(base, steps=hsteps)
         out["hetero"]["steps"] = hsteps
@@ -579,6 +633,9 @@ def main(argv=None) -> int:
         hbase["slow_compute"] = args.hetero_slow_compute
         out["hetero"]["slow_compute"] = args.hetero_slow_compute
         hmethods = hetero_runs(args.hetero_methods, hbase)
+        if args.tuned:
+            tuned["hetero"] = tuned_settings(args.tuned, Wh)
+            hmethods = apply_tuned(hmethods, tuned["hetero"])
         for t in taus:
             for m in merges:
                 hmethods += [RunCfg("diloco", overlap_steps=t, overlap_merge=m, **hbase),
@@ -599,7 +656,7 @@ def main(argv=None) -> int:
         ssteps = args.sites_steps or (steps if args.smoke else 4 * H)
         sbase = dict(base, steps=ssteps)
         smethods = hetero_runs(args.sites_methods, sbase, sites=G)
-        out["sites"] = {"workers": Ws, "sites": G, "lan_rate": args.lan_rate, "wan_rate": args.wan_rate,
+        out["sites"] = config["sites"] = {"workers": Ws, "sites": G, "lan_rate": args.lan_rate, "wan_rate": args.wan_rate,
                         "wan_delay": args.wan_delay, "steps": ssteps,
                         "note": "one namespace per worker, veth to a hub bridge; htb per link and direction: own "
                                 "site at the LAN rate, other sites at the WAN rate"
@@ -615,13 +672,15 @@ def main(argv=None) -> int:
             print(f"  {label(r):40s} loss {r['held_out_loss']:.6f}  sync comm {r['sync_communicate_s']}  "
                   f"(owners {r['sync_owner_s']}, wire {r['sync_wire_s']})  agree {r['sync_agree_s']}  "
                   f"outer step {r['sync_outer_step_s']}  step {r['step_s']:.3f}s", flush=True)
-    out["total_wall_s"] = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    config["tuned"] = {case: {k: list(v) for k, v in t.items()} for case, t in tuned.items()} or None
+    config["defaults"] = common.resolved_defaults(sorted({r["workers"] for r in out["results"]}))
+    doc = schema.document("network", schema.command_line("network.py", argv), config, out["results"],
+                          machine=machine, wall_s=total, load=load_before + " -> " + (schema.loadavg() or ""))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        schema.write(args.json, doc)
         print(f"[network] wrote {args.json}")
-    print(f"[network] total {out['total_wall_s']:.1f}s")
+    print(f"[network] total {total:.1f}s")
     return 0
 
 

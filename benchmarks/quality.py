@@ -1,7 +1,12 @@
 """Quality benchmark: held-out loss and bytes sent per worker, every method on the same model and data.
 
-    python benchmarks/quality.py [--quick] [--steps N] [--workers W] [--json docs/results/quality.json]
-                                 [--plots docs/results]
+    python benchmarks/quality.py --sweep --workers W --steps 900 --seeds 3 --methods diloco,sparseloco:64,sparseloco:128 \
+        --json docs/results/quality_wW.json          # the protocol (docs/benchmarks.md), one W per file
+    python benchmarks/quality.py --quick             # plumbing check
+
+Writes the results schema (benchmarks/schema.py): rows = every run once; a sweep row has ``sweep``
+true, a row of the seeds at the chosen settings has ``seed_run`` true (a seed-0 sweep run at the chosen
+setting is both). docs/results.md and its plots are rendered from the file by benchmarks/render_results.py.
 
 Model: a megatron-core GPTModel (local layer spec, CPU, gloo), byte vocabulary 257, trained on the
 Python standard-library sources (megatron_sparseloco.data, split train / held-out by file).
@@ -10,12 +15,15 @@ same inner AdamW (lr 1e-3, betas 0.9/0.95, wd 0.1, constant lr, no clipping) and
 of inner steps (so the same tokens):
 
   ddp             plain Megatron DDP + distributed optimizer, all W ranks one data-parallel group
-  diloco          OuterLoopOptimizer + diloco, outer Nesterov SGD lr 0.7, momentum 0.9
-  sparseloco      k ∈ {32, 64, 128} of C = 4096, 2-bit values, EF β 0.95, outer lr 1 (+ one k=64
-                  row with entropy-coded indices)
-  gasloc          ring gossip, η 1.0, γ 0.9 (the plugin's defaults)
+  diloco          OuterLoopOptimizer + diloco, outer Nesterov SGD
+  sparseloco      Top-k of each 4096-chunk (k from the spec), 2-bit values, EF β 0.95 (tags change these)
+  gasloc          gossip (topology and rule from the spec)
   torchft_diloco  PyPI torchft's DiLoCo (Manager + LighthouseServer, ProcessGroupGloo), inner
                   torch AdamW with the same settings, outer SGD lr 0.7 momentum 0.9 Nesterov
+
+Every outer setting a run does not set (outer lr / momentum: --sweep or --tuned set them) is the plugin's
+default, resolved for the run's W (common.strategy_fields): DiLoCo 0.7 / 0.9, SparseLoCo's lr rule
+0.375/√(W·k/C), GASLoC η 0.7, γ 0.6.
 
 Held-out loss: mean token cross-entropy (nats) of the bare GPTModel on a fixed set of held-out
 windows. diloco / sparseloco / torchft: the synced model (after the last outer step every worker
@@ -42,19 +50,21 @@ from dataclasses import asdict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import schema  # noqa: E402
 from common import ModelCfg, RunCfg  # noqa: E402
 
 
 METHODS_DEFAULT = "ddp,average,diloco,sparseloco:64,sparseloco:128,sparseloco:64:flat"
-#: The outer-lr sweep (every outer method tuned the same way, on the default corpus): the issue's grid
-#: (DiLoCo lr {0.5, 0.7, 1.0} × μ {0.9, 0.6}; SparseLoCo lr {0.8 … 1.5}), widened where a 900-step winner
-#: sat on its edge (DiLoCo 0.35, SparseLoCo 2.0 / 2.5), with k = 128 tuned on its own (its best lr differs
-#: from k = 64's at every W measured; docs/benchmarks.md). DiLoCo's μ 0.8 at lr 0.5 was added when it beat
-#: both neighbours at W = 2, 4 and 8 (2026-12-03; SparseLoCo's second axis, β, is swept by method tag:
-#: --methods sparseloco:128:ef0.9).
-SWEEP_SPARSELOCO_LRS = (0.8, 1.0, 1.2, 1.5, 2.0, 2.5)
+#: The outer-lr sweep: every compared method tuned on its own grid with the same spacing, on seed 0 at each W.
+#: DiLoCo: lr × μ, lr in steps of about √2 around the plugin's 0.7 (1.0 added when 0.7 / 0.8 won at W = 4),
+#: μ ∈ {0.6, 0.8, 0.9} (the plugin's 0.9).
+#: SparseLoCo: lr in steps of √2, 0.53 … 3.0: the values of the plugin's default rule
+#: (``default_outer_lr``: 2.12 / 1.5 / 1.06 at W = 2 / 4 / 8 for k = 64, 1.5 / 1.06 / 0.75 for k = 128) and
+#: one step beyond them on each side; k = 128 is tuned on its own. A winner on an edge of its grid is
+#: flagged by the results page (``render_results.py``): widen the grid then (``--sweep-grid``).
+SWEEP_SPARSELOCO_LRS = (0.53, 0.75, 1.06, 1.5, 2.12, 3.0)
 SWEEP = {
-    "diloco": [(lr, mu) for lr in (0.35, 0.5, 0.7, 1.0) for mu in (0.9, 0.6)] + [(0.5, 0.8)],
+    "diloco": [(lr, mu) for lr in (0.35, 0.5, 0.7, 1.0) for mu in (0.6, 0.8, 0.9)],
     "sparseloco": [(lr, None) for lr in SWEEP_SPARSELOCO_LRS],
     "sparseloco:128": [(lr, None) for lr in SWEEP_SPARSELOCO_LRS],
 }
@@ -208,6 +218,19 @@ def sweep_runs(args, steps):
     return runs
 
 
+def strip_option(argv, option):
+    """``argv`` without ``option`` and its value (either ``--opt v`` or ``--opt=v``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return out
+
+
 def _run_key(cfg):
     """Identity of a run's configuration (a sweep run and a seed-0 run with equal keys give the same row)."""
     return json.dumps(asdict(cfg), sort_keys=True)
@@ -230,6 +253,8 @@ def row_of(results, W):
         "seed": run["data_seed"],
         "outer_lr": run["outer_lr"],
         "outer_momentum": run["outer_momentum"],
+        # the outer strategy's settings as run: the run's own, the plugin's defaults for the rest (resolved at W)
+        "outer": common.outer_settings(common.RunCfg(**run), W),
         "chunking": run["chunking"] if run["method"] == "sparseloco" else None,
         "k": run["k"],
         "index_coding": run["index_coding"] if run["method"] == "sparseloco" else None,
@@ -249,43 +274,12 @@ def row_of(results, W):
         "wall_s": max(r["wall_s"] for r in results),
         "final_train_loss": sum(sum(r["train_losses"][-10:]) / len(r["train_losses"][-10:]) for r in results) / W,
         "curve": points,
+        "run": run,   # the whole run configuration (what --reuse matches on)
     }
 
 
 def label(row):
     return row.get("label") or row["method"]
-
-
-def plot(rows, out_dir, suffix=""):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    cmap = plt.get_cmap("tab20")
-    colors = {label(row): cmap(i % 20) for i, row in enumerate(rows)}
-    for xkey, fname, xlabel, logx in (("tokens", f"quality_loss_vs_tokens{suffix}.png", "training tokens (all workers)", False),
-                                      ("bytes_per_worker", f"quality_loss_vs_bytes{suffix}.png",
-                                       "bytes sent per worker (cumulative)", True)):
-        fig, ax = plt.subplots(figsize=(8, 5))
-        for row in rows:
-            pts = [p for p in row["curve"] if not (logx and p[xkey] <= 0)]
-            style = "--" if row["steps"] > rows[0]["steps"] else "-"
-            ax.plot([p[xkey] for p in pts], [p["held_out_loss"] for p in pts], style, marker=".", markersize=3,
-                    color=colors[label(row)], label=label(row))
-        if logx:
-            ax.set_xscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("held-out loss (nats/byte)")
-        ax.set_title(f"tiny megatron-core GPT on stdlib bytes, W={rows[0]['workers']}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out_dir, fname)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
 
 
 def summarise(rows):
@@ -305,7 +299,54 @@ def summarise(rows):
     return out
 
 
+def reuse_index(paths, model, machine):
+    """(W, run key) → row from earlier quality results files of the same model on the same CPU model: runs are
+    deterministic there (docs/benchmarks.md), so a run made before is taken instead of made again."""
+    index, used = {}, []
+    for path in [p for p in (paths or "").split(",") if p.strip()]:
+        doc = schema.load(path)
+        if doc["benchmark"] != "quality" or doc["config"]["model"] != asdict(model):
+            raise SystemExit(f"--reuse {path}: not a quality results file of this model ({asdict(model)})")
+        if doc["machine"]["cpu"] != machine["cpu"]:
+            raise SystemExit(f"--reuse {path}: made on {doc['machine']['cpu']!r}, this is {machine['cpu']!r}: "
+                             "SparseLoCo runs differ between CPU models; run them here")
+        n = 0
+        for row in doc["rows"]:
+            run = row.get("run") or _run_of_plain_row(row, doc["config"])
+            if run is not None:
+                index[(row["workers"], _run_key(RunCfg(**run)))] = dict(
+                    row, reused_from=row.get("reused_from") or f"{path} ({doc['commit']}, {doc.get('date')})")
+                n += 1
+        used.append({"file": path, "commit": doc["commit"], "date": doc.get("date"), "rows": n})
+    return index, used
+
+
+def _run_of_plain_row(row, config):
+    """The run configuration of a row written before rows carried it (``run``): rebuilt from the row and the
+    file's config, for a diloco / sparseloco row with no tag (the label of the rebuilt run must equal the row's,
+    else None: such a row is not reused)."""
+    if row.get("method") not in ("diloco", "sparseloco"):
+        return None
+    run = RunCfg(row["method"], H=row["H"], steps=row["steps"], mbs=config["inner"]["micro_batch"],
+                 lr=config["inner"]["lr"], eval_windows=config["eval_windows"], seed=1234 + row["seed"],
+                 data_seed=row["seed"], outer_lr=row["outer_lr"], outer_momentum=row["outer_momentum"],
+                 **({"k": row["k"]} if row["method"] == "sparseloco" else {}))
+    return asdict(run) if run.label() == row["label"] else None
+
+
+REUSE: dict = {}   # filled by main() from --reuse
+
+
 def run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
+    """One row per run (those in REUSE are taken from there, marked ``reused_from``)."""
+    known = {i: REUSE[(W, _run_key(r))] for i, r in enumerate(runs) if (W, _run_key(r)) in REUSE}
+    todo = [r for i, r in enumerate(runs) if i not in known]
+    made = iter(_run_rows(W, model, todo, ft_runs, paths, timeout, env, notes) if todo or ft_runs else [])
+    rows = [dict(known[i]) if i in known else next(made) for i in range(len(runs))]
+    return rows + list(made)   # (+ the torchft rows)
+
+
+def _run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
     from megatron_sparseloco.testing.multirank import run_ranks
 
     rows = []
@@ -389,19 +430,14 @@ def main(argv=None) -> int:
                     help="comma-separated P values: for every diloco / sparseloco method also runs with the model "
                          "synced in P fragments (--sparseloco-fragments), blocking and with every --overlap-steps "
                          "τ < H/P")
+    ap.add_argument("--reuse", default="",
+                    help="comma-separated quality results files: a run whose configuration (model, W, every run "
+                         "setting) is in one of them, made on this CPU model, is taken from there instead of made "
+                         "again (runs are deterministic per machine); not part of the recorded command, the file "
+                         "lists what it reused")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--plots", default=None, help="directory for the PNG plots (one pair per W)")
     ap.add_argument("--timeout", type=float, default=None, help="per-launch timeout in seconds")
-    ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw the plots of a results JSON")
     args = ap.parse_args(argv)
-    if args.replot:
-        with open(args.replot) as f:
-            rows = json.load(f)["results"]
-        for W in sorted({r["workers"] for r in rows}):
-            for p in plot([r for r in rows if r["workers"] == W and r["seed"] == 0],
-                          args.plots or os.path.dirname(os.path.abspath(args.replot)), f"_W{W}"):
-                print(f"[quality] wrote {p}")
-        return 0
     args.mbs = args.mbs or 4
     args.eval_windows = args.eval_windows or (16 if args.quick else 64)
     model = ModelCfg(layers=2 if args.layers is None else args.layers,
@@ -418,6 +454,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"--steps {steps} must be a multiple of H = {args.H}")
 
     t_start = time.perf_counter()
+    load_before = schema.loadavg() or ""
+    machine = common.machine_info()   # the commit as the run starts (the tree may move while it runs)
+    REUSE.clear()
+    reuse_index_, reused_files = reuse_index(args.reuse, model, machine)
+    REUSE.update(reuse_index_)
     if args.corpus:
         tag = "corpus-" + "".join(c if c.isalnum() else "_" for c in os.path.abspath(args.corpus))[-40:]
         paths = common.ensure_data(os.path.join(common.REPO, "data", tag), corpus=args.corpus,
@@ -438,6 +479,8 @@ def main(argv=None) -> int:
             sw = sweep_runs(args, args.sweep_steps or steps)
             print(f"[quality] sweep: {len(sw)} runs at W={W}", flush=True)
             rows_w = run_rows(W, model, sw, [], paths, timeout, env, notes)
+            for row in rows_w:
+                row.update(sweep=True, seed_run=False)
             sweep_rows += rows_w
             swept[W] = {_run_key(cfg): row for cfg, row in zip(sw, rows_w)}
             tuned_per_w[W] = pick_tuned(rows_w)
@@ -453,33 +496,42 @@ def main(argv=None) -> int:
         known, reused, to_run = swept.get(W, {}), [], []
         for r in runs:   # a run the sweep already made at this W gives its row, not a second run
             row = known.get(_run_key(r))
-            (to_run.append(r) if row is None else reused.append(dict(row, reused_from_sweep=True)))
+            (to_run.append(r) if row is None else reused.append(row))
+        for row in reused:
+            row["seed_run"] = True
         runs = to_run
         print(f"[quality] W={W}: {len(runs)} megatron runs + {len(ft_runs)} torchft runs "
               f"({len(reused)} taken from the sweep), model {asdict(model)}", flush=True)
-        rows += reused + run_rows(W, model, runs, ft_runs, paths, timeout, env, notes)
+        new_rows = run_rows(W, model, runs, ft_runs, paths, timeout, env, notes)
+        for row in new_rows:
+            row.update(sweep=False, seed_run=True)
+        rows += new_rows
     total = time.perf_counter() - t_start
-    summary = summarise(rows)
+    rows = sweep_rows + rows
+    summary = summarise([r for r in rows if r["seed_run"]])
     for g in sorted(summary, key=lambda g: (g["workers"], g["steps"], g["mean"])):
         print(f"W={g['workers']} steps {g['steps']} {g['label']:40s} mean {g['mean']:.4f} spread {g['spread']:.4f} "
               f"({g['seeds']} seeds)")
-    out = {"benchmark": "quality", "quick": args.quick, "workers": workers, "seeds": args.seeds, "H": args.H,
-           "model": asdict(model), "corpus": args.corpus or "python stdlib",
-           "inner": {"optimizer": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1,
-                     "schedule": "constant", "clip_grad": None, "micro_batch": args.mbs},
-           "tuned": tuned, "tuned_per_w": {str(W): t for W, t in tuned_per_w.items()} if args.sweep_each_w else None,
-           "sweep": sweep_rows, "summary": summary,
-           "command": "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": common.machine_info(), "total_wall_s": total, "notes": notes, "results": rows}
+    config = {"model": asdict(model), "numel": rows[0].get("numel") if rows else None,
+              "corpus": args.corpus or "python stdlib", "steps": steps, "H": args.H, "workers": workers,
+              "seeds": seeds, "methods": args.methods, "eval_windows": args.eval_windows,
+              "inner": {"optimizer": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                        "schedule": "constant", "clip_grad": None, "micro_batch": args.mbs, "seq": model.seq},
+              "sweep": ({"grid": {m: [list(p) for p in pts] for m, pts in sweep_grid(args.sweep_grid).items()},
+                         "seed": 0, "steps": args.sweep_steps or steps, "each_w": args.sweep_each_w}
+                        if args.sweep else None),
+              # the outer settings each W ran at (the sweep's choice, or the --tuned file; unset: the plugin's)
+              "tuned_per_w": {str(W): {k: list(v) for k, v in tuned_per_w.get(W, tuned).items()} for W in workers},
+              "defaults": common.resolved_defaults(workers)}
+    command = schema.command_line("quality.py", strip_option(argv if argv is not None else sys.argv[1:], "--reuse"))
+    if reused_files:
+        notes.append(f"{sum(1 for r in rows if r.get('reused_from'))} runs taken from earlier files (--reuse): "
+                     f"{reused_files}")
+    out = schema.document("quality", command, config, rows, machine=machine,
+                          wall_s=total, load=load_before + " -> " + (schema.loadavg() or ""), notes=notes)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        schema.write(args.json, out)
         print(f"[quality] wrote {args.json}")
-    if args.plots:
-        for W in workers:
-            for p in plot([r for r in rows if r["workers"] == W and r["seed"] == 0], args.plots, f"_W{W}"):
-                print(f"[quality] wrote {p}")
     print(f"[quality] total {total:.1f}s")
     return 0
 

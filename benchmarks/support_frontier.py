@@ -1,9 +1,8 @@
 """Held-out loss against bytes received per worker and outer step, from quality.py result files.
 
-    python benchmarks/support_frontier.py RESULTS.json [...] --json docs/results/quality_w8_frontier.json \
-        --plot docs/results/quality_w8_frontier.png
+    python benchmarks/support_frontier.py RESULTS.json [...] --json frontier.json --plot frontier.png
 
-Reads the ``results`` rows of one or more ``benchmarks/quality.py --json`` files (the same W, steps
+Reads the ``rows`` (``results`` in pre-schema files) of one or more ``benchmarks/quality.py --json`` files (the same W, steps
 and H: the rows must be comparable), and for every SparseLoCo row computes
 
     received per outer step = bytes_received_per_worker / (steps / H)
@@ -83,7 +82,8 @@ def main(argv=None) -> int:
     rows = []
     for path in args.results:
         with open(path) as f:
-            rows += json.load(f)["results"]
+            doc = json.load(f)
+        rows += doc["rows"] if "rows" in doc else doc["results"]   # the schema, or a pre-schema file (docs/archive/)
     out = frontier_rows(rows)
     print("| run | aggregation | support / chunk | received / round | held-out |")
     print("|---|---|---:|---:|---:|")
@@ -91,8 +91,9 @@ def main(argv=None) -> int:
         print(f"| {r['label']} | {r['aggregation']} | {r['support_per_chunk']} | "
               f"{r['received_per_round'] / 1e3:.1f} kB | {r['held_out_loss']:.4f} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "support_frontier", "inputs": args.results, "rows": out}, f, indent=1)
+        import schema
+        schema.write(args.json, schema.document("support_frontier", schema.command_line("support_frontier.py", argv),
+                                                {"inputs": args.results}, out))
     if args.plot:
         plot(out, args.plot)
     return 0

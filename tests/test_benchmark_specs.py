@@ -99,11 +99,11 @@ def test_reduce_scatter_and_gossip_tags_reach_the_strategy_fields():
     args = argparse.Namespace(methods="sparseloco:64:rs128w,sparseloco:64:rs256b8a,gasloc:exponential:mn:g2", H=15,
                               mbs=4, lr=1e-3, eval_windows=8, overlap_steps="", overlap_merges="replay", fragments="")
     rs_w, rs_a, gossip = quality.build_runs(args, {"sparseloco": (1.5, None)}, [0], 30)[0]
-    assert common.strategy_fields(rs_w)["owner_k"] == 128 and common.strategy_fields(rs_w)["owner_residual"] == "workers"
-    assert "reduce" not in common.strategy_fields(rs_w)
-    fa = common.strategy_fields(rs_a)
+    assert common.strategy_fields(rs_w, 2)["owner_k"] == 128 and common.strategy_fields(rs_w, 2)["owner_residual"] == "workers"
+    assert "reduce" not in common.strategy_fields(rs_w, 2)
+    fa = common.strategy_fields(rs_a, 2)
     assert (fa["owner_k"], fa["owner_value_bits"], fa["reduce"], "owner_residual" in fa) == (256, 8, "all", False)
-    fg = common.strategy_fields(gossip)
+    fg = common.strategy_fields(gossip, 2)
     assert (fg["topology"], fg["rule"], fg["gossip_rounds"]) == ("exponential", "mixed-nesterov", 2)
     with pytest.raises(SystemExit, match="unknown tag 'g0'"):
         common.gasloc_fields("gasloc:g0")
@@ -115,7 +115,7 @@ def test_hierarchical_tag_reaches_the_strategy_fields_and_its_label():
     args = argparse.Namespace(methods="sparseloco:64:h2", H=15, mbs=4, lr=1e-3, eval_windows=8, overlap_steps="",
                               overlap_merges="replay", fragments="")
     (run,) = quality.build_runs(args, {"sparseloco": (1.0, None)}, [0], 30)[0]
-    f = common.strategy_fields(run)
+    f = common.strategy_fields(run, 2)
     assert (f["aggregation"], f["aggregation_groups"]) == ("hierarchical", 2)
     assert "hierarchical G=2" in run.label()
 
@@ -126,8 +126,8 @@ def test_all_tag_gives_the_papers_mean_over_all_workers_and_its_own_label():
     args = argparse.Namespace(methods="sparseloco:64,sparseloco:64:all", H=15, mbs=4, lr=1e-3, eval_windows=8,
                               overlap_steps="", overlap_merges="replay", fragments="")
     plain, mean_all = quality.build_runs(args, {"sparseloco": (1.5, None)}, [0], 30)[0]
-    assert "reduce" not in common.strategy_fields(plain)
-    assert common.strategy_fields(mean_all)["reduce"] == "all" and mean_all.aggregation == "allgather"
+    assert "reduce" not in common.strategy_fields(plain, 2)
+    assert common.strategy_fields(mean_all, 2)["reduce"] == "all" and mean_all.aggregation == "allgather"
     assert plain.label() != mean_all.label() and "reduce=all" in mean_all.label()
 
 
@@ -138,8 +138,8 @@ def test_sparseloco_outer_momentum_from_the_tuned_file_reaches_the_strategy():
                               overlap_merges="replay", fragments="")
     (plain,), _ = quality.build_runs(args, {"sparseloco": (1.5, None)}, [0], 30)
     (nesterov,), _ = quality.build_runs(args, {"sparseloco": (1.0, 0.3)}, [0], 30)
-    assert "momentum" not in common.strategy_fields(plain)
-    f = common.strategy_fields(nesterov)
+    assert "momentum" not in common.strategy_fields(plain, 2)
+    f = common.strategy_fields(nesterov, 2)
     assert (f["lr"], f["momentum"], f["nesterov"]) == (1.0, 0.3, True)
 
 
@@ -169,17 +169,26 @@ def test_sweep_each_w_tunes_every_w_on_its_own_and_reuses_the_sweeps_seed0_runs(
     quality.main(["--sweep", "--sweep-each-w", "--workers", "2,8", "--steps", "30", "--seeds", "2",
                   "--methods", "diloco,sparseloco:64,sparseloco:128", "--json", str(out)])
     import json
+    import schema
     res = json.loads(out.read_text())
-    assert res["tuned_per_w"]["2"] == {"diloco": [0.5, 0.9], "sparseloco": [2.0, None], "sparseloco:128": [1.5, None]}
-    assert res["tuned_per_w"]["8"] == {"diloco": [0.5, 0.9], "sparseloco": [1.0, None], "sparseloco:128": [0.8, None]}
+    assert schema.check(res) == []
+
+    def nearest(lr):   # the bowl's minimum on the sweep's grid
+        return min(quality.SWEEP_SPARSELOCO_LRS, key=lambda x: abs(x - lr))
+    chosen = {W: (nearest(lr), nearest(0.8 * lr)) for W, lr in ((2, 2.0), (8, 1.0))}
+    for W, (lr64, lr128) in chosen.items():
+        assert res["config"]["tuned_per_w"][str(W)] == {"diloco": [0.5, 0.9], "sparseloco": [lr64, None],
+                                                        "sparseloco:128": [lr128, None]}
     swept_ws = [W for W, runs in calls if len(runs) == sum(len(v) for v in quality.SWEEP.values())]
     assert swept_ws == [2, 8]
-    for W, lr64, lr128 in ((2, 2.0, 1.5), (8, 1.0, 0.8)):
-        rows = [r for r in res["results"] if r["workers"] == W]
-        assert sorted((r["seed"], r["method"], r["k"], r["outer_lr"]) for r in rows) == sorted(
+    for W, (lr64, lr128) in chosen.items():
+        rows = [r for r in res["rows"] if r["workers"] == W]
+        assert all(r["sweep"] == (r["seed"] == 0) for r in rows)           # every run once: seed 0 is the sweep's
+        assert len(rows) == sum(len(v) for v in quality.SWEEP.values()) + 3
+        seed_rows = [r for r in rows if r["seed_run"]]
+        assert sorted((r["seed"], r["method"], r["k"], r["outer_lr"]) for r in seed_rows) == sorted(
             (s, m, k, lr) for s in (0, 1) for m, k, lr in (("diloco", None, 0.5), ("sparseloco", 64, lr64),
                                                             ("sparseloco", 128, lr128)))
-        assert all(bool(r.get("reused_from_sweep")) == (r["seed"] == 0) for r in rows)
         (seed_runs,) = [runs for w, runs in calls if w == W and len(runs) != sum(len(v) for v in quality.SWEEP.values())]
         assert sorted(r.data_seed for r in seed_runs) == [1, 1, 1]   # seed 0 is not run twice
 
@@ -308,8 +317,8 @@ def test_quality_sparseloco_tags_reach_the_run_and_unknown_tags_are_refused():
     args = argparse.Namespace(methods="sparseloco:64:vb4,sparseloco:128:ef0.9,sparseloco:64:all", H=15,
                               mbs=4, lr=1e-3, eval_windows=8, overlap_steps="", overlap_merges="replay", fragments="")
     vb4, ef, mean_all = quality.build_runs(args, {"sparseloco": (2.0, None)}, [0], 30)[0]
-    assert common.strategy_fields(vb4)["value_bits"] == 4 and "bits=4" in vb4.label()
-    assert common.strategy_fields(ef)["value_bits"] == 2 and common.strategy_fields(ef)["ef_beta"] == 0.9
+    assert common.strategy_fields(vb4, 2)["value_bits"] == 4 and "bits=4" in vb4.label()
+    assert common.strategy_fields(ef, 2)["value_bits"] == 2 and common.strategy_fields(ef, 2)["ef_beta"] == 0.9
     assert mean_all.reduce == "all" and vb4.outer_lr == 2.0
     for bad, match in (("sparseloco:64:vb", "unknown sparseloco tag 'vb'"), ("sparseloco:64:bits4", "unknown sparseloco tag"),
                        ("diloco:0:fast", "diloco takes no tag")):
@@ -321,3 +330,57 @@ def test_quality_sparseloco_tags_reach_the_run_and_unknown_tags_are_refused():
 def test_quality_model_shape_flags_are_checked_before_any_run(argv):
     with pytest.raises(SystemExit, match="--layers / --hidden / --heads"):
         quality.main(argv)
+
+
+def test_reuse_takes_runs_made_before_and_keeps_the_command(tmp_path, monkeypatch):
+    """--reuse: a run whose configuration is in an earlier file of the same model and CPU is not made again;
+    the recorded command is the one without --reuse (what reproduces the file), the notes say what was reused."""
+    import json
+    import schema
+
+    calls = []
+
+    def fake(W, model, runs, ft_runs, paths, timeout, env, notes):
+        calls.append([r.outer_lr for r in runs])
+        return [{"method": r.method, "k": r.k, "label": r.label(), "seed": r.data_seed, "workers": W, "steps": r.steps,
+                 "outer_lr": r.outer_lr, "outer_momentum": r.outer_momentum, "held_out_loss": r.outer_lr,
+                 "bytes_sent_per_worker": 1, "curve": [], "run": dataclasses_asdict(r)} for r in runs]
+    monkeypatch.setattr(quality, "_run_rows", fake)
+    monkeypatch.setattr(quality.common, "ensure_data", lambda *a, **k: {})
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    base = ["--sweep", "--workers", "2", "--steps", "30", "--seeds", "1", "--methods", "sparseloco:64"]
+    quality.main(base + ["--sweep-grid", '{"sparseloco": [[1.0, null], [2.0, null]]}', "--json", str(first)])
+    assert calls == [[1.0, 2.0]]
+    quality.main(base + ["--sweep-grid", '{"sparseloco": [[0.5, null], [1.0, null], [2.0, null]]}',
+                         "--reuse", str(first), "--json", str(second)])
+    assert calls[1:] == [[0.5]]                                  # only the new grid point is made
+    doc = json.loads(second.read_text())
+    assert schema.check(doc) == [] and "--reuse" not in doc["command"]
+    assert [r["outer_lr"] for r in doc["rows"] if r.get("reused_from")] == [1.0, 2.0]
+    assert any("--reuse" in n for n in doc["notes"])
+    other = json.loads(first.read_text())
+    other["machine"]["cpu"] = "another CPU"
+    first.write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="SparseLoCo runs differ between CPU models"):
+        quality.main(base + ["--reuse", str(first)])
+
+
+def dataclasses_asdict(run):
+    from dataclasses import asdict
+    return asdict(run)
+
+
+def test_reuse_rebuilds_the_run_of_a_row_written_before_rows_carried_it():
+    """A plain diloco / sparseloco row (no tags) of an older file is matched by its rebuilt configuration; the
+    rebuilt run must carry the row's own label, else the row is not reused."""
+    import argparse
+    import common
+
+    config = {"inner": {"micro_batch": 4, "lr": 1e-3}, "eval_windows": 64}
+    args = argparse.Namespace(sweep_grid='{"diloco": [[0.5, 0.8]], "sparseloco:128": [[1.5, null]]}', mbs=4,
+                              lr=1e-3, eval_windows=64, H=15)
+    for run in quality.sweep_runs(args, 900):
+        row = {"method": run.method, "k": run.k, "H": 15, "steps": 900, "seed": 0, "outer_lr": run.outer_lr,
+               "outer_momentum": run.outer_momentum, "label": run.label()}
+        assert quality._run_key(common.RunCfg(**quality._run_of_plain_row(row, config))) == quality._run_key(run)
+        assert quality._run_of_plain_row(dict(row, label=run.label() + " flat"), config) is None

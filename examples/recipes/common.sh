@@ -60,39 +60,44 @@ fi
 
 # Outer-step flags for ALGO. Defaults (docs/design.md §1; docs/recipes.md has the sources):
 #   sparseloco: H=15 (reference code; Covenant-72B used 30), top-64 of 4096 (1.56 %), 2-bit values,
-#               error-feedback decay 0.95, outer SGD lr 1.0 without momentum.
+#               error-feedback decay 0.95, outer SGD without momentum at the plugin's outer lr.
 #   diloco:     H=15 here to match the SparseLoCo comparison (the DiLoCo paper used 500),
-#               outer Nesterov SGD lr 0.7, momentum 0.9, fp32 all-reduce.
-#   gasloc:     ring gossip, heavy-ball momentum 0.9 on the mixed increment.
+#               outer Nesterov SGD at the plugin's lr / momentum, fp32 all-reduce.
+#   gasloc:     ring gossip at the plugin's proposal step and momentum.
 #   average:    plain model averaging every H steps (outer lr 1, no momentum), fp32 all-reduce.
+# The outer lr and momentum are the plugin's own defaults unless OUTER_LR / OUTER_MOMENTUM are set: no
+# value is repeated here (sparseloco's lr follows W and k, 0.375/sqrt(W*k/C): 2.12 at W = 2, 1.5 at W = 4,
+# 1.06 at W = 8 for k = 64; diloco 0.7 / 0.9 Nesterov; gasloc momentum 0.6; the start-up block prints them).
+outer_setting_args() {
+    [[ -n "${OUTER_LR:-}" ]] && SPARSELOCO_ARGS+=(--sparseloco-outer-lr "$OUTER_LR")
+    [[ -n "${OUTER_MOMENTUM:-}" ]] && SPARSELOCO_ARGS+=(--sparseloco-outer-momentum "$OUTER_MOMENTUM")
+    return 0
+}
 sparseloco_args() {
     SPARSELOCO_ARGS=(--sparseloco-algorithm "$ALGO" --sparseloco-workers "$WORKERS")
     case "$ALGO" in
         sparseloco)
             SPARSELOCO_ARGS+=(
                 --sparseloco-inner-steps "${INNER_STEPS:-15}"
-                --sparseloco-outer-lr "${OUTER_LR:-1.0}"
                 --sparseloco-topk "${TOPK:-64}"
                 --sparseloco-chunk-size "${CHUNK_SIZE:-4096}"
                 --sparseloco-value-bits "${VALUE_BITS:-2}"
                 --sparseloco-ef-decay "${EF_DECAY:-0.95}"
                 --sparseloco-reduce "${REDUCE:-contributors}"
-            ) ;;
+            )
+            outer_setting_args ;;
         diloco)
             SPARSELOCO_ARGS+=(
                 --sparseloco-inner-steps "${INNER_STEPS:-15}"
-                --sparseloco-outer-lr "${OUTER_LR:-0.7}"
-                --sparseloco-outer-momentum "${OUTER_MOMENTUM:-0.9}"
-                --sparseloco-outer-nesterov
                 --sparseloco-diloco-comm-dtype "${COMM_DTYPE:-fp32}"
-            ) ;;
+            )
+            outer_setting_args ;;
         gasloc)
             SPARSELOCO_ARGS+=(
                 --sparseloco-inner-steps "${INNER_STEPS:-15}"
-                --sparseloco-outer-lr "${OUTER_LR:-1.0}"
-                --sparseloco-outer-momentum "${OUTER_MOMENTUM:-0.9}"
                 --sparseloco-gossip-topology "${GOSSIP_TOPOLOGY:-ring}"
-            ) ;;
+            )
+            outer_setting_args ;;
         average)
             SPARSELOCO_ARGS+=(
                 --sparseloco-inner-steps "${INNER_STEPS:-15}"

@@ -1,0 +1,235 @@
+"""docs/results.md, the README's results table and docs/results/*.json agree; the renderer computes what it shows.
+
+The page is generated (benchmarks/render_results.py): these tests fail when a results file changed and the
+page was not re-rendered, when a file is not in the one results schema, when a file was made by a command
+other than the one `make bench` runs for it, and they check the renderer's arithmetic on synthetic files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import render_results as R  # noqa: E402
+import schema  # noqa: E402
+
+PLAN = {b.name: b.command for b in R.PLAN}
+MACHINE = {"cpu": "Test CPU", "cpus": "2", "torch": "2.x", "megatron_core": "0.19.2", "plugin_commit": "abc1234",
+           "python": "3.12"}
+
+
+# ---------------------------------------------------------------------------- the repository's files
+def test_every_results_file_is_in_the_schema():
+    for fname in sorted(os.listdir(R.RESULTS)):
+        if fname.endswith(".json"):
+            with open(os.path.join(R.RESULTS, fname)) as f:
+                assert schema.check(json.load(f)) == [], fname
+
+
+def test_the_page_readme_and_plots_are_what_the_files_render():
+    problems = R.check()
+    assert problems == [], "\n".join(problems)
+
+
+def test_the_archive_index_names_every_archived_file():
+    archive = os.path.join(ROOT, "docs", "archive")
+    index = open(os.path.join(archive, "README.md")).read()
+    for fname in os.listdir(archive):
+        if fname != "README.md":
+            assert f"]({fname})" in index, fname
+
+
+def test_benchmarks_md_is_the_protocol_and_points_to_the_results():
+    text = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
+    assert len(text.splitlines()) <= 300
+    assert "results.md" in text
+    assert not re.search(r"\bissues? \d+|#\d+\b", text, re.I), "internal issue numbers in a user doc"
+
+
+def test_no_doc_points_at_shared_or_a_machine_path():
+    for name in ("results.md", "benchmarks.md"):
+        text = open(os.path.join(ROOT, "docs", name)).read()
+        assert "../shared" not in text and "/work/" not in text and "/tmp/" not in text, name
+
+
+# ---------------------------------------------------------------------------- synthetic files
+def _row(W, method, k, lr, mu, seed, loss, sweep, seed_run, bytes_=1000):
+    label = ("diloco" if method == "diloco" else f"sparseloco k={k}") + f" lr={lr:g}" + (
+        f" mu={mu:g}" if mu is not None else "") + " H=15"
+    return {"method": method, "k": k, "label": label, "seed": seed, "workers": W, "steps": 900, "H": 15,
+            "outer_lr": lr, "outer_momentum": mu, "held_out_loss": loss, "bytes_sent_per_worker": bytes_,
+            "bytes_received_per_worker": bytes_, "numel": 446_000, "sweep": sweep, "seed_run": seed_run,
+            "curve": [{"step": 0, "tokens": 0, "bytes_per_worker": 0, "held_out_loss": 5.5, "wall_s": 0.0},
+                      {"step": 900, "tokens": 1, "bytes_per_worker": bytes_, "held_out_loss": loss, "wall_s": 9.0}]}
+
+
+def quality_doc(W, diloco_losses=(2.10, 2.12, 2.14), sl_losses=(2.05, 2.13, 2.08), command=None):
+    """A quality file: DiLoCo swept on 2 points, SparseLoCo k = 64 / 128 on 3 lrs, seeds 1 and 2 at the winners."""
+    rows = [_row(W, "diloco", None, 0.5, 0.8, 0, diloco_losses[0], True, True, 100_000),
+            _row(W, "diloco", None, 0.7, 0.9, 0, 2.3, True, False, 100_000)]
+    for lr, loss in ((1.0, 2.2), (1.5, sl_losses[0]), (2.0, 2.3)):
+        rows.append(_row(W, "sparseloco", 64, lr, None, 0, loss, True, lr == 1.5, 800))
+    for lr, loss in ((1.0, 2.0), (1.5, 2.1)):      # k = 128's winner sits on its grid's low edge
+        rows.append(_row(W, "sparseloco", 128, lr, None, 0, loss, True, lr == 1.0, 1600))
+    for s in (1, 2):
+        rows += [_row(W, "diloco", None, 0.5, 0.8, s, diloco_losses[s], False, True, 100_000),
+                 _row(W, "sparseloco", 64, 1.5, None, s, sl_losses[s], False, True, 800),
+                 _row(W, "sparseloco", 128, 1.0, None, s, 2.01, False, True, 1600)]
+    config = {"model": {"layers": 2, "hidden": 128, "heads": 4, "seq": 128, "vocab": 257}, "numel": 446_000,
+              "steps": 900, "H": 15, "workers": [W], "seeds": [0, 1, 2], "inner": {"lr": 1e-3, "micro_batch": 4},
+              "tuned_per_w": {str(W): {"diloco": [0.5, 0.8], "sparseloco": [1.5, None], "sparseloco:128": [1.0, None]}},
+              "defaults": {str(W): {"diloco": {"lr": 0.7, "momentum": 0.9}, "sparseloco": {"lr": 2.0},
+                                    "sparseloco:128": {"lr": 1.5}}}}
+    command = command or PLAN[f"quality_w{W}"]
+    config["sweep"] = {"grid": R.sweep_grid_of(command)}     # the grid today's code sweeps for that command
+    return schema.document("quality", command, config, rows, machine=dict(MACHINE),
+                           load="1.0 1.0 1.0 -> 2.0 2.0 2.0")
+
+
+def network_doc(W):
+    def row(method, k, lr, mu, loss, outer_s, t):
+        return {"case": "uniform", "method": method, "k": k, "label": f"{method} k={k}", "workers": W,
+                "outer_lr": lr, "outer_momentum": mu, "held_out_loss": loss, "sync_outer_step_s": outer_s,
+                "sync_communicate_s": outer_s / 2, "step_s": 0.05, "time_to_diloco_s": t, "overlap_steps": 0,
+                "fragments": 1, "bytes_sent_per_worker": 10, "curve": [
+                    {"step": 15, "wall_s": 1.0, "held_out_loss": 3.0}, {"step": 900, "wall_s": 60.0, "held_out_loss": loss}]}
+    rows = [row("diloco", None, 0.5, 0.8, 2.10, 0.8, 60.0), row("sparseloco", 64, 1.5, None, 2.05, 0.1, 41.0),
+            row("sparseloco", 128, 1.0, None, 2.0, 0.1, 30.0)]
+    for r in rows:   # what network.py writes: the run's resolved outer settings in "outer"
+        r["outer"] = {"lr": r.pop("outer_lr"), **({"momentum": r.pop("outer_momentum")} if r["method"] == "diloco"
+                                                    else {"k": r["k"]})}
+        r.pop("outer_momentum", None)
+    plan = {b.name: b.command for b in R.PLAN}
+    return schema.document("network", plan[f"network_w{W}"], {"model": {}}, rows, machine=dict(MACHINE))
+
+
+def write(tmp_path, name, doc):
+    (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+
+
+def test_the_headline_is_computed_from_the_seeds_at_the_chosen_settings(tmp_path):
+    write(tmp_path, "quality_w4", quality_doc(4))
+    docs = R.load_results(str(tmp_path))
+    page = R.render_page(docs)
+    # DiLoCo 2.10 / 2.12 / 2.14: mean 2.12, spread 0.04; SparseLoCo k = 64 2.05 / 2.13 / 2.08: mean 2.0867,
+    # ahead of DiLoCo on seeds 0 and 2 only
+    assert "| 4 | DiLoCo | 0.5 / 0.8 | 2.1200 ± 0.040 (3) |  |  | 100.0 kB |" in page
+    assert "| 4 | SparseLoCo k = 64 | 1.5 | 2.0867 ± 0.080 (3) | -0.033 | 2 of 3 | 800 B |" in page
+    assert "| 4 | SparseLoCo k = 128 | 1 | 2.0067 ± 0.010 (3) | -0.113 | 3 of 3 | 1.6 kB |" in page
+    assert "| 2 | not measured yet |" in page and "| 8 | not measured yet |" in page
+    assert ("SparseLoCo k = 64 is ahead of DiLoCo at W = 4 (-0.033). SparseLoCo k = 128 is ahead of DiLoCo at "
+            "W = 4 (-0.113).") in page
+    # bytes: DiLoCo's over SparseLoCo k = 64's, per outer step (60 of them)
+    assert "**125.0×**" in page and "1.7 kB" in page
+    # the sweep table: every point, the chosen one bold, k = 128 flagged on its low edge, k = 64 inside
+    assert "**1.5 2.0500**" in page and "2.12" not in page.split("## Sweeps")[1].split("k = 64")[0]
+    sweep_128 = next(l for l in page.splitlines() if l.startswith("| 4 | SparseLoCo k = 128 | **1 2.0000**"))
+    assert sweep_128.endswith("**yes: lowest lr** |")
+    sweep_64 = next(l for l in page.splitlines() if l.startswith("| 4 | SparseLoCo k = 64 | 1 2.2000"))
+    assert sweep_64.endswith("| no |")
+    assert "2 2.3000 (default)" in sweep_64 and "1.5 2.1000 (default)" in sweep_128   # the plugin's own settings
+    diloco_sweep = next(l for l in page.splitlines() if l.startswith("| 4 | DiLoCo | **0.5 / 0.8 2.1000**"))
+    assert "**0.5 / 0.8 2.1000**," in diloco_sweep and "0.7 / 0.9 2.3000 (default)" in diloco_sweep
+    # the command and the machine under the table
+    assert PLAN["quality_w4"] in page and "Test CPU, 2 CPUs" in page and "load 1.0 1.0 1.0 -> 2.0 2.0 2.0" in page
+    assert "![W = 4:" in page and R.plot_names(docs) == ["results_W4.png"]
+
+
+def test_the_machine_line_says_which_runs_came_from_an_earlier_run(tmp_path):
+    doc = quality_doc(2)
+    for r in doc["rows"][:3]:
+        r["reused_from"] = "docs/results/quality_w2_first.json (3ebde43, 2026-12-05)"
+    write(tmp_path, "quality_w2", doc)
+    page = R.render_page(R.load_results(str(tmp_path)))
+    assert "(3 of 13 runs from an earlier run at 3ebde43, same CPU model)" in page
+
+
+def test_the_network_columns_and_the_readme_table_come_from_the_network_file(tmp_path):
+    write(tmp_path, "quality_w2", quality_doc(2))
+    write(tmp_path, "network_w2", network_doc(2))
+    docs = R.load_results(str(tmp_path))
+    page = R.render_page(docs)
+    assert "| 2 | DiLoCo | 0.5 / 0.8 | 2.1200 ± 0.040 (3) |  |  | 100.0 kB | 0.80 s | 60.0 s |" in page
+    assert "| 2 | SparseLoCo k = 64 | 1.5 | 2.0867 ± 0.080 (3) | -0.033 | 2 of 3 | 800 B | 0.10 s | 41.0 s |" in page
+    block = R.render_readme_block(docs)
+    assert block.startswith(R.README_BEGIN) and block.endswith(R.README_END)
+    assert "| 2 | 2.120 ± 0.040 | 2.087 ± 0.080 | 2.007 ± 0.010 | 100.0 kB → 800 B | 60 s → 41 s |" in block
+    assert "docs/results.md" in block
+
+
+def elastic_row(scenario, goodput, **kw):
+    row = {"scenario": scenario, "seed": 0, "after_failed_round": "keep", "wall_s": 120.0, "rounds_committed": 30,
+           "rounds_failed": 0, "goodput_steps_per_s": goodput, "computed_steps": 1350, "useful_steps": 1350,
+           "discarded_steps": 0, "detection_s": None, "rejoin_s": None, "heal_s": None, "heal_bytes": None,
+           "held_out_loss": 2.5, "load_avg_start": 3.0, "load_avg_end": 3.0, "round_s_mean": 4.0,
+           "quorum_s_mean": 0.05, "header_s_mean": 0.01, "step_compute_s_median": 0.1, "steps_over_pace": 0}
+    row.update(kw)
+    return row
+
+
+def test_missing_files_render_their_command_and_elastic_appears_when_written(tmp_path):
+    docs = R.load_results(str(tmp_path))
+    page = R.render_page(docs)
+    assert "Not measured yet" in page and PLAN["quality_w2"] in page
+    assert PLAN["elastic"] in page and PLAN["memory"] in page
+    cfg = {"workers": 3, "H": 15, "step_seconds": 0.25, "seconds": 120, "kill_at": 0.3, "restart_after": 0.2}
+    write(tmp_path, "elastic", schema.document("elastic", PLAN["elastic"], cfg, [
+        elastic_row("failure-free", 10.0),
+        elastic_row("elastic-keep", 9.1, detection_s=6.0, rejoin_s=30.0, heal_s=0.4, heal_bytes=2e6)],
+        machine=dict(MACHINE)))
+    page = R.render_page(R.load_results(str(tmp_path)))
+    elastic = page.split("## Elastic workers under a failure")[1].split("\n## ")[0]
+    assert "| failure-free | 120 | 30 / 0 | 10.00 | 100.0% |" in elastic
+    assert "| elastic-keep | 120 | 30 / 0 | 9.10 | 91.0% | 0 | 6.00 | 30.00 | 0.40 / 2.0 |" in elastic
+    assert "| failure-free | 4.000 | 0.050 | 0.010 | 1.5% |" in elastic      # quorum + header share of the round
+    assert PLAN["elastic"] in elastic and R.plan_problems(R.load_results(str(tmp_path))) == []
+
+
+def test_a_file_made_by_another_command_or_grid_than_make_bench_is_refused(tmp_path):
+    write(tmp_path, "quality_w4", quality_doc(4))
+    assert R.plan_problems(R.load_results(str(tmp_path))) == []
+    write(tmp_path, "quality_w2", quality_doc(2, command="python benchmarks/quality.py --tuned t.json --workers 2"))
+    write(tmp_path, "stray", quality_doc(2))
+    old_grid = quality_doc(8)
+    old_grid["config"]["sweep"]["grid"]["diloco"] = old_grid["config"]["sweep"]["grid"]["diloco"][:-1]
+    write(tmp_path, "quality_w8", old_grid)          # the code's grid grew after the file was made
+    problems = R.plan_problems(R.load_results(str(tmp_path)))
+    assert any("quality_w2.json: made by" in p for p in problems)
+    assert any("stray.json: not in render_results.PLAN" in p for p in problems)
+    assert any("quality_w8.json: swept another grid" in p for p in problems)
+    assert not any("quality_w4" in p for p in problems)
+
+
+def test_check_reports_a_stale_page_and_readme(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    write(results, "quality_w2", quality_doc(2))
+    page, readme = tmp_path / "results.md", tmp_path / "README.md"
+    readme.write_text(f"intro\n{R.README_BEGIN}\nold\n{R.README_END}\nrest\n")
+    R.render(str(results), str(page), str(readme), plots=False)
+    assert readme.read_text().startswith("intro\n") and readme.read_text().endswith("\nrest\n")
+    assert [p for p in R.check(str(results), str(page), str(readme)) if "results_W2.png" not in p] == []
+    doc = quality_doc(2, diloco_losses=(2.10, 2.12, 2.20))       # a file changes, the page does not
+    write(results, "quality_w2", doc)
+    problems = R.check(str(results), str(page), str(readme))
+    assert any("results.md differs" in p for p in problems) and any("README.md" in p for p in problems)
+
+
+@pytest.mark.parametrize("broken, message", [
+    (lambda d: d.pop("command"), "missing key 'command'"),
+    (lambda d: d.update(rows=[]), "rows: not a non-empty list"),
+    (lambda d: d["machine"].pop("cpu"), "machine: missing 'cpu'"),
+    (lambda d: d.update(schema=0), "schema is 0"),
+    (lambda d: d.update(command="make bench"), "not a 'python benchmarks/...' command line"),
+])
+def test_the_schema_check_names_what_is_wrong(broken, message):
+    doc = quality_doc(2)
+    assert schema.check(doc) == []
+    broken(doc)
+    assert any(message in p for p in schema.check(doc)), schema.check(doc)
