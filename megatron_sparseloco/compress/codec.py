@@ -255,13 +255,18 @@ def _decode_indices(
     else:
         local = entropy_index.decode_indices(index_section, chunk_ids, kept, layout.space)
     bad = local >= n_valid[chunk_ids]
+    if not bad.numel():
+        return chunk_ids, layout.compact_to_global(chunk_ids, local, width)
+    # the error's evidence, taken on the device (no host read): a deferred check keeps it until the round's
+    # end, so it must not hold the bucket's index tensors
+    at = first_true(bad)
+    chunk = chunk_ids.index_select(0, at)
+    evidence = torch.cat([local.index_select(0, at), chunk, n_valid.index_select(0, chunk).to(local.dtype)])
 
     def out_of_range() -> PayloadError:
-        at_bad = int(torch.nonzero(bad)[0])
-        return PayloadError(
-            f"payload index {int(local[at_bad])} in chunk {int(chunk_ids[at_bad])} is out of range "
-            f"(that chunk holds {int(n_valid[chunk_ids[at_bad]])} elements)"
-        )
+        index, in_chunk, holds = evidence.tolist()
+        return PayloadError(f"payload index {index} in chunk {in_chunk} is out of range "
+                            f"(that chunk holds {holds} elements)")
 
     require(bad, out_of_range)
     if deferring():   # checked later: keep every position inside its chunk meanwhile
@@ -291,14 +296,20 @@ def _check_strictly_increasing(local: torch.Tensor, chunk_ids: torch.Tensor) -> 
         return
     same_chunk = chunk_ids[1:] == chunk_ids[:-1]
     bad = same_chunk & (local[1:] <= local[:-1])
+    at = first_true(bad) + 1      # evidence on the device, as in ``_decode_indices``
+    evidence = torch.cat([at, local.index_select(0, torch.cat([at - 1, at])), chunk_ids.index_select(0, at)])
 
     def not_ascending() -> PayloadError:
-        at = int(torch.nonzero(bad)[0]) + 1
-        kind = "duplicate" if int(local[at]) == int(local[at - 1]) else "unsorted"
-        return PayloadError(f"payload indices in chunk {int(chunk_ids[at])}: {kind} index {int(local[at])} "
-                            f"at position {at}")
+        position, before, index, chunk = evidence.tolist()
+        kind = "duplicate" if index == before else "unsorted"
+        return PayloadError(f"payload indices in chunk {chunk}: {kind} index {index} at position {position}")
 
     require(bad, not_ascending)
+
+
+def first_true(flags: torch.Tensor) -> torch.Tensor:
+    """The position of ``flags``' first True as a 1-element tensor on its device (0 when none), no host read."""
+    return flags.to(torch.uint8).argmax().view(1)
 
 
 def decode_dense(payload: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -171,6 +171,30 @@ def unsupported_reason(cfg: CodecConfig, x: torch.Tensor) -> str | None:
 
 def _launch(kernel, grid, *args, **kw):
     kernel[grid](*args, enable_fp_fusion=False, **kw)
+
+
+def _index_error(bad: torch.Tensor, stacked: torch.Tensor) -> Callable[[], PayloadError]:
+    """The error of a failed index validation (``bad``: workers x chunks, nonzero where a chunk's indices are
+    out of range or not ascending). Checked at once: the torch path's precise error for the first bad payload.
+    Deferred (kept until the round's end): built from the first bad worker and chunk, taken on the device,
+    without holding the bucket's payloads."""
+    if not deferring():
+        def precise() -> PayloadError:
+            w = int(torch.nonzero(bad.any(1))[0])
+            try:
+                _codec.decode(stacked[w])
+            except PayloadError as exc:
+                return exc
+            return PayloadError(f"payload {w}: indices are not strictly ascending / in range")  # pragma: no cover
+        return precise
+    flags = bad != 0
+    worker = flags.any(1).to(torch.uint8).argmax().view(1)
+    evidence = torch.cat([worker, flags.index_select(0, worker).to(torch.uint8).argmax(1)])
+
+    def deferred() -> PayloadError:
+        w, chunk = evidence.tolist()
+        return PayloadError(f"payload {w}: the indices of chunk {chunk} are out of range or not strictly ascending")
+    return deferred
 
 
 def _next_pow2(n: int) -> int:
@@ -448,15 +472,7 @@ def _scatter_kernels(stacked, cfg, out, scales, counts):
         lay.n_chunks, lay.tail, cfg.k, lay.k_last, geo.index_at, geo.index_bytes,
         C=cfg.chunk, KB=kb, WI=wi, NBI=nbi, num_warps=1 if kb <= 64 else 4,
     )  # fmt: skip
-    def index_error() -> PayloadError:
-        w = int(torch.nonzero(bad.view(n_workers, -1).any(1))[0])
-        try:
-            _codec.decode(stacked[w])  # the torch path's precise PayloadError
-        except PayloadError as exc:
-            return exc
-        return PayloadError(f"payload {w}: indices are not strictly ascending / in range")  # pragma: no cover
-
-    require(bad != 0, index_error)
+    require(bad != 0, _index_error(bad.view(n_workers, -1), stacked))
     _launch(
         K.scatter_add_kernel, (lay.n_chunks,), stacked, stacked.stride(0), side,
         scales if scales is not None else side, out, counts if counts is not None else out,

@@ -276,7 +276,10 @@ def read_bucket_table(payload: torch.Tensor, plan: BucketPlan) -> list[int]:
         if payload.numel() < head.numel():
             raise PayloadError(f"bucket payload has {payload.numel()} bytes, its header and table need "
                                f"{head.numel()}")
-        require(payload[:head.numel()] != head, lambda: _header_error(payload, plan))
+        received = payload[:head.numel()]
+        # the error is built from a copy of the header and table only (a deferred check keeps it to the round's end)
+        evidence = received.clone()
+        require(received != head, lambda: _header_error(evidence, plan))
         return packed_index_lengths(plan)
     return _read_bucket_table(payload, plan)
 
