@@ -1,6 +1,7 @@
-"""Test-only launcher for elastic jobs: ``megatron_sparseloco.run`` plus round records and fault hooks.
+"""Launcher for elastic jobs under test or benchmark: ``megatron_sparseloco.run`` plus round records and fault hooks.
 
-    prefork/torchrun ... tests/elastic_launcher.py <pretrain script> <args>    (env ELASTIC_OUT, ELASTIC_TAG)
+    torchrun ... -m megatron_sparseloco.testing.elastic_launcher <pretrain script> <args>
+    (environment: ELASTIC_OUT, the records' folder; ELASTIC_TAG, the job's name in them)
 
 Every rank appends one JSON line per elastic round to ``<ELASTIC_OUT>/<ELASTIC_TAG>.rank<r>.jsonl``
 (``ElasticRounds._end``: the round's step, outcome, participants and contributors as worker
@@ -117,6 +118,7 @@ def _install() -> None:
     def train(*a, **kw):
         out = orig_train(*a, **kw)
         opt = plugin.ACTIVE
+        assert opt is not None, "the outer loop is on (--sparseloco-algorithm)"
         model = a[1] if len(a) > 1 else kw["model"]
         named = [(n, p) for chunk in model for n, p in sorted(chunk.named_parameters())]
         tied = {k: _sha([p for n, p in named if n.endswith(suffix)])
@@ -128,8 +130,9 @@ def _install() -> None:
                 "iteration": out[0] if isinstance(out, tuple) else None})
         return out
 
-    rounds_cls.startup, rounds_cls._round, rounds_cls._communicate, rounds_cls._end = (startup, _round, _communicate,
-                                                                                        _end)
+    # deliberate monkeypatches of the class (every ElasticRounds of this process), as the docstring says
+    for name, fn in (("startup", startup), ("_round", _round), ("_communicate", _communicate), ("_end", _end)):
+        setattr(rounds_cls, name, fn)
     mtrain.train = train
 
 
@@ -137,5 +140,4 @@ if __name__ == "__main__":
     import sys
     os.makedirs(OUT, exist_ok=True)
     _install()
-    sys.argv = sys.argv[:1] + sys.argv[1:]
     main(sys.argv[1:])
