@@ -1,7 +1,7 @@
 """Elastic mode in the real megatron.training loop: every worker its own Megatron job, a real lighthouse.
 
 Each job is ``examples/pretrain_gpt.py`` (tiny GPT, mock data, CPU gloo) through
-``tests/elastic_launcher.py`` (``megatron_sparseloco.run`` plus per-round records and fault hooks),
+``testing/elastic_launcher.py`` (``megatron_sparseloco.run`` plus per-round records and fault hooks),
 launched as its own process tree through ``testing.prefork`` (torchrun's interface, ranks forked
 from a warm server) and driven by ``testing.elastic_jobs`` (kill -9, SIGSTOP / SIGCONT, restart).
 
@@ -37,7 +37,7 @@ from megatron_sparseloco.testing.elastic_jobs import ElasticRun
 
 pytestmark = [pytest.mark.multirank, pytest.mark.megatron]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCHER = os.path.join(ROOT, "tests", "elastic_launcher.py")
+LAUNCHER = ["-m", "megatron_sparseloco.testing.elastic_launcher"]
 SECRET = "the-run-secret-0123456789abcdef"
 
 
@@ -58,11 +58,11 @@ def pretrain_args(*, algorithm, slots, iters, H=2, nproc=2, run_batch=None, extr
     del cmd[i:i + 4]
     if run_batch is not None:   # the run's batch, as in single-job mode (each elastic job trains 1/W of it)
         cmd[cmd.index("--global-batch-size") + 1] = str(run_batch)
-    return [LAUNCHER] + cmd[cmd.index("megatron_sparseloco.run") + 1:] + list(extra)
+    return LAUNCHER + cmd[cmd.index("megatron_sparseloco.run") + 1:] + list(extra)
 
 
 class Run:
-    """A lighthouse and worker jobs of the real loop; their round records (``tests/elastic_launcher.py``)."""
+    """A lighthouse and worker jobs of the real loop; their round records (``testing/elastic_launcher.py``)."""
 
     def __init__(self, tmp_path, *, algorithm, jobs=3, slots=None, iters=16, H=2, min_workers=1, lighthouse_min=1,
                  extra=(), tokens=None, outer_timeout=5):

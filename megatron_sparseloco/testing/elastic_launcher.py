@@ -1,6 +1,7 @@
-"""Test-only launcher for elastic jobs: ``megatron_sparseloco.run`` plus round records and fault hooks.
+"""Launcher for elastic jobs under test or benchmark: ``megatron_sparseloco.run`` plus round records and fault hooks.
 
-    prefork/torchrun ... tests/elastic_launcher.py <pretrain script> <args>    (env ELASTIC_OUT, ELASTIC_TAG)
+    torchrun ... -m megatron_sparseloco.testing.elastic_launcher <pretrain script> <args>
+    (environment: ELASTIC_OUT, the records' folder; ELASTIC_TAG, the job's name in them)
 
 Every rank appends one JSON line per elastic round to ``<ELASTIC_OUT>/<ELASTIC_TAG>.rank<r>.jsonl``
 (``ElasticRounds._end``: the round's step, outcome, participants and contributors as worker
@@ -60,16 +61,7 @@ def _spec(name: str):
     return int(step), path
 
 
-def _install() -> None:
-    import megatron.training.training as mtrain
-
-    from megatron_sparseloco.megatron import elastic_rounds, plugin
-
-    rounds_cls = elastic_rounds.ElasticRounds
-    hold, pause = os.environ.get("ELASTIC_HOLD"), _spec("ELASTIC_PAUSE")
-    orig_startup, orig_round, orig_comm, orig_end = (rounds_cls.startup, rounds_cls._round, rounds_cls._communicate,
-                                                     rounds_cls._end)
-
+def _barrier_then_startup(orig):
     def startup(self):
         barrier = os.environ.get("ELASTIC_BARRIER")
         if barrier:
@@ -80,27 +72,36 @@ def _install() -> None:
                 time.sleep(0.05)
         if os.environ.get("ELASTIC_STARTUP_FILE"):
             open(os.environ["ELASTIC_STARTUP_FILE"], "w").close()
-        return orig_startup(self)
+        return orig(self)
+    return startup
 
+
+def _held_round(orig, hold):
     def _round(self, contributes):
         deadline = time.monotonic() + 300
         while hold and contributes and os.path.exists(hold) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return orig_round(self, contributes)
+        return orig(self, contributes)
+    return _round
+
+
+def _paused_communicate(orig, pause):
+    state = {"pause": pause}
 
     def _communicate(self, rnd):
-        nonlocal pause
-        if pause is not None and rnd.step == pause[0] and _rank() == 0:
-            pause = None
-            open(pause_path, "w").close()
+        due = state["pause"]
+        if due is not None and rnd.step == due[0] and _rank() == 0:
+            state["pause"] = None
+            open(due[1], "w").close()
             time.sleep(3600)
-        return orig_comm(self, rnd)
+        return orig(self, rnd)
+    return _communicate
 
-    pause_path = pause[1] if pause is not None else ""
 
+def _recorded_end(orig):
     def _end(self, committed, stats, rnd, t0):
         heals = [vars(r) for r in self.session.transport.records]
-        orig_end(self, committed, stats, rnd, t0)
+        orig(self, committed, stats, rnd, t0)
         index = [None if h is None else h["index"] for h in rnd.peers]
         args = self.heal.args_fn()
         _write({"step": rnd.step, "after": self.session.step, "committed": committed, "healed": rnd.healed,
@@ -111,31 +112,46 @@ def _install() -> None:
                 "iteration": getattr(args, "iteration", None), "inner_calls": self.heal.opt.inner_calls,
                 "samples": getattr(args, "consumed_train_samples", None),
                 "seconds_quorum": rnd.seconds_quorum, "seconds_header": rnd.seconds_header})
+    return _end
 
-    orig_train = mtrain.train
+
+def _recorded_train(orig):
+    from megatron_sparseloco.megatron import plugin
 
     def train(*a, **kw):
-        out = orig_train(*a, **kw)
+        out = orig(*a, **kw)
         opt = plugin.ACTIVE
+        assert opt is not None, "the outer loop is on (--sparseloco-algorithm)"
         model = a[1] if len(a) > 1 else kw["model"]
         named = [(n, p) for chunk in model for n, p in sorted(chunk.named_parameters())]
         tied = {k: _sha([p for n, p in named if n.endswith(suffix)])
                 for k, suffix in (("embedding", "embedding.word_embeddings.weight"), ("output", "output_layer.weight"))
                 if any(n.endswith(suffix) for n, _ in named)}
         _write({"final": True, "sha": _sha([s.anchor for s in opt.strategies]), "params": _sha([p for _, p in named]),
-                "tied": tied,
-                "step": opt.session.step if opt.session is not None else opt.outer_steps,
+                "tied": tied, "step": opt.session.step if opt.session is not None else opt.outer_steps,
                 "iteration": out[0] if isinstance(out, tuple) else None})
         return out
+    return train
 
-    rounds_cls.startup, rounds_cls._round, rounds_cls._communicate, rounds_cls._end = (startup, _round, _communicate,
-                                                                                        _end)
-    mtrain.train = train
+
+def _install() -> None:
+    """The hooks of the module docstring: deliberate monkeypatches of ``ElasticRounds`` (every instance of
+    this process) and of megatron.training's ``train``."""
+    import megatron.training.training as mtrain
+
+    from megatron_sparseloco.megatron.elastic_rounds import ElasticRounds
+
+    hooks = (("startup", _barrier_then_startup(ElasticRounds.startup)),
+             ("_round", _held_round(ElasticRounds._round, os.environ.get("ELASTIC_HOLD"))),
+             ("_communicate", _paused_communicate(ElasticRounds._communicate, _spec("ELASTIC_PAUSE"))),
+             ("_end", _recorded_end(ElasticRounds._end)))
+    for name, fn in hooks:
+        setattr(ElasticRounds, name, fn)
+    mtrain.train = _recorded_train(mtrain.train)
 
 
 if __name__ == "__main__":
     import sys
     os.makedirs(OUT, exist_ok=True)
     _install()
-    sys.argv = sys.argv[:1] + sys.argv[1:]
     main(sys.argv[1:])
