@@ -231,6 +231,7 @@ def strategy_fields(run: RunCfg, workers: int) -> Dict:
             config = SparseLoCoConfig(**fields)
             config.resolve_for_workers(workers, set(fields))
             fields["lr"] = config.lr
+            fields["rule_fields"] = config.rule_fields     # as the flags record it: the lr came from the rule
         return fields
     if run.method == "gasloc":
         default = GASLOC_DEFAULT

@@ -9,7 +9,8 @@ quality benchmark's model and data (benchmarks/common.py: a megatron-core GPTMod
 hidden 128, byte vocabulary, the Python standard library as corpus, the held-out windows) with the
 quality benchmark's inner AdamW (lr 1e-3, betas 0.9 / 0.95, wd 0.1 without the 1-D tensors, as
 ``common.train_torchft_diloco``: torch's AdamW, the optimizer megatron-core itself uses on CPU
-without Apex) and SparseLoCo k = 64 of 4096, 2-bit, β 0.95, outer lr 1, H = 15. Worker I reads
+without Apex) and SparseLoCo k = 64 of 4096, 2-bit, β 0.95, H = 15, the plugin's outer lr (the rule of W and k,
+evaluated at each round's contributors as in elastic mode: ``rule_fields``). Worker I reads
 slot I: the windows of inner step t are drawn from a generator seeded by (seed, I, t), so a job
 that heals continues at the healed step and a job restarted from a checkpoint re-reads its steps.
 Every worker runs at a fixed speed: an inner step takes ``--step-seconds`` of wall time (its compute,
@@ -662,7 +663,7 @@ def main(argv=None) -> int:
         args.checkpoint_every = min(args.checkpoint_every, 2)
     args.startup_timeout, args.stop_timeout, args.inject_timeout = 300.0, 120.0, 1800.0
     from megatron_sparseloco.outer.registry import build_outer_config   # noqa: F401 (fail early on a bad install)
-    fields = common.strategy_fields(common.RunCfg("sparseloco", k=64))
+    fields = common.strategy_fields(common.RunCfg("sparseloco", k=64), args.workers)
     cfg = {"model": vars(model), "mbs": mbs, "lr": 1e-3, "weight_decay": 0.1, "seed": 1234, "H": args.H,
            "step_seconds": args.step_seconds,
            "eval_windows": eval_windows, "paths": common.ensure_data(), "outer": fields,
