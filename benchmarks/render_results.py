@@ -500,22 +500,24 @@ def render_page(docs: Dict[str, Dict]) -> str:
 
 
 def reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADLINE_W) -> str:
-    """One sentence per k, computed from the seeds: where SparseLoCo's mean is below / above DiLoCo's."""
+    """One sentence per k, computed from the seeds: where SparseLoCo's mean is below / above DiLoCo's, and where
+    the difference is smaller than the larger of the two spreads (max − min over the seeds): level."""
     parts = []
     for k in ("sparseloco", "sparseloco:128"):
-        ahead, behind = [], []
+        found: Dict[str, List[str]] = {"ahead of DiLoCo": [], "level with DiLoCo (within the seeds' spread)": [],
+                                       "behind DiLoCo": []}
         for W in widths:
             doc = docs.get(f"quality{size}_w{W}")
             g, d = (seed_group(doc, W, k), seed_group(doc, W, "diloco")) if doc else (None, None)
             if g is None or d is None:
                 continue
             delta = g["mean"] - d["mean"]
-            (ahead if delta < 0 else behind).append(f"W = {W} ({delta:+.3f})")
-        if ahead or behind:
-            parts.append(f"{NAMES[k]} is " + "; ".join(
-                x for x in (f"ahead of DiLoCo at {', '.join(ahead)}" if ahead else "",
-                            (f"behind at {', '.join(behind)}" if ahead else f"behind DiLoCo at {', '.join(behind)}")
-                            if behind else "") if x))
+            where = ("level with DiLoCo (within the seeds' spread)" if abs(delta) < max(g["spread"], d["spread"])
+                     else "ahead of DiLoCo" if delta < 0 else "behind DiLoCo")
+            found[where].append(f"W = {W} ({delta:+.3f})")
+        said = [f"{where} at {', '.join(at)}" for where, at in found.items() if at]
+        if said:
+            parts.append(f"{NAMES[k]} is " + "; ".join(said))
     return ("Mean held-out loss against DiLoCo's (negative: SparseLoCo lower): " + ". ".join(parts) + ".") if parts else ""
 
 
