@@ -33,7 +33,7 @@ import time
 import pytest
 
 from megatron_sparseloco.demo import build_command
-from megatron_sparseloco.testing.elastic_jobs import ElasticRun
+from megatron_sparseloco.testing.elastic_jobs import ElasticRun, wait_until
 
 pytestmark = [pytest.mark.multirank, pytest.mark.megatron]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,11 +132,7 @@ class Run:
         return finals[-1]
 
     def wait(self, predicate, timeout, what):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}\n{self.logs()}")
-            time.sleep(0.1)
+        wait_until(predicate, timeout, what, self.logs)
 
     def logs(self, n=4000):
         out = []

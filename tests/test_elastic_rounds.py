@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from megatron_sparseloco.testing.elastic_jobs import ElasticRun, start_time
+from megatron_sparseloco.testing.elastic_jobs import ElasticRun, start_time, wait_until
 
 pytestmark = pytest.mark.multirank
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,11 +77,7 @@ class Scenario:
         return max([r["after"] for r in self.records(i) if "after" in r] or [0])
 
     def wait(self, predicate, timeout, what):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}\n{self.logs()}")
-            time.sleep(0.1)
+        wait_until(predicate, timeout, what, self.logs)
 
     def finish(self, timeout=240):
         codes = [job.wait(timeout) for job in self.jobs]

@@ -136,18 +136,25 @@ def _mixed_params(n):
     return out
 
 
-def _count_sparse_syncs(rank, world, groups, kernels):
+def _drifted_sparseloco(rank, groups, kernels):
+    """SparseLoCo over ``_mixed_params(groups)`` (buckets of 512), each worker drifted its own way."""
     import os
     if kernels:
         os.environ["SPARSELOCO_INTERPRET_KERNELS"] = "1"
-    from megatron_sparseloco.compress import fast_segments
     from megatron_sparseloco.outer import build_outer_strategy
-    from megatron_sparseloco.testing.host_syncs import HostSyncCounter
 
     params = _mixed_params(groups)
     strat = build_outer_strategy("sparseloco", params, None, bucket_numel=512, k=8, chunk=64)
     for i, p in enumerate(params):
         p.add_(0.01 * (rank + 1) * torch.randn(p.shape, generator=torch.Generator().manual_seed(100 + i)))
+    return strat
+
+
+def _count_sparse_syncs(rank, world, groups, kernels):
+    from megatron_sparseloco.compress import fast_segments
+    from megatron_sparseloco.testing.host_syncs import HostSyncCounter
+
+    strat = _drifted_sparseloco(rank, groups, kernels)
     with HostSyncCounter() as syncs:
         strat.step()
     return syncs.total, len(list(strat.buckets())), dict(fast_segments.last_dispatch)
@@ -215,16 +222,9 @@ def test_a_malformed_payload_is_refused_and_its_bucket_applies_nothing():
 
 
 def _step_transient(rank, world, groups, kernels):
-    import os
-    if kernels:
-        os.environ["SPARSELOCO_INTERPRET_KERNELS"] = "1"
-    from megatron_sparseloco.outer import build_outer_strategy
     from megatron_sparseloco.testing.tensor_accounting import TensorAccounting
 
-    params = _mixed_params(groups)
-    strat = build_outer_strategy("sparseloco", params, None, bucket_numel=512, k=8, chunk=64)
-    for i, p in enumerate(params):
-        p.add_(0.01 * (rank + 1) * torch.randn(p.shape, generator=torch.Generator().manual_seed(100 + i)))
+    strat = _drifted_sparseloco(rank, groups, kernels)
     with TensorAccounting() as acc:
         strat.begin_round(strat.new_stats(), None, held=False).run_pipelined(write_back=True)
     return acc.peak["cpu"], len(list(strat.buckets()))

@@ -33,7 +33,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 
 def free_port() -> int:
@@ -143,6 +143,15 @@ def ensure_job_store():
     from torch.distributed import TCPStore
     return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=True,
                     wait_for_workers=False)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, logs: Callable[[], str]) -> None:
+    """Poll ``predicate`` every 0.1 s; past ``timeout`` seconds fail naming ``what``, with the jobs' ``logs()``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}\n{logs()}")
+        time.sleep(0.1)
 
 
 class Lighthouse:
