@@ -518,8 +518,9 @@ def measure(name: str, spec: dict, recs: List[dict], t0: float, t_end: float, ev
     final_fps = {r["fp"] for r in finals}
     kill = events.get("kill")
     detect = None
-    if kill is not None:
-        after = [r["t"] for r in committed if r["t"] > kill and r["job"] != W - 1]
+    if kill is not None:   # fail-fast: a round the survivors finish as the victim dies is lost with the world
+        since = (events.get("restart") or kill) if spec["mode"] == "static" else kill
+        after = [r["t"] for r in committed if r["t"] > since and r["job"] != W - 1]
         detect = (min(after) - kill) if after else None
     heal_recv = [h for r in rounds if r["job"] == W - 1 for h in r["heals"] if h["role"] == "received"]
     rejoin = None
