@@ -30,3 +30,12 @@ def corpus(tmp_path_factory):
     from megatron_sparseloco.data.build import build_dataset
     return build_dataset(str(tmp_path_factory.mktemp("corpus")), max_bytes=300_000, valid_percent=10.0,
                          log=lambda *_: None)
+
+
+@pytest.fixture
+def token(tmp_path):
+    """An elastic run's secret file (``--sparseloco-elastic-token-file``): 32 characters, mode 600."""
+    path = tmp_path / "token"
+    path.write_text("0123456789abcdef0123456789abcdef\n")
+    os.chmod(path, 0o600)
+    return str(path)

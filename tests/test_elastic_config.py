@@ -8,14 +8,6 @@ from megatron_sparseloco.elastic.config import ElasticConfig, add_elastic_args, 
 from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError, dest_of
 
 
-@pytest.fixture
-def token(tmp_path):
-    path = tmp_path / "token"
-    path.write_text("0123456789abcdef0123456789abcdef\n")
-    os.chmod(path, 0o600)
-    return str(path)
-
-
 def parse(argv, **extra):
     parser = argparse.ArgumentParser()
     add_elastic_args(parser)

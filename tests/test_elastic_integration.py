@@ -3,7 +3,6 @@ real parser (every bad value refused before the model is built, naming the flag 
 data slots through Megatron's real data loader (worker I of W reads what single-job mode's worker I reads).
 The real-loop scenarios are in tests/test_elastic_megatron.py."""
 import argparse
-import os
 import sys
 from types import SimpleNamespace
 
@@ -12,14 +11,6 @@ from megatron.training.arguments import parse_args
 
 from megatron_sparseloco.megatron.arguments import (SparseLoCoArgumentError, add_sparseloco_args, elastic_job_batch,
                                                     validate_sparseloco_args)
-
-
-@pytest.fixture
-def token(tmp_path):
-    path = tmp_path / "token"
-    path.write_text("0123456789abcdef0123456789abcdef\n")
-    os.chmod(path, 0o600)
-    return str(path)
 
 
 def parse(argv, monkeypatch):

@@ -182,13 +182,6 @@ ELASTIC_FLAGS = ("--sparseloco-lighthouse", "--sparseloco-worker-index", "--spar
                  "--sparseloco-elastic-token-file")
 
 
-def _token_file(tmp_path):
-    path = tmp_path / "token"
-    path.write_text("0123456789abcdef0123456789abcdef\n")
-    path.chmod(0o600)
-    return str(path)
-
-
 def _without(argv, flags):
     """``argv`` without ``flags`` and their values."""
     out, skip = [], False
@@ -204,9 +197,8 @@ def _without(argv, flags):
 
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("name", MODELS)
-def test_elastic_recipe_is_one_worker_per_job(name, algo, tmp_path, monkeypatch):
+def test_elastic_recipe_is_one_worker_per_job(name, algo, token, monkeypatch):
     from megatron_sparseloco.megatron.layout import compute_layout, sizes_from_megatron_args
-    token = _token_file(tmp_path)
     env = dict(ELASTIC="1", LIGHTHOUSE=LIGHTHOUSE, WORKER_INDEX="1", TOKEN_FILE=token, ALGO=algo)
     single = _recipe(name, "1", ALGO=algo).stdout.splitlines()
     world_all, _ = _world_size(name, ALGO=algo)
@@ -235,8 +227,7 @@ def test_elastic_recipe_is_one_worker_per_job(name, algo, tmp_path, monkeypatch)
     assert _without(argv, ELASTIC_FLAGS) == single
 
 
-def test_elastic_recipe_options_and_errors(tmp_path):
-    token = _token_file(tmp_path)
+def test_elastic_recipe_options_and_errors(token):
     env = dict(ELASTIC="1", LIGHTHOUSE=LIGHTHOUSE, WORKER_INDEX="3", TOKEN_FILE=token)
     argv = _recipe("llama_1b", "1", MIN_WORKERS="2", ELASTIC_HOST="site3.example.org", MANAGER_PORT="29511",
                    OUTER_TIMEOUT="120", CHECKPOINT_DIR="/shared/ck/run1", **env).stdout.splitlines()
