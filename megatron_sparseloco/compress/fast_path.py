@@ -188,7 +188,7 @@ def _index_error(bad: torch.Tensor, stacked: torch.Tensor) -> Callable[[], Paylo
             return PayloadError(f"payload {w}: indices are not strictly ascending / in range")  # pragma: no cover
         return precise
     flags = bad != 0
-    worker = flags.any(1).to(torch.uint8).argmax().view(1)
+    worker = _codec.first_true(flags.any(1))
     evidence = torch.cat([worker, flags.index_select(0, worker).to(torch.uint8).argmax(1)])
 
     def deferred() -> PayloadError:
