@@ -48,6 +48,7 @@ rolled back while others committed is one step behind and heals at the next quor
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -269,6 +270,7 @@ class ElasticSession:
         self.failed_in_a_row = 0
         self.round: Optional[Round] = None
         self._healed = False
+        self._closed = False
 
     def _connect(self, manager_class, config: ElasticConfig, timeout: timedelta, group_rank: int,
                  group_world_size: int, store_addr: str, store_port: int):
@@ -409,7 +411,25 @@ class ElasticSession:
         self.commits = int(state.get("commits", 0))
 
     def close(self) -> None:
+        """End the session while the interpreter is still alive (idempotent): stop torchft's manager
+        (its quorum thread, manager server and heal transport), then abort the process group and
+        collect what referenced it. torchft's own shutdown only drops the group; a gloo worker
+        thread that still holds an operation begun before a stall (a SIGSTOPped rank's collective)
+        would then release its tensors during interpreter finalisation, where taking the GIL aborts
+        the process ("terminate called without an active exception") after its work is done."""
+        if self._closed:
+            return
+        self._closed = True
         self.manager.shutdown(wait=False)
+        abort = getattr(self.pg, "abort", None)
+        if abort is not None:
+            try:
+                abort(errored=False)
+            except TypeError:  # a process group whose abort() takes no flag
+                abort()
+            except Exception as exc:  # the group is unusable either way; the job is ending
+                log.warning("elastic worker %s: aborting the process group at close: %s", self.worker_index, exc)
+        gc.collect()
 
 
 def _claimed_index(raw: torch.Tensor) -> str:
