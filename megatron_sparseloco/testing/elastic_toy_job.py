@@ -13,8 +13,8 @@ contributes nothing: it is where a (re)started job joins and heals.
 A joining job receives θ_outer, the outer momentum and the iteration; the error feedback starts
 at zero. The job stops once the run has committed ``--rounds`` rounds, ``--final-members`` jobs
 take part and every one of them has contributed to ``--min-contributions`` committed rounds since
-it (re)started (``extra["more"]`` in the round header) — and, with ``--stop-file``, that file
-exists; past ``--deadline`` seconds it exits with an error.
+it (re)started or last healed (``extra["more"]`` in the round header) — and, with ``--stop-file``,
+that file exists; past ``--deadline`` seconds it exits with an error.
 
 Every round appends one JSON line to ``DIR/job<I>.rank<r>.<pid>.jsonl``; at the end θ_outer's
 raw bytes go to ``DIR/final.job<I>.rank<r>.bin``. ``--pause-at-step S`` makes rank 0 sleep
@@ -105,6 +105,7 @@ class ToyWorker:
         s.error_feedback.zero_()           # never copied: starts at zero
         s.reset_to_anchor()                # θ_local ← θ_outer
         self.iteration = int(state["iteration"])
+        self.contributed = 0               # what it contributed before the heal went into a stale θ_outer
 
     def write(self, record: dict) -> None:
         with open(self.log_path, "a") as f:
