@@ -22,7 +22,7 @@ is still rejected naming its worker. Only the path changes:
 * a step has one WAN round (the G − 1 rail messages go at once) instead of the W − 1 sequential
   hops of a ring all-gather: the latency term drops from (W − 1)·α to α per collective.
 
-Deviation from the issue's sketch (exact aggregation in a site, *re-encoded* exchange between sites):
+Deviation from the first sketch of the design (exact aggregation in a site, *re-encoded* exchange between sites):
 the exchange here is exact, because re-encoding an aggregate at payload density is what costs
 reduce-scatter +0.10 … +0.23 nats at W = 8 (docs/scaling.md). Exact relay keeps all-gather's quality
 and its received bytes, (W − 1)·n per worker, most of them now over the LAN.
