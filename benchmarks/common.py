@@ -573,8 +573,9 @@ def fmt_bytes(n: float) -> str:
 
 # ---------------------------------------------------------------------------- rank entry points
 def rank_run_all(rank: int, world: int, model: ModelCfg, runs: List[RunCfg], paths: Dict[str, str],
-                 time_budget_s: float = 1e9) -> List[Dict]:
-    """All megatron runs one after another in the same rank processes (start-up paid once)."""
+                 time_budget_s: float = 1e9, journal=None) -> List[Dict]:
+    """All megatron runs one after another in the same rank processes (start-up paid once); with a
+    ``journal`` (benchmarks/journal.py) each rank records its result of each run as the run ends."""
     import torch
     torch.set_num_threads(1)
     out = []
@@ -584,6 +585,8 @@ def rank_run_all(rank: int, world: int, model: ModelCfg, runs: List[RunCfg], pat
         res["run"] = asdict(run)
         res["elapsed_s"] = time.perf_counter() - t0
         out.append(res)
+        if journal is not None:
+            journal.record(model, world, rank, run, res)
         print(f"[rank {rank}] {run.label()}: held-out {res['curve'][-1]['held_out_loss']:.4f} "
               f"in {res['elapsed_s']:.1f}s ({threading.active_count()} threads, "
               f"{len(os.listdir('/proc/self/task')) if os.path.isdir('/proc/self/task') else '?'} native)", flush=True)

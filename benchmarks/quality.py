@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 import schema  # noqa: E402
+from journal import RunJournal  # noqa: E402
 from common import ModelCfg, RunCfg  # noqa: E402
 
 
@@ -335,6 +336,7 @@ def _run_of_plain_row(row, config):
 
 
 REUSE: dict = {}   # filled by main() from --reuse
+JOURNAL: dict = {}   # {"journal": RunJournal} while main() runs with a journal (--journal)
 
 
 def run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
@@ -351,8 +353,19 @@ def _run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
 
     rows = []
     if runs:
-        res = run_ranks(common.rank_run_all, W, args=(model, runs, paths), timeout=timeout, env=env)
-        rows = [row_of([res[r][i] for r in range(W)], W) for i in range(len(runs))]
+        journal = JOURNAL.get("journal")
+        done, todo = journal.split(model, W, runs) if journal is not None else ({}, list(runs))
+        made = iter([])
+        if todo:
+            res = run_ranks(common.rank_run_all, W, args=(model, todo, paths, 1e9, journal), timeout=timeout, env=env)
+            made = iter([row_of([res[r][i] for r in range(W)], W) for i in range(len(todo))])
+        for i in range(len(runs)):
+            if i in done:
+                row = row_of(done[i], W)
+                row["resumed_from_journal"] = sorted({r["journal_commit"] for r in done[i]})
+                rows.append(row)
+            else:
+                rows.append(next(made))
     if ft_runs:
         lighthouses = []
         try:
@@ -435,6 +448,12 @@ def main(argv=None) -> int:
                          "setting) is in one of them, made on this CPU model, is taken from there instead of made "
                          "again (runs are deterministic per machine); not part of the recorded command, the file "
                          "lists what it reused")
+    ap.add_argument("--journal", default=None, metavar="DIR",
+                    help="keep each finished run's per-rank results in DIR, and take the runs already there instead "
+                         "of making them again: a killed benchmark rerun with the same command resumes "
+                         "(benchmarks/journal.py). Default with --json: data/journal/<name of the --json file>, "
+                         "removed once the results file is written; 'none' turns it off. Not part of the recorded "
+                         "command; the file's notes say which runs came from the journal")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=None, help="per-launch timeout in seconds")
     args = ap.parse_args(argv)
@@ -459,6 +478,13 @@ def main(argv=None) -> int:
     REUSE.clear()
     reuse_index_, reused_files = reuse_index(args.reuse, model, machine)
     REUSE.update(reuse_index_)
+    JOURNAL.clear()
+    journal_dir = args.journal or (os.path.join(common.REPO, "data", "journal",
+                                                os.path.splitext(os.path.basename(args.json))[0])
+                                   if args.json else None)
+    if journal_dir and journal_dir != "none":
+        JOURNAL["journal"] = RunJournal(journal_dir, machine["cpu"], machine["plugin_commit"])
+        print(f"[quality] run journal: {journal_dir}", flush=True)
     if args.corpus:
         tag = "corpus-" + "".join(c if c.isalnum() else "_" for c in os.path.abspath(args.corpus))[-40:]
         paths = common.ensure_data(os.path.join(common.REPO, "data", tag), corpus=args.corpus,
@@ -523,7 +549,12 @@ def main(argv=None) -> int:
               # the outer settings each W ran at (the sweep's choice, or the --tuned file; unset: the plugin's)
               "tuned_per_w": {str(W): {k: list(v) for k, v in tuned_per_w.get(W, tuned).items()} for W in workers},
               "defaults": common.resolved_defaults(workers)}
-    command = schema.command_line("quality.py", strip_option(argv if argv is not None else sys.argv[1:], "--reuse"))
+    command = schema.command_line("quality.py", strip_option(strip_option(argv if argv is not None else sys.argv[1:],
+                                                                          "--reuse"), "--journal"))
+    resumed = [r for r in rows if r.get("resumed_from_journal")]
+    if resumed:
+        notes.append(f"{len(resumed)} runs taken from the run journal of an interrupted launch of this command, "
+                     f"made at commit(s) {sorted({c for r in resumed for c in r['resumed_from_journal']})}")
     if reused_files:
         notes.append(f"{sum(1 for r in rows if r.get('reused_from'))} runs taken from earlier files (--reuse): "
                      f"{reused_files}")
@@ -532,6 +563,8 @@ def main(argv=None) -> int:
     if args.json:
         schema.write(args.json, out)
         print(f"[quality] wrote {args.json}")
+        if "journal" in JOURNAL and not args.journal:
+            JOURNAL["journal"].clear()
     print(f"[quality] total {total:.1f}s")
     return 0
 

@@ -262,3 +262,45 @@ def test_memory_benchmark_writes_the_schema_and_measures_the_anchor_on_cpu_split
     # the step's transient does not grow with the shard: test_outer_round.py (pipelined_buckets ... transient)
     assert all(row["step_peak_B"] > 0 for row in data["rows"])
     assert rows["sparseloco"]["save_peak_in_largest_tensors"] <= 1.0
+
+
+def test_quality_resumes_from_its_run_journal(tmp_path):
+    """A launch that made some runs leaves them in the journal; the next launch with more runs takes those (the
+    same rows, to the bit, marked resumed) and makes only the others; the journal holds W files per run."""
+    journal = tmp_path / "journal"
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    base = [sys.executable, QUALITY, "--quick", "--steps", "15", "--journal", str(journal)]
+    r = _run(base + ["--methods", "diloco", "--json", str(first)], timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert len(list(journal.glob("*-rank*.json"))) == 2   # W = 2 ranks x 1 run, kept (explicit --journal)
+    r = _run(base + ["--methods", "diloco,sparseloco:64", "--json", str(second)], timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert len(list(journal.glob("*-rank*.json"))) == 4
+    one, two = json.loads(first.read_text()), json.loads(second.read_text())
+    (d1,) = one["rows"]
+    d2, s2 = two["rows"]
+    assert d2["method"] == "diloco" and s2["method"] == "sparseloco"
+    assert d2.pop("resumed_from_journal") == [one["machine"]["plugin_commit"]] and "resumed_from_journal" not in s2
+    assert d2 == d1
+    assert any("1 runs taken from the run journal" in n for n in two["notes"]), two["notes"]
+    assert "--journal" not in two["command"]
+
+
+def test_run_journal_takes_a_run_only_when_every_rank_recorded_it(tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from common import ModelCfg, RunCfg
+    from journal import RunJournal
+
+    j = RunJournal(str(tmp_path / "j"), cpu="cpu A", commit="abc")
+    model, run, other = ModelCfg(), RunCfg("diloco", H=15, steps=30), RunCfg("diloco", H=15, steps=45)
+    j.record(model, 2, 0, run, {"held_out": 1.5})
+    assert j.done(model, 2, run) is None                     # rank 1 missing: not done
+    j.record(model, 2, 1, run, {"held_out": 1.25})
+    assert j.done(model, 2, run) == [{"held_out": 1.5, "journal_commit": "abc"},
+                                     {"held_out": 1.25, "journal_commit": "abc"}]
+    assert j.done(model, 4, run) is None                     # another W
+    assert RunJournal(j.directory, cpu="cpu B", commit="abc").done(model, 2, run) is None   # another CPU model
+    done, todo = j.split(model, 2, [other, run])
+    assert list(done) == [1] and todo == [other]
+    j.clear()
+    assert not os.path.exists(j.directory)

@@ -1,0 +1,82 @@
+"""A run journal: each rank's result of each finished benchmark run, on disk, so a killed benchmark resumes.
+
+A quality sweep makes tens of runs in one multi-rank launch (hours at W = 8 on 2 cores); the rows are built
+only when the launch returns. With a journal, every rank writes its result of a run as soon as the run ends,
+to ``DIR/<key>-rank<r>.json`` (written to a temporary name, then renamed: a file is whole or absent). A run
+is *done* when all W ranks' files are there; the next launch with the same journal takes done runs from it
+and makes only the others.
+
+The key is a hash of everything a run's result depends on that the benchmark controls: the model, the
+world size W, the run configuration and the CPU model (runs are deterministic per CPU model,
+docs/benchmarks.md). The code is not in the key: each entry records the plugin commit it was made at, and a
+benchmark that takes entries from the journal names those commits in its results file's notes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from typing import Dict, List, Optional, Sequence
+
+
+def run_key(model, world: int, run, cpu: str) -> str:
+    """Hex digest identifying one run of ``run`` (a RunCfg) with ``model`` (a ModelCfg) on W = ``world``."""
+    ident = json.dumps({"model": asdict(model), "world": world, "run": asdict(run), "cpu": cpu}, sort_keys=True)
+    return hashlib.sha256(ident.encode()).hexdigest()[:24]
+
+
+class RunJournal:
+    """Per-rank results of finished runs under one directory (see the module docstring)."""
+
+    def __init__(self, directory: str, cpu: str, commit: str):
+        self.directory = directory
+        self.cpu = cpu
+        self.commit = commit
+
+    def _path(self, key: str, rank: int) -> str:
+        return os.path.join(self.directory, f"{key}-rank{rank}.json")
+
+    def record(self, model, world: int, rank: int, run, result: Dict) -> None:
+        """Write rank ``rank``'s ``result`` of ``run`` (atomically)."""
+        os.makedirs(self.directory, exist_ok=True)
+        path = self._path(run_key(model, world, run, self.cpu), rank)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"commit": self.commit, "result": result}, f)
+        os.replace(tmp, path)
+
+    def done(self, model, world: int, run) -> Optional[List[Dict]]:
+        """The W per-rank results of ``run`` (each with ``journal_commit`` added), or None unless all W are
+        recorded."""
+        key = run_key(model, world, run, self.cpu)
+        paths = [self._path(key, r) for r in range(world)]
+        if not all(os.path.exists(p) for p in paths):
+            return None
+        out = []
+        for p in paths:
+            with open(p) as f:
+                entry = json.load(f)
+            out.append(dict(entry["result"], journal_commit=entry["commit"]))
+        return out
+
+    def split(self, model, world: int, runs: Sequence) -> tuple:
+        """(index → per-rank results of the runs already done, the runs still to make, in order)."""
+        done, todo = {}, []
+        for i, run in enumerate(runs):
+            results = self.done(model, world, run)
+            if results is None:
+                todo.append(run)
+            else:
+                done[i] = results
+        return done, todo
+
+    def clear(self) -> None:
+        """Remove the journal's entries (after the benchmark wrote its results file)."""
+        if not os.path.isdir(self.directory):
+            return
+        for name in os.listdir(self.directory):
+            if name.endswith(".json") or ".json.tmp" in name:
+                os.remove(os.path.join(self.directory, name))
+        if not os.listdir(self.directory):
+            os.rmdir(self.directory)
