@@ -36,7 +36,7 @@ demo: venv
 	$(PY) -m megatron_sparseloco.demo
 
 # bench: every results file docs/results.md shows (benchmarks/render_results.py PLAN, in order; `--list` gives
-# each one's command and cost: about 3.5 h for the headline, 7.5 h more for the second model size on a quiet
+# each one's command and cost: about 4 h for the headline, 7.5 h more for the second model size on a quiet
 # 2-core machine;
 # the network cases need root), then the page, the README table and the plots. One file:
 # `$(PY) benchmarks/render_results.py --run --only quality_w2`.
