@@ -313,6 +313,28 @@ def network_section(docs: Dict[str, Dict]) -> List[str]:
     return out + [""] + command_block([(n, docs[n]) for n in names if n in docs])
 
 
+def link_reading(docs: Dict[str, Dict]) -> str:
+    """One sentence from the network files: the link's share of DiLoCo's and SparseLoCo k = 64's outer step at
+    each measured W (the rest of the outer step is computation on the machine's shared cores)."""
+    cells = []
+    for W in HEADLINE_W:
+        doc = docs.get(f"network_w{W}")
+        d, s = (network_row(doc, "diloco"), network_row(doc, "sparseloco")) if doc else (None, None)
+        if d is not None and s is not None:
+            cells.append((W, d, s, doc["rows"][0].get("numel")))
+    if not cells:
+        return ""
+    at = " / ".join(str(c[0]) for c in cells)
+    comm = lambda key: " / ".join(f"{r['sync_communicate_s']:.3f}" for r in (c[key] for c in cells))  # noqa: E731
+    share = lambda key: " / ".join(f"{100 * r['sync_communicate_s'] / r['sync_outer_step_s']:.0f} %"  # noqa: E731
+                                   for r in (c[key] for c in cells))
+    return (f"Communicating takes DiLoCo {comm(1)} s and SparseLoCo k = 64 {comm(2)} s per outer step at W = {at} "
+            f"({share(1)} and {share(2)} of the outer step). The rest is computation on the machine's cores, which "
+            "the W ranks share: most of the outer step for both methods on this small model"
+            + (f", whose dense fp32 payload is {fmt_bytes(4 * cells[0][3])}" if cells[0][3] else "")
+            + ", so the time columns here say more about this machine than about a slow link.")
+
+
 def gasloc_section(docs: Dict[str, Dict]) -> List[str]:
     names = ["network_gasloc", "network_gasloc_slow"]
     if not any(n in docs for n in names):
@@ -471,6 +493,7 @@ def render_page(docs: Dict[str, Dict]) -> str:
           "first evaluation at or below DiLoCo's held-out loss after its last step. Clocks depend on the machine "
           "and its load (W ranks share its cores); losses do not.", ""]
     L += network_section(docs)
+    L += ["", link_reading(docs)] if link_reading(docs) else []
     L += ["", "## GASLoC on heterogeneous links", "",
           "W = 4, one link per worker; time to the loss DiLoCo has after 90 inner steps (the other methods may "
           "train longer to reach it).", ""]
