@@ -158,6 +158,8 @@ def test_the_network_columns_and_the_readme_table_come_from_the_network_file(tmp
     page = R.render_page(docs)
     assert "| 2 | DiLoCo | 0.5 / 0.8 | 2.1200 ± 0.040 (3) |  |  | 100.0 kB | 0.80 s | 60.0 s |" in page
     assert "| 2 | SparseLoCo k = 64 | 1.5 | 2.0867 ± 0.080 (3) | -0.033 | 2 of 3 | 800 B | 0.10 s | 41.0 s |" in page
+    # the link's share: the communicate column over the outer step column, per method
+    assert "Communicating takes DiLoCo 0.400 s and SparseLoCo k = 64 0.050 s per outer step at W = 2 (50 % and 50 %" in page
     block = R.render_readme_block(docs)
     assert block.startswith(R.README_BEGIN) and block.endswith(R.README_END)
     assert "| 2 | 2.120 ± 0.040 | 2.087 ± 0.080 | 2.007 ± 0.010 | 100.0 kB → 800 B | 60 s → 41 s |" in block
