@@ -7,7 +7,7 @@ is *done* when all W ranks' files are there; the next launch with the same journ
 and makes only the others.
 
 The key is a hash of everything a run's result depends on that the benchmark controls: the model, the
-world size W, the run configuration and the CPU model (runs are deterministic per CPU model,
+world size W, the run configuration, the data files and the CPU model (runs are deterministic per CPU model,
 docs/benchmarks.md). The code is not in the key: each entry records the plugin commit it was made at, and a
 benchmark that takes entries from the journal names those commits in its results file's notes.
 """
@@ -20,19 +20,22 @@ from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
 
-def run_key(model, world: int, run, cpu: str) -> str:
-    """Hex digest identifying one run of ``run`` (a RunCfg) with ``model`` (a ModelCfg) on W = ``world``."""
-    ident = json.dumps({"model": asdict(model), "world": world, "run": asdict(run), "cpu": cpu}, sort_keys=True)
+def run_key(model, world: int, run, cpu: str, data: str = "") -> str:
+    """Hex digest identifying one run of ``run`` (a RunCfg) with ``model`` (a ModelCfg) on W = ``world``, on
+    the data ``data`` names (its files' paths)."""
+    ident = json.dumps({"model": asdict(model), "world": world, "run": asdict(run), "cpu": cpu, "data": data},
+                       sort_keys=True)
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
 class RunJournal:
     """Per-rank results of finished runs under one directory (see the module docstring)."""
 
-    def __init__(self, directory: str, cpu: str, commit: str):
+    def __init__(self, directory: str, cpu: str, commit: str, data: str = ""):
         self.directory = directory
         self.cpu = cpu
         self.commit = commit
+        self.data = data
 
     def _path(self, key: str, rank: int) -> str:
         return os.path.join(self.directory, f"{key}-rank{rank}.json")
@@ -40,7 +43,7 @@ class RunJournal:
     def record(self, model, world: int, rank: int, run, result: Dict) -> None:
         """Write rank ``rank``'s ``result`` of ``run`` (atomically)."""
         os.makedirs(self.directory, exist_ok=True)
-        path = self._path(run_key(model, world, run, self.cpu), rank)
+        path = self._path(run_key(model, world, run, self.cpu, self.data), rank)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump({"commit": self.commit, "result": result}, f)
@@ -49,7 +52,7 @@ class RunJournal:
     def done(self, model, world: int, run) -> Optional[List[Dict]]:
         """The W per-rank results of ``run`` (each with ``journal_commit`` added), or None unless all W are
         recorded."""
-        key = run_key(model, world, run, self.cpu)
+        key = run_key(model, world, run, self.cpu, self.data)
         paths = [self._path(key, r) for r in range(world)]
         if not all(os.path.exists(p) for p in paths):
             return None

@@ -478,19 +478,20 @@ def main(argv=None) -> int:
     REUSE.clear()
     reuse_index_, reused_files = reuse_index(args.reuse, model, machine)
     REUSE.update(reuse_index_)
-    JOURNAL.clear()
-    journal_dir = args.journal or (os.path.join(common.REPO, "data", "journal",
-                                                os.path.splitext(os.path.basename(args.json))[0])
-                                   if args.json else None)
-    if journal_dir and journal_dir != "none":
-        JOURNAL["journal"] = RunJournal(journal_dir, machine["cpu"], machine["plugin_commit"])
-        print(f"[quality] run journal: {journal_dir}", flush=True)
     if args.corpus:
         tag = "corpus-" + "".join(c if c.isalnum() else "_" for c in os.path.abspath(args.corpus))[-40:]
         paths = common.ensure_data(os.path.join(common.REPO, "data", tag), corpus=args.corpus,
                                    patterns=args.corpus_patterns.split(","))
     else:
         paths = common.ensure_data()
+    JOURNAL.clear()
+    journal_dir = args.journal or (os.path.join(common.REPO, "data", "journal",
+                                                os.path.splitext(os.path.basename(args.json))[0])
+                                   if args.json else None)
+    if journal_dir and journal_dir != "none":
+        JOURNAL["journal"] = RunJournal(journal_dir, machine["cpu"], machine["plugin_commit"],
+                                        data=json.dumps(paths, sort_keys=True))
+        print(f"[quality] run journal: {journal_dir}", flush=True)
     env = {"OMP_NUM_THREADS": "1"}
     timeout = args.timeout or (600 if args.quick else 7200)
     notes, rows, sweep_rows = [], [], []

@@ -300,6 +300,7 @@ def test_run_journal_takes_a_run_only_when_every_rank_recorded_it(tmp_path):
                                      {"held_out": 1.25, "journal_commit": "abc"}]
     assert j.done(model, 4, run) is None                     # another W
     assert RunJournal(j.directory, cpu="cpu B", commit="abc").done(model, 2, run) is None   # another CPU model
+    assert RunJournal(j.directory, cpu="cpu A", commit="abc", data="other").done(model, 2, run) is None  # other data
     done, todo = j.split(model, 2, [other, run])
     assert list(done) == [1] and todo == [other]
     j.clear()
