@@ -340,8 +340,16 @@ JOURNAL: dict = {}   # {"journal": RunJournal} while main() runs with a journal 
 
 
 def run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
-    """One row per run (those in REUSE are taken from there, marked ``reused_from``)."""
+    """One row per run: those in REUSE are taken from there (marked ``reused_from``), those the run journal
+    holds from it (marked ``resumed_from_journal``: the commits they were made at); the rest are made."""
     known = {i: REUSE[(W, _run_key(r))] for i, r in enumerate(runs) if (W, _run_key(r)) in REUSE}
+    journal = JOURNAL.get("journal")
+    if journal is not None:
+        left = [i for i in range(len(runs)) if i not in known]
+        done, _ = journal.split(model, W, [runs[i] for i in left])
+        for j, results in done.items():
+            known[left[j]] = dict(row_of(results, W),
+                                  resumed_from_journal=sorted({r["journal_commit"] for r in results}))
     todo = [r for i, r in enumerate(runs) if i not in known]
     made = iter(_run_rows(W, model, todo, ft_runs, paths, timeout, env, notes) if todo or ft_runs else [])
     rows = [dict(known[i]) if i in known else next(made) for i in range(len(runs))]
@@ -353,19 +361,9 @@ def _run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
 
     rows = []
     if runs:
-        journal = JOURNAL.get("journal")
-        done, todo = journal.split(model, W, runs) if journal is not None else ({}, list(runs))
-        made = iter([])
-        if todo:
-            res = run_ranks(common.rank_run_all, W, args=(model, todo, paths, 1e9, journal), timeout=timeout, env=env)
-            made = iter([row_of([res[r][i] for r in range(W)], W) for i in range(len(todo))])
-        for i in range(len(runs)):
-            if i in done:
-                row = row_of(done[i], W)
-                row["resumed_from_journal"] = sorted({r["journal_commit"] for r in done[i]})
-                rows.append(row)
-            else:
-                rows.append(next(made))
+        res = run_ranks(common.rank_run_all, W, args=(model, runs, paths, 1e9, JOURNAL.get("journal")),
+                        timeout=timeout, env=env)
+        rows = [row_of([res[r][i] for r in range(W)], W) for i in range(len(runs))]
     if ft_runs:
         lighthouses = []
         try:
