@@ -316,23 +316,37 @@ def network_section(docs: Dict[str, Dict]) -> List[str]:
 def link_reading(docs: Dict[str, Dict]) -> str:
     """One sentence from the network files: the link's share of DiLoCo's and SparseLoCo k = 64's outer step at
     each measured W (the rest of the outer step is computation on the machine's shared cores)."""
-    cells = []
+    widths, pairs, numel = [], [], None
     for W in HEADLINE_W:
         doc = docs.get(f"network_w{W}")
-        d, s = (network_row(doc, "diloco"), network_row(doc, "sparseloco")) if doc else (None, None)
+        d, s = network_row(doc, "diloco"), network_row(doc, "sparseloco")
         if d is not None and s is not None:
-            cells.append((W, d, s, doc["rows"][0].get("numel")))
-    if not cells:
+            widths.append(str(W))
+            pairs.append((d, s))
+            numel = numel or doc["rows"][0].get("numel")
+    if not pairs:
         return ""
-    at = " / ".join(str(c[0]) for c in cells)
-    comm = lambda key: " / ".join(f"{r['sync_communicate_s']:.3f}" for r in (c[key] for c in cells))  # noqa: E731
-    share = lambda key: " / ".join(f"{100 * r['sync_communicate_s'] / r['sync_outer_step_s']:.0f} %"  # noqa: E731
-                                   for r in (c[key] for c in cells))
-    return (f"Communicating takes DiLoCo {comm(1)} s and SparseLoCo k = 64 {comm(2)} s per outer step at W = {at} "
-            f"({share(1)} and {share(2)} of the outer step). The rest is computation on the machine's cores, which "
-            "the W ranks share: most of the outer step for both methods on this small model"
-            + (f", whose dense fp32 payload is {fmt_bytes(4 * cells[0][3])}" if cells[0][3] else "")
-            + ", so the time columns here say more about this machine than about a slow link.")
+
+    def per_w(method: int, fmt) -> str:
+        return " / ".join(fmt(pair[method]) for pair in pairs)
+
+    def comm(r):
+        return f"{r['sync_communicate_s']:.3f}"
+
+    def share(r):
+        return f"{100 * r['sync_communicate_s'] / r['sync_outer_step_s']:.0f} %"
+
+    payload = f", whose dense fp32 payload is {fmt_bytes(4 * numel)}" if numel else ""
+    return (f"Communicating takes DiLoCo {per_w(0, comm)} s and SparseLoCo k = 64 {per_w(1, comm)} s per outer step "
+            f"at W = {' / '.join(widths)} ({per_w(0, share)} and {per_w(1, share)} of the outer step). The rest is "
+            "computation on the machine's cores, which the W ranks share: most of the outer step for both methods "
+            f"on this small model{payload}, so the time columns here say more about this machine than about a "
+            "slow link.")
+
+
+def paragraph(text: str) -> List[str]:
+    """A blank line and ``text``, or nothing where ``text`` is empty."""
+    return ["", text] if text else []
 
 
 def gasloc_section(docs: Dict[str, Dict]) -> List[str]:
@@ -475,7 +489,7 @@ def render_page(docs: Dict[str, Dict]) -> str:
               "over the seeds.", ""]
     L += ["## SparseLoCo against DiLoCo", ""]
     L += headline(docs)
-    L += ["", reading(docs)] if reading(docs) else []
+    L += paragraph(reading(docs))
     L += ["", "Outer step and time: the same runs on one 100 Mbit/s link per worker (next section). "
           "*Seeds ahead*: on how many seeds SparseLoCo's loss is below DiLoCo's on the same seed.", ""]
     L += command_block([(f"quality_w{W}", docs[f"quality_w{W}"]) for W in HEADLINE_W if f"quality_w{W}" in docs])
@@ -493,7 +507,7 @@ def render_page(docs: Dict[str, Dict]) -> str:
           "first evaluation at or below DiLoCo's held-out loss after its last step. Clocks depend on the machine "
           "and its load (W ranks share its cores); losses do not.", ""]
     L += network_section(docs)
-    L += ["", link_reading(docs)] if link_reading(docs) else []
+    L += paragraph(link_reading(docs))
     L += ["", "## GASLoC on heterogeneous links", "",
           "W = 4, one link per worker; time to the loss DiLoCo has after 90 inner steps (the other methods may "
           "train longer to reach it).", ""]
@@ -502,7 +516,7 @@ def render_page(docs: Dict[str, Dict]) -> str:
           "The same protocol on a 7× larger model (3.26 M parameters), W = 4 and 8, 3 seeds; both methods tuned on "
           "grids widened until the chosen point is inside (sweep tables below).", ""]
     L += headline(docs, "_4x256", SIZE2_W)
-    L += ["", reading(docs, "_4x256", SIZE2_W)] if reading(docs, "_4x256", SIZE2_W) else []
+    L += paragraph(reading(docs, "_4x256", SIZE2_W))
     big = [(f"quality_4x256_w{W}", docs[f"quality_4x256_w{W}"]) for W in SIZE2_W if f"quality_4x256_w{W}" in docs]
     if big:
         L += [""] + command_block(big)
