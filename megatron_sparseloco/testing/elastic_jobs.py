@@ -35,11 +35,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_sparseloco.testing.multirank import free_port
 
 
 #: runs torchft's lighthouse (the code of the ``torchft_lighthouse`` script) from its extension module

@@ -18,6 +18,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import random
 import socket
 import sys
 import tempfile
@@ -40,8 +41,37 @@ class RankTimeout(RuntimeError):
     """Ranks did not finish within the timeout; the message holds their stacks and output."""
 
 
+#: ports ``free_port`` draws from when the kernel's ephemeral range cannot be read
+_EPHEMERAL_FALLBACK = (32768, 60999)
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to unbound sockets (``net.ipv4.ip_local_port_range``)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _EPHEMERAL_FALLBACK[0]
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port nothing is bound to, drawn at random below the kernel's ephemeral range.
+
+    The caller binds it later (a job's store, a lighthouse). A port the kernel picked (``bind(0)``) lies
+    in its ephemeral range, from which it also hands source ports to other processes' outgoing
+    connections (gloo's peer sockets, ...): in between, such a connection can take it and the bind
+    fails with EADDRINUSE. Below the range only another explicit bind can take it."""
+    low = _ephemeral_low()
+    draw = random.Random()   # not the global RNG: tests seed that one
+    for _ in range(200):
+        port = draw.randrange(max(1024, low // 2), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:   # the range below is full: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
