@@ -190,6 +190,11 @@ def machine_line(doc: Dict, name: str) -> str:
     if reused:   # quality.py --reuse: runs taken from an earlier run of the same configuration on this CPU model
         n = sum(1 for r in doc["rows"] if r.get("reused_from"))
         wall += f" ({n} of {len(doc['rows'])} runs from an earlier run at {', '.join(reused)}, same CPU model)"
+    resumed = sorted({c for r in doc["rows"] for c in r.get("resumed_from_journal") or ()})
+    if resumed:  # quality.py's run journal: runs an interrupted launch of the same command finished
+        n = sum(1 for r in doc["rows"] if r.get("resumed_from_journal"))
+        wall += f" for the last {len(doc['rows']) - n} of {len(doc['rows'])} runs (the others by an interrupted " \
+                f"launch at {', '.join(resumed)})"
     return (f"{m['cpu']}, {m['cpus']} CPUs, torch {m['torch']}, megatron-core {m['megatron_core']}; "
             f"plugin {doc['commit']}, {doc.get('date', 'date not recorded')}{wall}{load}; "
             f"[`results/{name}.json`](results/{name}.json)")
@@ -520,6 +525,8 @@ def render_page(docs: Dict[str, Dict]) -> str:
     big = [(f"quality_4x256_w{W}", docs[f"quality_4x256_w{W}"]) for W in SIZE2_W if f"quality_4x256_w{W}" in docs]
     if big:
         L += [""] + command_block(big)
+        absent = [f"quality_4x256_w{W}" for W in SIZE2_W if f"quality_4x256_w{W}" not in docs]
+        L += ["", *missing(absent)] if absent else []
     cmp_ = size_comparison(docs)
     if cmp_:
         L += ["", "Where the comparison moves with size (negative: SparseLoCo ahead):", ""] + cmp_

@@ -151,6 +151,23 @@ def test_the_machine_line_says_which_runs_came_from_an_earlier_run(tmp_path):
     assert "(3 of 13 runs from an earlier run at 3ebde43, same CPU model)" in page
 
 
+def test_the_machine_line_says_which_runs_an_interrupted_launch_made(tmp_path):
+    doc = quality_doc(2)
+    doc["wall_s"] = 600.0
+    for r in doc["rows"][:4]:
+        r["resumed_from_journal"] = ["1420dd8"]
+    write(tmp_path, "quality_w2", doc)
+    page = R.render_page(R.load_results(str(tmp_path)))
+    assert "10 min for the last 9 of 13 runs (the others by an interrupted launch at 1420dd8)" in page
+
+
+def test_a_second_size_measured_at_one_w_keeps_the_other_ws_command(tmp_path):
+    write(tmp_path, "quality_4x256_w4", quality_doc(4))
+    page = R.render_page(R.load_results(str(tmp_path)))
+    size2 = page.split("## A second model size")[1].split("## Elastic")[0]
+    assert "| 8 | not measured yet |" in size2 and PLAN["quality_4x256_w8"] in size2
+
+
 def test_the_network_columns_and_the_readme_table_come_from_the_network_file(tmp_path):
     write(tmp_path, "quality_w2", quality_doc(2))
     write(tmp_path, "network_w2", network_doc(2))
