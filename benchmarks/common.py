@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -444,12 +443,6 @@ def start_lighthouse(min_replicas: int):
     return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=200)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _adamw_param_groups(gpt, wd: float):
     """Megatron's default weight-decay split: no decay for 1-D tensors and biases."""
     decay, no_decay = [], []
@@ -480,7 +473,8 @@ def train_torchft_diloco(rank: int, world: int, model: ModelCfg, run: RunCfg, pa
                          vocab=model.vocab, seq_len=model.seq)[0]
     numel = sum(p.numel() for p in gpt.parameters())
     from torch.distributed import TCPStore
-    store_port = _free_port()
+    from megatron_sparseloco.testing.multirank import free_port
+    store_port = free_port()
     store = TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)  # this replica group's store
     inner = torch.optim.AdamW(_adamw_param_groups(gpt, run.weight_decay), lr=run.lr, betas=(0.9, 0.95), eps=1e-8)
     outer_opt = torch.optim.SGD(gpt.parameters(), lr=0.7, momentum=0.9, nesterov=True)
