@@ -41,8 +41,8 @@ class RankTimeout(RuntimeError):
     """Ranks did not finish within the timeout; the message holds their stacks and output."""
 
 
-#: ports ``free_port`` draws from when the kernel's ephemeral range cannot be read
-_EPHEMERAL_FALLBACK = (32768, 60999)
+#: the ephemeral range's usual start (Linux), where ``net.ipv4.ip_local_port_range`` cannot be read
+_EPHEMERAL_LOW_FALLBACK = 32768
 
 
 def _ephemeral_low() -> int:
@@ -51,7 +51,7 @@ def _ephemeral_low() -> int:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
-        return _EPHEMERAL_FALLBACK[0]
+        return _EPHEMERAL_LOW_FALLBACK
 
 
 def free_port() -> int:
