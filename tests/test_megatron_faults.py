@@ -127,9 +127,8 @@ def _arrival_barrier_rank(rank, world, timeout_s):
         else:
             watch.barrier(step)
     dist.barrier()   # every rank has passed step 3: its deletions are done
-    key = lambda step, name: f"{OuterStepWatch.PREFIX}/{step}/{name}"  # noqa: E731
     names = [f"rank{r}" for r in range(world)] + ["arrived", "all"]
-    left = {step: [n for n in names if watch.store.check([key(step, n)])] for step in (1, 2, 3)}
+    left = {step: [n for n in names if watch.store.check([watch.key(step, n)])] for step in (1, 2, 3)}
     dist.barrier()   # everyone has looked before step 4's arrivals delete step 3's keys
     out = {"left": left, "worker_of": watch.worker_of, "error": None}
     if rank == 3:
@@ -147,6 +146,40 @@ def _arrival_barrier_rank(rank, world, timeout_s):
             out["again"] = (str(exc) == out["error"], time.monotonic() - t0 - waited)
     out.update(waited_s=waited, collectives=list(spy.calls))
     return out
+
+
+def _second_loop_rank(rank, world, timeout_s):
+    """Two outer loops one after the other in one job (a benchmark's runs): the first completes steps
+    1 and 2; in the second, rank 1 arrives at step 1 only. Returns rank 0's error at step 2, if any."""
+    import torch.distributed as dist
+
+    from megatron_sparseloco.megatron.outer_group import OuterStepWatch, WorkerLostError
+    group = dist.new_group([0, 1])
+    first = OuterStepWatch(group, 0, timeout_s)
+    for step in (1, 2):
+        first.barrier(step)
+    dist.barrier()
+    second = OuterStepWatch(group, 0, timeout_s)
+    second.barrier(1)
+    out = {"prefixes": (first.prefix, second.prefix), "error": None}
+    if rank == 0:
+        try:
+            second.barrier(2)
+        except WorkerLostError as exc:
+            out["error"] = str(exc)
+    dist.barrier()
+    return out
+
+
+def test_a_second_outer_loop_in_the_same_job_waits_at_the_step_the_first_ended_on():
+    """The first loop's last step stays complete in the store; the second loop's barrier at that step
+    must still wait for every rank (its keys are its own), so rank 0 names rank 1 after the timeout."""
+    res = run_ranks(_second_loop_rank, 2, args=(2.0,), timeout=120)
+    assert res[0]["prefixes"] == res[1]["prefixes"], res
+    first, second = res[0]["prefixes"]
+    assert first != second, res
+    err = res[0]["error"]
+    assert err is not None and "worker(s) [1] (global rank(s) [1]) never reached outer step 2" in err, err
 
 
 def test_arrival_barrier_names_missing_worker_on_every_rank_before_any_collective():

@@ -70,8 +70,8 @@ class OuterStepWatch:
     Every rank of the job (all workers, all shard positions: N ranks) arrives at each outer step in
     the job's rendezvous store, host-side:
 
-        set   sparseloco/outer/<step>/rank<r>          (this rank arrived)
-        n ← add(sparseloco/outer/<step>/arrived, 1)    (the rank with n = N sets .../<step>/all)
+        set   sparseloco/outer/<n>/<step>/rank<r>          (this rank arrived)
+        c ← add(sparseloco/outer/<n>/<step>/arrived, 1)    (the rank with c = N sets .../<step>/all)
 
     and, before it issues the step's first collective, waits for ``.../<step>/all``
     (``--sparseloco-outer-timeout`` seconds at most): a blocking step on the training thread
@@ -84,9 +84,17 @@ class OuterStepWatch:
     unnamed (NCCL's watchdog with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``) or hang (a stopped peer
     keeps its sockets open). Every rank has finished waiting for step k − 1 before anyone arrives
     at step k, so arriving at k deletes the keys of k − 1: the store holds those of two steps at most.
+
+    ``<n>`` numbers the watch: n counts the watches built in the process group
+    (every rank builds them in the same order; the construction agrees on n): a later outer loop in
+    the same job (a benchmark's next run, a test's next case) never meets an earlier loop's keys,
+    whose last step stays complete (``all`` set, its count at N) and would let every rank through
+    that step unchecked. The last step's keys of each finished loop stay in the store (N + 2 keys).
     """
 
     PREFIX = "sparseloco/outer"
+    #: watches with a group built in this process so far (agreed across ranks at each construction)
+    _built = 0
 
     def __init__(self, group: Optional[dist.ProcessGroup], position: int, timeout_s: float = 600.0):
         self.group = group
@@ -101,11 +109,18 @@ class OuterStepWatch:
         self._outcome: Optional[tuple] = None
         #: global rank -> worker index (one object all-gather at construction)
         self.worker_of: List[int] = [0] * self.world
+        #: this watch's key namespace, ``sparseloco/outer/<n>`` (class docstring)
+        self.prefix = self.PREFIX
         if group is not None:
-            dist.all_gather_object(self.worker_of, self.worker)
+            gathered: List[tuple] = [(0, 0)] * self.world
+            dist.all_gather_object(gathered, (self.worker, OuterStepWatch._built + 1))
+            self.worker_of = [worker for worker, _ in gathered]
+            OuterStepWatch._built = max(n for _, n in gathered)
+            self.prefix = f"{self.PREFIX}/{OuterStepWatch._built}"
 
-    def _key(self, step: int, name: str) -> str:
-        return f"{self.PREFIX}/{step}/{name}"
+    def key(self, step: int, name: str) -> str:
+        """The store key of ``name`` (``rank<r>``, ``arrived``, ``all``) at outer step ``step``."""
+        return f"{self.prefix}/{step}/{name}"
 
     def barrier(self, step: int) -> None:
         """Arrive at outer step ``step`` and wait until every rank of the job has (class docstring)."""
@@ -119,12 +134,12 @@ class OuterStepWatch:
         if self.store is None:
             return
         try:
-            self.store.set(self._key(step, f"rank{self.rank}"), str(self.worker))
-            if self.store.add(self._key(step, "arrived"), 1) == self.world:
-                self.store.set(self._key(step, "all"), "1")
+            self.store.set(self.key(step, f"rank{self.rank}"), str(self.worker))
+            if self.store.add(self.key(step, "arrived"), 1) == self.world:
+                self.store.set(self.key(step, "all"), "1")
                 for name in ("arrived", "all"):
-                    self.store.delete_key(self._key(step - 1, name))
-            self.store.delete_key(self._key(step - 1, f"rank{self.rank}"))
+                    self.store.delete_key(self.key(step - 1, name))
+            self.store.delete_key(self.key(step - 1, f"rank{self.rank}"))
         except RuntimeError as exc:  # the store went away with its host
             self._outcome = (step, self.lost(step, exc))
             raise self._outcome[1] from exc
@@ -140,7 +155,7 @@ class OuterStepWatch:
                 raise self._outcome[1]
             return
         try:
-            self.store.wait([self._key(step, "all")], timedelta(seconds=self.timeout_s))
+            self.store.wait([self.key(step, "all")], timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:  # the wait timed out, or the store went away with its host
             self._outcome = (step, self.lost(step, exc))
             raise self._outcome[1] from exc
@@ -151,7 +166,7 @@ class OuterStepWatch:
         if self.store is None:
             return []
         try:
-            return [r for r in range(self.world) if not self.store.check([self._key(step, f"rank{r}")])]
+            return [r for r in range(self.world) if not self.store.check([self.key(step, f"rank{r}")])]
         except RuntimeError:  # the store's host died with the worker: we cannot tell who is missing
             return []
 
