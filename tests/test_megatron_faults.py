@@ -144,7 +144,7 @@ def _arrival_barrier_rank(rank, world, timeout_s):
             watch.wait_all(4)
         except WorkerLostError as exc:
             out["again"] = (str(exc) == out["error"], time.monotonic() - t0 - waited)
-    out.update(waited_s=waited, collectives=list(spy.calls))
+    out.update(waited_s=waited, collectives=list(spy.calls), state=watch.store_state(4), prefix=watch.prefix)
     return out
 
 
@@ -202,6 +202,10 @@ def test_arrival_barrier_names_missing_worker_on_every_rank_before_any_collectiv
         assert r["collectives"] == []
         assert timeout_s - 0.5 <= r["waited_s"] < timeout_s + 10, r["waited_s"]
         assert r["again"][0] and r["again"][1] < 1.0, r["again"]
+        # step 3 stays complete (no step-4 completer deleted it); rank 3 alone never moved on from it
+        assert r["state"] == (f"{r['prefix']} at the timeout: step 3: arrived 4 of 4, all set, ranks [3]; "
+                              "step 4: arrived 3 of 4, all unset, ranks [0, 1, 2]; "
+                              "step 5: arrived 0 of 4, all unset, ranks []"), r["state"]
 
 
 #: what examples/slurm/sparseloco.sbatch exports: NCCL's watchdog takes a process down when a collective

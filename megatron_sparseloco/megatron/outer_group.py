@@ -82,8 +82,10 @@ class OuterStepWatch:
     those ranks' workers and raises ``WorkerLostError`` having issued no collective of the step, so
     the error is raised on every waiting rank even where a failed collective would end the process
     unnamed (NCCL's watchdog with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``) or hang (a stopped peer
-    keeps its sockets open). Every rank has finished waiting for step k − 1 before anyone arrives
-    at step k, so arriving at k deletes the keys of k − 1: the store holds those of two steps at most.
+    keeps its sockets open); it also prints what the store held for the step and its neighbours
+    (``store_state``), so a timeout can be told from a store that disagrees with the ranks. Every
+    rank has finished waiting for step k − 1 before anyone arrives at step k, so arriving at k
+    deletes the keys of k − 1: the store holds those of two steps at most.
 
     ``<n>`` numbers the watch: n counts the watches built in the process group
     (every rank builds them in the same order; the construction agrees on n): a later outer loop in
@@ -170,6 +172,23 @@ class OuterStepWatch:
         except RuntimeError:  # the store's host died with the worker: we cannot tell who is missing
             return []
 
+    def store_state(self, step: int) -> str:
+        """What the store holds for ``step`` and its neighbours, for the error of a wait that timed out:
+        ``step <s>: arrived <c> of <N>, all set|unset, ranks [...]`` (keys read, none written)."""
+        if self.store is None:
+            return ""
+        parts = []
+        try:
+            for s in (step - 1, step, step + 1):
+                arrived = self.key(s, "arrived")
+                count = int(self.store.get(arrived)) if self.store.check([arrived]) else 0
+                done = "set" if self.store.check([self.key(s, "all")]) else "unset"
+                ranks = [r for r in range(self.world) if self.store.check([self.key(s, f"rank{r}")])]
+                parts.append(f"step {s}: arrived {count} of {self.world}, all {done}, ranks {ranks}")
+        except (RuntimeError, ValueError):  # the store's host died, or a key changed under us
+            parts.append("the store stopped answering")
+        return f"{self.prefix} at the timeout: " + "; ".join(parts)
+
     def _who(self, step: int) -> Optional[str]:
         ranks = self.missing_ranks(step)
         if not ranks:
@@ -187,6 +206,7 @@ class OuterStepWatch:
             "the last complete checkpoint (a dead worker cannot rejoin mid-run); if the worker is only slow, "
             "raise --sparseloco-outer-timeout")
         print(f"sparseloco | error: {err}", file=sys.stderr, flush=True)
+        print(f"sparseloco | {self.store_state(step)}", file=sys.stderr, flush=True)
         return err
 
     def fail(self, step: int, exc: BaseException, timeout_s: float) -> WorkerLostError:
