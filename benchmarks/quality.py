@@ -550,7 +550,7 @@ def main(argv=None) -> int:
               "defaults": common.resolved_defaults(workers)}
     command = schema.command_line("quality.py", strip_option(strip_option(argv if argv is not None else sys.argv[1:],
                                                                           "--reuse"), "--journal"))
-    resumed = [r for r in rows if r.get("resumed_from_journal")]
+    resumed = [r for r in rows if r.get("resumed_from_journal") and not r.get("reused_from")]
     if resumed:
         notes.append(f"{len(resumed)} runs taken from the run journal of an interrupted launch of this command, "
                      f"made at commit(s) {sorted({c for r in resumed for c in r['resumed_from_journal']})}")

@@ -186,15 +186,21 @@ def machine_line(doc: Dict, name: str) -> str:
     m = doc["machine"]
     load = f", load {doc['load']}" if doc.get("load") else ""
     wall = f", {doc['wall_s'] / 60:.0f} min" if doc.get("wall_s") else ""
-    reused = sorted({re.sub(r"^.*\((\S+), .*$", r"\1", r["reused_from"]) for r in doc["rows"] if r.get("reused_from")})
-    if reused:   # quality.py --reuse: runs taken from an earlier run of the same configuration on this CPU model
-        n = sum(1 for r in doc["rows"] if r.get("reused_from"))
-        wall += f" ({n} of {len(doc['rows'])} runs from an earlier run at {', '.join(reused)}, same CPU model)"
-    resumed = sorted({c for r in doc["rows"] for c in r.get("resumed_from_journal") or ()})
-    if resumed:  # quality.py's run journal: runs an interrupted launch of the same command finished
-        n = sum(1 for r in doc["rows"] if r.get("resumed_from_journal"))
-        wall += f" for the last {len(doc['rows']) - n} of {len(doc['rows'])} runs (the others by an interrupted " \
-                f"launch at {', '.join(resumed)})"
+    rows = doc["rows"]
+    # quality.py --reuse: runs taken from an earlier file of the same configuration on this CPU model (where
+    # that file had them from is its own story); its run journal: runs an interrupted launch finished
+    reused = [r for r in rows if r.get("reused_from")]
+    resumed = [r for r in rows if r.get("resumed_from_journal") and not r.get("reused_from")]
+    if reused or resumed:
+        origins = []
+        if reused:
+            at = sorted({re.sub(r"^.*\((\S+), .*$", r"\1", r["reused_from"]) for r in reused})
+            origins.append(f"{len(reused)} from an earlier run at {', '.join(at)}, same CPU model")
+        if resumed:
+            at = sorted({c for r in resumed for c in r["resumed_from_journal"]})
+            origins.append(f"{len(resumed)} by an interrupted launch at {', '.join(at)}")
+        wall += f" for the {len(rows) - len(reused) - len(resumed)} of {len(rows)} runs this launch made " \
+                f"({'; '.join(origins)})"
     return (f"{m['cpu']}, {m['cpus']} CPUs, torch {m['torch']}, megatron-core {m['megatron_core']}; "
             f"plugin {doc['commit']}, {doc.get('date', 'date not recorded')}{wall}{load}; "
             f"[`results/{name}.json`](results/{name}.json)")

@@ -148,7 +148,7 @@ def test_the_machine_line_says_which_runs_came_from_an_earlier_run(tmp_path):
         r["reused_from"] = "docs/results/quality_w2_first.json (3ebde43, 2026-12-05)"
     write(tmp_path, "quality_w2", doc)
     page = R.render_page(R.load_results(str(tmp_path)))
-    assert "(3 of 13 runs from an earlier run at 3ebde43, same CPU model)" in page
+    assert "for the 10 of 13 runs this launch made (3 from an earlier run at 3ebde43, same CPU model)" in page
 
 
 def test_the_machine_line_says_which_runs_an_interrupted_launch_made(tmp_path):
@@ -158,7 +158,20 @@ def test_the_machine_line_says_which_runs_an_interrupted_launch_made(tmp_path):
         r["resumed_from_journal"] = ["1420dd8"]
     write(tmp_path, "quality_w2", doc)
     page = R.render_page(R.load_results(str(tmp_path)))
-    assert "10 min for the last 9 of 13 runs (the others by an interrupted launch at 1420dd8)" in page
+    assert "10 min for the 9 of 13 runs this launch made (4 by an interrupted launch at 1420dd8)" in page
+
+
+def test_a_reused_run_counts_as_reused_whatever_made_it_in_its_own_file(tmp_path):
+    """A run taken with --reuse keeps its earlier file's journal mark; it is counted once, as reused."""
+    doc = quality_doc(2)
+    for r in doc["rows"][:3]:
+        r.update(reused_from="docs/results/quality_w2.json (905ffd8, 2026-12-05)", resumed_from_journal=["1420dd8"])
+    for r in doc["rows"][3:5]:
+        r["resumed_from_journal"] = ["af5e1af"]
+    write(tmp_path, "quality_w2", doc)
+    page = R.render_page(R.load_results(str(tmp_path)))
+    assert ("for the 8 of 13 runs this launch made (3 from an earlier run at 905ffd8, same CPU model; "
+            "2 by an interrupted launch at af5e1af)") in page
 
 
 def test_a_second_size_measured_at_one_w_keeps_the_other_ws_command(tmp_path):
