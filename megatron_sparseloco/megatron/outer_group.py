@@ -168,9 +168,15 @@ class OuterStepWatch:
         if self.store is None:
             return []
         try:
-            return [r for r in range(self.world) if not self.store.check([self.key(step, f"rank{r}")])]
+            arrived = set(self._arrived_ranks(step))
         except RuntimeError:  # the store's host died with the worker: we cannot tell who is missing
             return []
+        return [r for r in range(self.world) if r not in arrived]
+
+    def _arrived_ranks(self, step: int) -> List[int]:
+        """Global ranks whose ``rank<r>`` key of ``step`` is in the store (RuntimeError: no store)."""
+        assert self.store is not None
+        return [r for r in range(self.world) if self.store.check([self.key(step, f"rank{r}")])]
 
     def store_state(self, step: int) -> str:
         """What the store holds for ``step`` and its neighbours, for the error of a wait that timed out:
@@ -183,8 +189,7 @@ class OuterStepWatch:
                 arrived = self.key(s, "arrived")
                 count = int(self.store.get(arrived)) if self.store.check([arrived]) else 0
                 done = "set" if self.store.check([self.key(s, "all")]) else "unset"
-                ranks = [r for r in range(self.world) if self.store.check([self.key(s, f"rank{r}")])]
-                parts.append(f"step {s}: arrived {count} of {self.world}, all {done}, ranks {ranks}")
+                parts.append(f"step {s}: arrived {count} of {self.world}, all {done}, ranks {self._arrived_ranks(s)}")
         except (RuntimeError, ValueError):  # the store's host died, or a key changed under us
             parts.append("the store stopped answering")
         return f"{self.prefix} at the timeout: " + "; ".join(parts)
