@@ -148,6 +148,33 @@ def _arrival_barrier_rank(rank, world, timeout_s):
     return out
 
 
+def test_arrival_barrier_names_missing_worker_on_every_rank_before_any_collective():
+    """Every surviving rank — the missing rank's own worker-mate and the other worker's ranks at both
+    shard positions — raises WorkerLostError naming worker 1 and global rank 3 after the timeout,
+    with no collective issued, and raises it again at once when asked again; ranks that only arrive
+    let the others pass; the store keeps only the last step's keys."""
+    timeout_s = 3.0
+    res = run_ranks(_arrival_barrier_rank, 4, args=(timeout_s,), timeout=120)
+    for rank, r in enumerate(res):
+        assert r["worker_of"] == [0, 0, 1, 1]
+        assert r["left"][1] == [] and r["left"][2] == [], r["left"]   # old steps' keys deleted
+        assert r["left"][3] == [f"rank{q}" for q in range(4)] + ["arrived", "all"]
+        if rank == 3:
+            continue
+        err = r["error"]
+        assert err is not None and "worker(s) [1] (global rank(s) [3]) never reached outer step 4" in err, err
+        assert f"global rank {rank}, worker {rank // 2}" in err and "--sparseloco-outer-timeout" in err, err
+        assert "before issuing any collective" in err and "Fix:" in err, err
+        assert r["collectives"] == []
+        assert timeout_s - 0.5 <= r["waited_s"] < timeout_s + 10, r["waited_s"]
+        assert r["again"][0] and r["again"][1] < 1.0, r["again"]
+        # step 3 stays complete (no step-4 completer deleted it); rank 3 alone never moved on from it
+        assert r["state"] == (f"{r['prefix']} at the timeout: step 3: arrived 4 of 4, all set, ranks [3]; "
+                              "step 4: arrived 3 of 4, all unset, ranks [0, 1, 2]; "
+                              "step 5: arrived 0 of 4, all unset, ranks []"), r["state"]
+
+
+
 def _second_loop_rank(rank, world, timeout_s):
     """Two outer loops one after the other in one job (a benchmark's runs): the first completes steps
     1 and 2; in the second, rank 1 arrives at step 1 only. Returns rank 0's error at step 2, if any."""
@@ -180,33 +207,6 @@ def test_a_second_outer_loop_in_the_same_job_waits_at_the_step_the_first_ended_o
     assert first != second, res
     err = res[0]["error"]
     assert err is not None and "worker(s) [1] (global rank(s) [1]) never reached outer step 2" in err, err
-
-
-def test_arrival_barrier_names_missing_worker_on_every_rank_before_any_collective():
-    """Every surviving rank — the missing rank's own worker-mate and the other worker's ranks at both
-    shard positions — raises WorkerLostError naming worker 1 and global rank 3 after the timeout,
-    with no collective issued, and raises it again at once when asked again; ranks that only arrive
-    let the others pass; the store keeps only the last step's keys."""
-    timeout_s = 3.0
-    res = run_ranks(_arrival_barrier_rank, 4, args=(timeout_s,), timeout=120)
-    for rank, r in enumerate(res):
-        assert r["worker_of"] == [0, 0, 1, 1]
-        assert r["left"][1] == [] and r["left"][2] == [], r["left"]   # old steps' keys deleted
-        assert r["left"][3] == [f"rank{q}" for q in range(4)] + ["arrived", "all"]
-        if rank == 3:
-            continue
-        err = r["error"]
-        assert err is not None and "worker(s) [1] (global rank(s) [3]) never reached outer step 4" in err, err
-        assert f"global rank {rank}, worker {rank // 2}" in err and "--sparseloco-outer-timeout" in err, err
-        assert "before issuing any collective" in err and "Fix:" in err, err
-        assert r["collectives"] == []
-        assert timeout_s - 0.5 <= r["waited_s"] < timeout_s + 10, r["waited_s"]
-        assert r["again"][0] and r["again"][1] < 1.0, r["again"]
-        # step 3 stays complete (no step-4 completer deleted it); rank 3 alone never moved on from it
-        assert r["state"] == (f"{r['prefix']} at the timeout: step 3: arrived 4 of 4, all set, ranks [3]; "
-                              "step 4: arrived 3 of 4, all unset, ranks [0, 1, 2]; "
-                              "step 5: arrived 0 of 4, all unset, ranks []"), r["state"]
-
 
 #: what examples/slurm/sparseloco.sbatch exports: NCCL's watchdog takes a process down when a collective
 #: fails or times out (TORCH_NCCL_ASYNC_ERROR_HANDLING=1); semantics_launcher's WATCHDOG=1 does the same on gloo
