@@ -10,12 +10,18 @@ The key is a hash of everything a run's result depends on that the benchmark con
 world size W, the run configuration, the data files and the CPU model (runs are deterministic per CPU model,
 docs/benchmarks.md). The code is not in the key: each entry records the plugin commit it was made at, and a
 benchmark that takes entries from the journal names those commits in its results file's notes.
+
+``python benchmarks/journal.py DIR`` prints what a journal holds: per run, how many ranks recorded it, the
+held-out loss at its last evaluation (rank 0's), the wall time and the commit, so the progress of a long
+sweep can be read after its log is gone.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
+import sys
 from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
@@ -83,3 +89,57 @@ class RunJournal:
                 os.remove(os.path.join(self.directory, name))
         if not os.listdir(self.directory):
             os.rmdir(self.directory)
+
+
+def summary(directory: str) -> List[Dict]:
+    """One row per journal key: ``{key, ranks, run, held_out_loss, elapsed_s, commit}`` (the loss, time and
+    commit are rank 0's, None where rank 0 has not recorded the run), in the order the runs ended."""
+    by_key: Dict[str, Dict] = {}
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".json") or "-rank" not in name:
+            continue
+        key, rank = name[:-5].rsplit("-rank", 1)
+        path = os.path.join(directory, name)
+        row = by_key.setdefault(key, {"key": key, "ranks": 0, "run": None, "held_out_loss": None,
+                                      "elapsed_s": None, "commit": None, "mtime": 0.0})
+        row["ranks"] += 1
+        row["mtime"] = max(row["mtime"], os.path.getmtime(path))
+        with open(path) as f:
+            entry = json.load(f)
+        row["run"] = row["run"] or entry["result"].get("run")
+        if int(rank) == 0:
+            curve = entry["result"].get("curve") or [{}]
+            row.update(held_out_loss=curve[-1].get("held_out_loss"), elapsed_s=entry["result"].get("elapsed_s"),
+                       commit=entry["commit"])
+    rows = sorted(by_key.values(), key=lambda r: r["mtime"])
+    for r in rows:
+        del r["mtime"]
+    return rows
+
+
+def _describe(run: Optional[Dict]) -> str:
+    if not run:
+        return "?"
+    text = run.get("method", "?") + (f" k={run['k']}" if run.get("method") == "sparseloco" else "")
+    for field in ("outer_lr", "outer_momentum", "seed"):
+        if run.get(field) is not None:
+            text += f" {field.replace('outer_', '')}={run[field]:g}"
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Print what a run journal holds (see benchmarks/journal.py).")
+    ap.add_argument("directory")
+    args = ap.parse_args(argv)
+    if not os.path.isdir(args.directory):
+        print(f"{args.directory}: no such journal directory", file=sys.stderr)
+        return 2
+    for r in summary(args.directory):
+        loss = "-" if r["held_out_loss"] is None else f"{r['held_out_loss']:.4f}"
+        secs = "-" if r["elapsed_s"] is None else f"{r['elapsed_s']:.0f} s"
+        print(f"{_describe(r['run']):44s} ranks {r['ranks']:2d}  held-out {loss:>7s}  {secs:>7s}  {r['commit'] or '-'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -305,3 +305,27 @@ def test_run_journal_takes_a_run_only_when_every_rank_recorded_it(tmp_path):
     assert list(done) == [1] and todo == [other]
     j.clear()
     assert not os.path.exists(j.directory)
+
+
+def test_run_journal_summary_reads_progress_from_the_files(tmp_path, capsys):
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from dataclasses import asdict
+
+    import journal
+    from common import ModelCfg, RunCfg
+
+    j = journal.RunJournal(str(tmp_path / "j"), cpu="cpu A", commit="abc")
+    model = ModelCfg()
+    done, half = RunCfg("diloco", outer_lr=0.35, outer_momentum=0.6), RunCfg("sparseloco", k=64, outer_lr=0.53)
+    curve = [{"held_out_loss": 3.0}, {"held_out_loss": 2.0310}]
+    for rank in (0, 1):
+        j.record(model, 2, rank, done, {"run": asdict(done), "curve": curve, "elapsed_s": 990.0})
+    j.record(model, 2, 1, half, {"run": asdict(half), "curve": curve[:1], "elapsed_s": 5.0})
+    rows = journal.summary(j.directory)
+    assert [(r["ranks"], r["held_out_loss"], r["commit"]) for r in rows] in (
+        [(2, 2.0310, "abc"), (1, None, None)], [(1, None, None), (2, 2.0310, "abc")])
+    assert journal.main([j.directory]) == 0
+    out = capsys.readouterr().out
+    assert "diloco lr=0.35 momentum=0.6 seed=1234" in out and "held-out  2.0310" in out
+    assert "sparseloco k=64 lr=0.53 seed=1234" in out and "ranks  1  held-out       -" in out
+    assert journal.main([str(tmp_path / "absent")]) == 2
