@@ -609,6 +609,22 @@ def release_process_groups() -> None:
         if group is not world:
             dist.destroy_process_group(group)
     gc.collect()
+    return_freed_heap()
+
+
+def return_freed_heap() -> None:
+    """Give the pages glibc's main heap holds free back to the system (``malloc_trim(0)``; a no-op without
+    glibc). A run's tensors of up to 32 MB come from that heap once glibc's dynamic mmap threshold has risen,
+    and what they leave free stays in the heap between live blocks: in an 8-rank sweep of the 4 x 256 model
+    some ranks' heaps grew by about 0.7 GB a run (others not at all) until the 24 GB machine ran short, and
+    ``malloc_trim(0)`` took one such rank from 4.5 GB to 0.76 GB resident. Numerics are untouched."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def rank_torchft(rank: int, world: int, model: ModelCfg, runs: List[RunCfg], paths: Dict[str, str],
