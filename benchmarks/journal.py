@@ -9,7 +9,10 @@ and makes only the others.
 The key is a hash of everything a run's result depends on that the benchmark controls: the model, the
 world size W, the run configuration, the data files and the CPU model (runs are deterministic per CPU model,
 docs/benchmarks.md). The code is not in the key: each entry records the plugin commit it was made at, and a
-benchmark that takes entries from the journal names those commits in its results file's notes.
+benchmark that takes entries from the journal names those commits in its results file's notes. A journal
+takes only the runs made on its own CPU model unless it is given ``other_cpus``: then it also takes those
+made on the CPU models named there, and marks each such result with ``journal_cpu`` (a long sweep carried on
+on a machine of another model; its rows then say which CPU made them).
 
 ``python benchmarks/journal.py DIR`` prints what a journal holds: per run, how many ranks recorded it, the
 held-out loss at its last evaluation (rank 0's), the wall time and the commit, so the progress of a long
@@ -37,11 +40,12 @@ def run_key(model, world: int, run, cpu: str, data: str = "") -> str:
 class RunJournal:
     """Per-rank results of finished runs under one directory (see the module docstring)."""
 
-    def __init__(self, directory: str, cpu: str, commit: str, data: str = ""):
+    def __init__(self, directory: str, cpu: str, commit: str, data: str = "", other_cpus: Sequence[str] = ()):
         self.directory = directory
         self.cpu = cpu
         self.commit = commit
         self.data = data
+        self.other_cpus = [c for c in other_cpus if c != cpu]
 
     def _path(self, key: str, rank: int) -> str:
         return os.path.join(self.directory, f"{key}-rank{rank}.json")
@@ -56,17 +60,22 @@ class RunJournal:
         os.replace(tmp, path)
 
     def done(self, model, world: int, run) -> Optional[List[Dict]]:
-        """The W per-rank results of ``run`` (each with ``journal_commit`` added), or None unless all W are
-        recorded."""
-        key = run_key(model, world, run, self.cpu, self.data)
-        paths = [self._path(key, r) for r in range(world)]
-        if not all(os.path.exists(p) for p in paths):
+        """The W per-rank results of ``run`` (each with ``journal_commit`` added, and ``journal_cpu`` where
+        another CPU model made it), or None unless all W are recorded (on this CPU model, else on one of
+        ``other_cpus``, in their order)."""
+        for cpu in [self.cpu] + self.other_cpus:
+            key = run_key(model, world, run, cpu, self.data)
+            paths = [self._path(key, r) for r in range(world)]
+            if all(os.path.exists(p) for p in paths):
+                break
+        else:
             return None
+        mark = {} if cpu == self.cpu else {"journal_cpu": cpu}
         out = []
         for p in paths:
             with open(p) as f:
                 entry = json.load(f)
-            out.append(dict(entry["result"], journal_commit=entry["commit"]))
+            out.append(dict(entry["result"], journal_commit=entry["commit"], **mark))
         return out
 
     def split(self, model, world: int, runs: Sequence) -> tuple:

@@ -341,7 +341,8 @@ JOURNAL: dict = {}   # {"journal": RunJournal} while main() runs with a journal 
 
 def run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
     """One row per run: those in REUSE are taken from there (marked ``reused_from``), those the run journal
-    holds from it (marked ``resumed_from_journal``: the commits they were made at); the rest are made."""
+    holds from it (marked ``resumed_from_journal``: the commits they were made at, and ``made_on_cpu`` where
+    another CPU model made them, --journal-cpu); the rest are made."""
     known = {i: REUSE[(W, _run_key(r))] for i, r in enumerate(runs) if (W, _run_key(r)) in REUSE}
     journal = JOURNAL.get("journal")
     if journal is not None:
@@ -350,6 +351,8 @@ def run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
         for j, results in done.items():
             known[left[j]] = dict(row_of(results, W),
                                   resumed_from_journal=sorted({r["journal_commit"] for r in results}))
+            if results[0].get("journal_cpu"):
+                known[left[j]]["made_on_cpu"] = results[0]["journal_cpu"]
     todo = [r for i, r in enumerate(runs) if i not in known]
     made = iter(_run_rows(W, model, todo, ft_runs, paths, timeout, env, notes) if todo or ft_runs else [])
     rows = [dict(known[i]) if i in known else next(made) for i in range(len(runs))]
@@ -452,6 +455,11 @@ def main(argv=None) -> int:
                          "(benchmarks/journal.py). Default with --json: data/journal/<name of the --json file>, "
                          "removed once the results file is written; 'none' turns it off. Not part of the recorded "
                          "command; the file's notes say which runs came from the journal")
+    ap.add_argument("--journal-cpu", default="", metavar="MODEL[;MODEL]",
+                    help="also take the journal's runs made on these CPU models (';'-separated, as the results "
+                         "files' machine.cpu spells them), for a sweep carried on on another machine: runs are "
+                         "deterministic per CPU model, so those rows are marked made_on_cpu and the notes and the "
+                         "results page say how many; not part of the recorded command")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=None, help="per-launch timeout in seconds")
     args = ap.parse_args(argv)
@@ -488,7 +496,8 @@ def main(argv=None) -> int:
                                    if args.json else None)
     if journal_dir and journal_dir != "none":
         JOURNAL["journal"] = RunJournal(journal_dir, machine["cpu"], machine["plugin_commit"],
-                                        data=json.dumps(paths, sort_keys=True))
+                                        data=json.dumps(paths, sort_keys=True),
+                                        other_cpus=[c.strip() for c in args.journal_cpu.split(";") if c.strip()])
         print(f"[quality] run journal: {journal_dir}", flush=True)
     env = {"OMP_NUM_THREADS": "1"}
     timeout = args.timeout or (600 if args.quick else 7200)
@@ -548,12 +557,16 @@ def main(argv=None) -> int:
               # the outer settings each W ran at (the sweep's choice, or the --tuned file; unset: the plugin's)
               "tuned_per_w": {str(W): {k: list(v) for k, v in tuned_per_w.get(W, tuned).items()} for W in workers},
               "defaults": common.resolved_defaults(workers)}
-    command = schema.command_line("quality.py", strip_option(strip_option(argv if argv is not None else sys.argv[1:],
-                                                                          "--reuse"), "--journal"))
+    given = argv if argv is not None else sys.argv[1:]
+    command = schema.command_line("quality.py", strip_option(strip_option(strip_option(given, "--reuse"),
+                                                                          "--journal"), "--journal-cpu"))
     resumed = [r for r in rows if r.get("resumed_from_journal") and not r.get("reused_from")]
     if resumed:
         notes.append(f"{len(resumed)} runs taken from the run journal of an interrupted launch of this command, "
                      f"made at commit(s) {sorted({c for r in resumed for c in r['resumed_from_journal']})}")
+        for cpu in sorted({r["made_on_cpu"] for r in resumed if r.get("made_on_cpu")}):
+            notes.append(f"{sum(1 for r in resumed if r.get('made_on_cpu') == cpu)} of those runs were made on "
+                         f"another CPU model, {cpu} (--journal-cpu; runs are deterministic per CPU model)")
     if reused_files:
         notes.append(f"{sum(1 for r in rows if r.get('reused_from'))} runs taken from earlier files (--reuse): "
                      f"{reused_files}")

@@ -198,7 +198,10 @@ def machine_line(doc: Dict, name: str) -> str:
             origins.append(f"{len(reused)} from an earlier run at {', '.join(at)}, same CPU model")
         if resumed:
             at = sorted({c for r in resumed for c in r["resumed_from_journal"]})
-            origins.append(f"{len(resumed)} by an interrupted launch at {', '.join(at)}")
+            elsewhere = [r["made_on_cpu"] for r in resumed if r.get("made_on_cpu")]   # quality.py --journal-cpu
+            origins.append(f"{len(resumed)} by an interrupted launch at {', '.join(at)}"
+                           + "".join(f", {elsewhere.count(c)} of them on another CPU model, {c}"
+                                     for c in sorted(set(elsewhere))))
         wall += f" for the {len(rows) - len(reused) - len(resumed)} of {len(rows)} runs this launch made " \
                 f"({'; '.join(origins)})"
     return (f"{m['cpu']}, {m['cpus']} CPUs, torch {m['torch']}, megatron-core {m['megatron_core']}; "

@@ -303,8 +303,42 @@ def test_run_journal_takes_a_run_only_when_every_rank_recorded_it(tmp_path):
     assert RunJournal(j.directory, cpu="cpu A", commit="abc", data="other").done(model, 2, run) is None  # other data
     done, todo = j.split(model, 2, [other, run])
     assert list(done) == [1] and todo == [other]
+    elsewhere = RunJournal(j.directory, cpu="cpu B", commit="def", other_cpus=["cpu C", "cpu A"])
+    assert elsewhere.done(model, 2, run) == [{"held_out": 1.5, "journal_commit": "abc", "journal_cpu": "cpu A"},
+                                             {"held_out": 1.25, "journal_commit": "abc", "journal_cpu": "cpu A"}]
+    elsewhere.record(model, 2, 0, run, {"held_out": 9.0})   # its own CPU model's run: taken first once whole
+    elsewhere.record(model, 2, 1, run, {"held_out": 8.0})
+    assert elsewhere.done(model, 2, run) == [{"held_out": 9.0, "journal_commit": "def"},
+                                             {"held_out": 8.0, "journal_commit": "def"}]
     j.clear()
     assert not os.path.exists(j.directory)
+
+
+def test_quality_marks_the_runs_it_takes_from_another_cpu_models_journal(tmp_path):
+    """--journal-cpu: a run another CPU model made is taken (not made again) and its row says which CPU made it."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from dataclasses import asdict
+
+    import quality
+    from common import ModelCfg, RunCfg
+    from journal import RunJournal
+
+    model, run = ModelCfg(), RunCfg("diloco", H=15, steps=30, outer_lr=0.35, outer_momentum=0.6)
+    made = RunJournal(str(tmp_path / "j"), cpu="cpu A", commit="abc")
+    for rank, loss in enumerate((2.0, 2.5)):
+        made.record(model, 2, rank, run, {
+            "run": asdict(run), "numel": 10, "bytes_sent": 100 * (rank + 1), "bytes_received": 50, "wall_s": 9.0,
+            "train_losses": [3.0], "curve": [{"step": 30, "tokens": 64, "bytes_per_worker": 100,
+                                              "held_out_loss": loss, "wall_s": 9.0}]})
+    quality.JOURNAL["journal"] = RunJournal(made.directory, cpu="cpu B", commit="def", other_cpus=["cpu A"])
+    try:
+        (row,) = quality.run_rows(2, model, [run], [], paths=None, timeout=1, env={}, notes=[])
+    finally:
+        quality.JOURNAL.clear()
+    assert row["resumed_from_journal"] == ["abc"] and row["made_on_cpu"] == "cpu A"
+    assert row["held_out_loss"] == 2.25 and row["bytes_sent_per_worker"] == 200
+    done, todo = RunJournal(made.directory, cpu="cpu B", commit="def").split(model, 2, [run])   # no --journal-cpu
+    assert done == {} and todo == [run]
 
 
 def test_run_journal_summary_reads_progress_from_the_files(tmp_path, capsys):

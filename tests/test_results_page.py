@@ -161,6 +161,18 @@ def test_the_machine_line_says_which_runs_an_interrupted_launch_made(tmp_path):
     assert "10 min for the 9 of 13 runs this launch made (4 by an interrupted launch at 1420dd8)" in page
 
 
+def test_the_machine_line_says_which_runs_another_cpu_model_made(tmp_path):
+    doc = quality_doc(2)
+    for r in doc["rows"][:4]:
+        r["resumed_from_journal"] = ["1420dd8"]
+    for r in doc["rows"][:3]:
+        r["made_on_cpu"] = "Intel(R) Xeon(R) Processor"
+    write(tmp_path, "quality_w2", doc)
+    page = R.render_page(R.load_results(str(tmp_path)))
+    assert ("for the 9 of 13 runs this launch made (4 by an interrupted launch at 1420dd8, 3 of them on another "
+            "CPU model, Intel(R) Xeon(R) Processor)") in page
+
+
 def test_a_reused_run_counts_as_reused_whatever_made_it_in_its_own_file(tmp_path):
     """A run taken with --reuse keeps its earlier file's journal mark; it is counted once, as reused."""
     doc = quality_doc(2)
