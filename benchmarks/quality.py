@@ -339,6 +339,15 @@ REUSE: dict = {}   # filled by main() from --reuse
 JOURNAL: dict = {}   # {"journal": RunJournal} while main() runs with a journal (--journal)
 
 
+def data_identity(paths):
+    """The data part of a journal key: the data files' paths, relative to the repository where they lie in it
+    (the default corpus, data/), so that a journal resumes from a checkout at another place."""
+    def rel(path):
+        inside = os.path.abspath(path).startswith(common.REPO + os.sep)
+        return os.path.relpath(path, common.REPO) if inside else os.path.abspath(path)
+    return json.dumps({split: rel(path) for split, path in paths.items()}, sort_keys=True)
+
+
 def run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
     """One row per run: those in REUSE are taken from there (marked ``reused_from``), those the run journal
     holds from it (marked ``resumed_from_journal``: the commits they were made at, and ``made_on_cpu`` where
@@ -496,7 +505,7 @@ def main(argv=None) -> int:
                                    if args.json else None)
     if journal_dir and journal_dir != "none":
         JOURNAL["journal"] = RunJournal(journal_dir, machine["cpu"], machine["plugin_commit"],
-                                        data=json.dumps(paths, sort_keys=True),
+                                        data=data_identity(paths),
                                         other_cpus=[c.strip() for c in args.journal_cpu.split(";") if c.strip()])
         print(f"[quality] run journal: {journal_dir}", flush=True)
     env = {"OMP_NUM_THREADS": "1"}

@@ -341,6 +341,20 @@ def test_quality_marks_the_runs_it_takes_from_another_cpu_models_journal(tmp_pat
     assert done == {} and todo == [run]
 
 
+def test_a_journal_key_names_the_default_data_relative_to_the_checkout(tmp_path):
+    """The committed journal of a long sweep resumes from a checkout at another place: the data part of the
+    key holds the repository-relative path of the default corpus (and the absolute path of one outside)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import common
+    import quality
+
+    inside = os.path.join(common.DATA_DIR, "train_text_document.bin")
+    outside = str(tmp_path / "valid_text_document.bin")
+    ident = json.loads(quality.data_identity({"train": inside, "valid": outside}))
+    assert ident == {"train": os.path.relpath(inside, REPO), "valid": outside}
+    assert not ident["train"].startswith(os.sep) and ident["train"].startswith("data" + os.sep)
+
+
 def test_run_journal_summary_reads_progress_from_the_files(tmp_path, capsys):
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     from dataclasses import asdict
