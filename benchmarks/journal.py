@@ -127,13 +127,11 @@ def summary(directory: str) -> List[Dict]:
 
 
 def _describe(run: Optional[Dict]) -> str:
+    """The run's label as the results files write it (``common.RunCfg.label``), with its seed."""
     if not run:
         return "?"
-    text = run.get("method", "?") + (f" k={run['k']}" if run.get("method") == "sparseloco" else "")
-    for field in ("outer_lr", "outer_momentum", "seed"):
-        if run.get(field) is not None:
-            text += f" {field.replace('outer_', '')}={run[field]:g}"
-    return text
+    from common import RunCfg   # torch comes with it: only the command line needs it
+    return f"{RunCfg(**run).label()} seed={run['seed']}"
 
 
 def main(argv=None) -> int:

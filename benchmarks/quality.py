@@ -566,9 +566,10 @@ def main(argv=None) -> int:
               # the outer settings each W ran at (the sweep's choice, or the --tuned file; unset: the plugin's)
               "tuned_per_w": {str(W): {k: list(v) for k, v in tuned_per_w.get(W, tuned).items()} for W in workers},
               "defaults": common.resolved_defaults(workers)}
-    given = argv if argv is not None else sys.argv[1:]
-    command = schema.command_line("quality.py", strip_option(strip_option(strip_option(given, "--reuse"),
-                                                                          "--journal"), "--journal-cpu"))
+    recorded = argv if argv is not None else sys.argv[1:]
+    for option in ("--reuse", "--journal", "--journal-cpu"):   # how this launch found runs, not what it measured
+        recorded = strip_option(recorded, option)
+    command = schema.command_line("quality.py", recorded)
     resumed = [r for r in rows if r.get("resumed_from_journal") and not r.get("reused_from")]
     if resumed:
         notes.append(f"{len(resumed)} runs taken from the run journal of an interrupted launch of this command, "

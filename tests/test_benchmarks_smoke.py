@@ -374,6 +374,6 @@ def test_run_journal_summary_reads_progress_from_the_files(tmp_path, capsys):
         [(2, 2.0310, "abc"), (1, None, None)], [(1, None, None), (2, 2.0310, "abc")])
     assert journal.main([j.directory]) == 0
     out = capsys.readouterr().out
-    assert "diloco lr=0.35 momentum=0.6 seed=1234" in out and "held-out  2.0310" in out
-    assert "sparseloco k=64 lr=0.53 seed=1234" in out and "ranks  1  held-out       -" in out
+    assert "diloco lr=0.35 mu=0.6 H=15 seed=1234" in out and "held-out  2.0310" in out
+    assert "sparseloco k=64 lr=0.53 H=15 seed=1234" in out and "ranks  1  held-out       -" in out
     assert journal.main([str(tmp_path / "absent")]) == 2
