@@ -491,6 +491,14 @@ def _apply_device_arch_version() -> None:
 
 # --------------------------------------------------------------------------------------------
 _CORE = "megatron.core"
+#: the source patterns that show a CUDA assumption, named by what the code does
+_ON_CURRENT_DEVICE = (r"device=torch\.cuda\.current_device\(\)",)   # allocates on the current CUDA device
+_ON_CUDA = (r"device='cuda'",)                                   # allocates on 'cuda'
+_ON_CUDA_DQ = (r'device="cuda"',)                                # the same, double-quoted
+_CURRENT_DEVICE = (r"torch\.cuda\.current_device\(\)",)          # asks for the CUDA device
+_CUDA_SYNCHRONIZE = (r"torch\.cuda\.synchronize\(\)",)
+_CUDA_RNG_STATE = (r"torch\.cuda\.get_rng_state\(\)",)
+_CUDA_TYPE_NAME = (r"\.type\(\) == 'torch\.cuda\.FloatTensor'",)  # classifies params by CUDA type name
 BRIDGES: List[Bridge] = [
     Bridge(
         name="rng_tracker_cpu_generator",
@@ -503,7 +511,7 @@ BRIDGES: List[Bridge] = [
             f"{_CORE}.tensor_parallel.random:_get_cuda_rng_state": [r"torch\.cuda\.random\.get_rng_state"],
             f"{_CORE}.tensor_parallel.random:_set_cuda_rng_state":
                 [r"torch\.cuda\.default_generators|_cuda_setRNGState"],
-            f"{_CORE}.tensor_parallel.random:CudaRNGStatesTracker.add": [r"torch\.cuda\.get_rng_state\(\)"],
+            f"{_CORE}.tensor_parallel.random:CudaRNGStatesTracker.add": _CUDA_RNG_STATE,
             f"{_CORE}.tensor_parallel.random:model_parallel_cuda_manual_seed": [r"torch\.cuda\.manual_seed\("],
         },
         apply_fn=_apply_rng,
@@ -519,7 +527,7 @@ BRIDGES: List[Bridge] = [
             "all-reduce runs on a CUDA communication stream.",
         evidence={
             f"{_CORE}.distributed.param_and_grad_buffer:_ParamAndGradBuffer.__init__":
-                [r"device=torch\.cuda\.current_device\(\)"],
+                _ON_CURRENT_DEVICE,
             f"{_CORE}.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync":
                 [r"torch\.cuda\.(current_stream|stream)\("],
             f"{_CORE}.distributed.distributed_data_parallel:DistributedDataParallel.__init__":
@@ -537,12 +545,12 @@ BRIDGES: List[Bridge] = [
         why="Scalars and buffers of the optimizer wrappers are allocated with device='cuda' or "
             "torch.cuda.current_device().",
         evidence={
-            f"{_CORE}.optimizer.optimizer:ChainedOptimizer.get_loss_scale": [r"torch\.cuda\.current_device\(\)"],
-            f"{_CORE}.optimizer.optimizer:MixedPrecisionOptimizer.__init__": [r"device='cuda'"],
-            f"{_CORE}.optimizer.clip_grads:get_grad_norm_fp32": [r"device='cuda'"],
-            f"{_CORE}.optimizer.clip_grads:clip_grad_by_total_norm_fp32": [r"device='cuda'"],
-            f"{_CORE}.optimizer.grad_scaler": [r"device='cuda'"],
-            f"{_CORE}.optimizer.distrib_optimizer": [r"torch\.cuda\.current_device\(\)"],
+            f"{_CORE}.optimizer.optimizer:ChainedOptimizer.get_loss_scale": _CURRENT_DEVICE,
+            f"{_CORE}.optimizer.optimizer:MixedPrecisionOptimizer.__init__": _ON_CUDA,
+            f"{_CORE}.optimizer.clip_grads:get_grad_norm_fp32": _ON_CUDA,
+            f"{_CORE}.optimizer.clip_grads:clip_grad_by_total_norm_fp32": _ON_CUDA,
+            f"{_CORE}.optimizer.grad_scaler": _ON_CUDA,
+            f"{_CORE}.optimizer.distrib_optimizer": _CURRENT_DEVICE,
         },
         apply_fn=_proxy_torch(f"{_CORE}.optimizer.optimizer", f"{_CORE}.optimizer.distrib_optimizer",
                               f"{_CORE}.optimizer.clip_grads", f"{_CORE}.optimizer.grad_scaler"),
@@ -558,11 +566,11 @@ BRIDGES: List[Bridge] = [
             "'torch.FloatTensor' and are rejected as 'wrong param type'.",
         evidence={
             f"{_CORE}.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups":
-                [r"\.type\(\) == 'torch\.cuda\.FloatTensor'"],
+                _CUDA_TYPE_NAME,
             f"{_CORE}.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__":
-                [r"\.type\(\) == 'torch\.cuda\.FloatTensor'"],
+                _CUDA_TYPE_NAME,
             f"{_CORE}.optimizer.clip_grads:clip_grad_by_total_norm_fp32":
-                [r"\.type\(\) == 'torch\.cuda\.FloatTensor'"],
+                _CUDA_TYPE_NAME,
         },
         apply_fn=_wrap_functions(
             f"{_CORE}.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
@@ -581,11 +589,11 @@ BRIDGES: List[Bridge] = [
         why="The local attention's baddbmm buffer and the tensor-parallel gather / reduce-scatter "
             "outputs are allocated on the current CUDA device.",
         evidence={
-            f"{_CORE}.utils:GlobalMemoryBuffer.get_tensor": [r"device=torch\.cuda\.current_device\(\)"],
-            f"{_CORE}.tensor_parallel.mappings:_gather_along_last_dim": [r"device=torch\.cuda\.current_device\(\)"],
-            f"{_CORE}.tensor_parallel.mappings:_gather_along_first_dim": [r"device=torch\.cuda\.current_device\(\)"],
-            f"{_CORE}.tensor_parallel.layers": [r"device=torch\.cuda\.current_device\(\)"],
-            f"{_CORE}.transformer.utils:get_default_causal_mask": [r'device="cuda"'],
+            f"{_CORE}.utils:GlobalMemoryBuffer.get_tensor": _ON_CURRENT_DEVICE,
+            f"{_CORE}.tensor_parallel.mappings:_gather_along_last_dim": _ON_CURRENT_DEVICE,
+            f"{_CORE}.tensor_parallel.mappings:_gather_along_first_dim": _ON_CURRENT_DEVICE,
+            f"{_CORE}.tensor_parallel.layers": _ON_CURRENT_DEVICE,
+            f"{_CORE}.transformer.utils:get_default_causal_mask": _ON_CUDA_DQ,
         },
         apply_fn=_proxy_torch(f"{_CORE}.utils", f"{_CORE}.tensor_parallel.mappings",
                               f"{_CORE}.tensor_parallel.layers", f"{_CORE}.transformer.utils"),
@@ -598,7 +606,7 @@ BRIDGES: List[Bridge] = [
             "inverse frequencies to the current CUDA device in the forward pass.",
         evidence={
             f"{_CORE}.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.get_emb":
-                [r"device=torch\.cuda\.current_device\(\)"],
+                _ON_CURRENT_DEVICE,
         },
         apply_fn=_proxy_torch(f"{_CORE}.models.common.embeddings.rotary_pos_embedding"),
     ),
@@ -612,7 +620,7 @@ BRIDGES: List[Bridge] = [
             "buffers on the current CUDA device.",
         evidence={
             f"{_CORE}.pipeline_parallel.schedules:forward_backward_no_pipelining":
-                [r'device="cuda"'],
+                _ON_CUDA_DQ,
             f"{_CORE}.pipeline_parallel.p2p_communication":
                 [r"device=torch\.cuda\.current_device\(\)", r"torch\.cuda\.synchronize\(\)"],
         },
@@ -642,7 +650,7 @@ BRIDGES: List[Bridge] = [
         why="The router allocates on the current CUDA device; the all-to-all dispatcher moves "
             "split sizes to host on a side CUDA stream.",
         evidence={
-            f"{_CORE}.transformer.moe.router": [r"device=torch\.cuda\.current_device\(\)"],
+            f"{_CORE}.transformer.moe.router": _ON_CURRENT_DEVICE,
             f"{_CORE}.transformer.moe.token_dispatcher": [r"torch\.cuda\.Stream\(\)"],
             f"{_CORE}.transformer.moe.moe_layer": [r"torch\.cuda\.(Event|Stream)\("],
         },
@@ -697,9 +705,9 @@ BRIDGES: List[Bridge] = [
                 "Timer.start/stop (torch.cuda.synchronize)",
         why="The training loop allocates small reduction tensors on 'cuda' and queries CUDA memory.",
         evidence={
-            "megatron.training.training:pretrain": [r"device='cuda'"],
-            "megatron.training.training:build_train_valid_test_data_loaders": [r"device='cuda'"],
-            f"{_CORE}.timers:Timer.start": [r"torch\.cuda\.synchronize\(\)"],
+            "megatron.training.training:pretrain": _ON_CUDA,
+            "megatron.training.training:build_train_valid_test_data_loaders": _ON_CUDA,
+            f"{_CORE}.timers:Timer.start": _CUDA_SYNCHRONIZE,
         },
         apply_fn=_proxy_torch("megatron.training.training", f"{_CORE}.timers"),
         needs=("megatron.training",),
@@ -718,7 +726,7 @@ BRIDGES: List[Bridge] = [
         answers="core/rerun_state_machine.py: RerunStateMachine._save_state/_restore_state",
         why="Before each training step megatron.training saves torch.cuda.get_rng_state() so a step "
             "can be re-run; the CPU generator plays that role.",
-        evidence={f"{_CORE}.rerun_state_machine:RerunStateMachine._save_state": [r"torch\.cuda\.get_rng_state\(\)"]},
+        evidence={f"{_CORE}.rerun_state_machine:RerunStateMachine._save_state": _CUDA_RNG_STATE},
         apply_fn=_proxy_torch(f"{_CORE}.rerun_state_machine"),
     ),
     Bridge(
@@ -731,7 +739,7 @@ BRIDGES: List[Bridge] = [
             "reports read torch.cuda statistics, and checkpoints save torch.cuda.get_rng_state().",
         evidence={
             "megatron.training.utils.common_utils:logical_and_across_model_parallel_group":
-                [r"device=torch\.cuda\.current_device\(\)"],
+                _ON_CURRENT_DEVICE,
             "megatron.training.checkpointing": [r"'cuda_rng_state': torch\.cuda\.get_rng_state\(\)"],
         },
         apply_fn=_proxy_torch("megatron.training.utils.common_utils", "megatron.training.checkpointing"),
@@ -761,9 +769,9 @@ BRIDGES: List[Bridge] = [
             "allocated on it.",
         evidence={
             f"{_CORE}.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.preload_tensors":
-                [r"torch\.cuda\.synchronize\(\)"],
-            f"{_CORE}.dist_checkpointing.strategies.state_dict_saver": [r"device='cuda'"],
-            f"{_CORE}.dist_checkpointing.strategies.async_utils": [r"torch\.cuda\.synchronize\(\)"],
+                _CUDA_SYNCHRONIZE,
+            f"{_CORE}.dist_checkpointing.strategies.state_dict_saver": _ON_CUDA,
+            f"{_CORE}.dist_checkpointing.strategies.async_utils": _CUDA_SYNCHRONIZE,
         },
         apply_fn=_proxy_torch(f"{_CORE}.dist_checkpointing.strategies.filesystem_async",
                               f"{_CORE}.dist_checkpointing.strategies.state_dict_saver",
