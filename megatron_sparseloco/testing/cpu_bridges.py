@@ -39,8 +39,8 @@ import importlib
 import inspect
 import logging
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -337,12 +337,17 @@ class Bridge:
     why: str
     evidence: Dict[str, Sequence[str]]
     apply_fn: Callable[[], None]
-    needs: Sequence[str] = field(default_factory=tuple)  # importable modules; skip if absent
     extra_check: Optional[Callable[[], List[str]]] = None  # more evidence than source patterns
     packaging: bool = False  # not about CUDA: needed on CUDA machines too
 
+    @property
+    def needs(self) -> Tuple[str, ...]:
+        """The packages the evidence lives in (``megatron.core``, ``megatron.training``): the bridge
+        patches them, so it applies only where they are installed."""
+        return tuple(sorted({".".join(t.split(":")[0].split(".")[:2]) for t in self.evidence}))
+
     def available(self) -> bool:
-        """Whether the package the bridge patches is installed."""
+        """Whether the packages the bridge patches are installed."""
         for mod in self.needs:
             try:
                 importlib.import_module(mod)
@@ -680,7 +685,6 @@ BRIDGES: List[Bridge] = [
             "megatron.training.training:pretrain": [r"initialize_megatron\("],
         },
         apply_fn=_apply_allow_no_cuda,
-        needs=("megatron.training",),
     ),
     Bridge(
         name="training_initialize_device_count",
@@ -695,7 +699,6 @@ BRIDGES: List[Bridge] = [
             "megatron.training.initialize:_set_random_seed": [r"if torch\.cuda\.device_count\(\) > 0:"],
         },
         apply_fn=_proxy_torch("megatron.training.initialize", proxy=_CPU_TORCH_ONE_DEVICE),
-        needs=("megatron.training",),
     ),
     Bridge(
         name="training_loop_cuda_allocations",
@@ -710,7 +713,6 @@ BRIDGES: List[Bridge] = [
             f"{_CORE}.timers:Timer.start": _CUDA_SYNCHRONIZE,
         },
         apply_fn=_proxy_torch("megatron.training.training", f"{_CORE}.timers"),
-        needs=("megatron.training",),
     ),
     Bridge(
         name="training_get_model_module_cuda",
@@ -719,7 +721,6 @@ BRIDGES: List[Bridge] = [
             "while it runs, Tensor.cuda() leaves tensors on CPU.",
         evidence={"megatron.training.training:get_model": [r"model_module\.cuda\("]},
         apply_fn=_wrap_functions("megatron.training.training:get_model"),
-        needs=("megatron.training",),
     ),
     Bridge(
         name="rerun_state_machine_rng",
@@ -743,7 +744,6 @@ BRIDGES: List[Bridge] = [
             "megatron.training.checkpointing": [r"'cuda_rng_state': torch\.cuda\.get_rng_state\(\)"],
         },
         apply_fn=_proxy_torch("megatron.training.utils.common_utils", "megatron.training.checkpointing"),
-        needs=("megatron.training",),
     ),
     Bridge(
         name="training_device_arch_version",
@@ -757,7 +757,6 @@ BRIDGES: List[Bridge] = [
             "megatron.training.arguments:validate_args": [r"get_device_arch_version\(\)"],
         },
         apply_fn=_apply_device_arch_version,
-        needs=("megatron.training",),
     ),
     Bridge(
         name="dist_checkpointing_on_cpu",
