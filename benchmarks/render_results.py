@@ -552,7 +552,10 @@ def render_page(docs: Dict[str, Dict]) -> str:
     return "\n".join(L).rstrip() + "\n"
 
 
-def reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADLINE_W) -> str:
+READING_LEAD = "Mean held-out loss against DiLoCo's (negative: SparseLoCo lower): "
+
+
+def reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADLINE_W, lead: str = READING_LEAD) -> str:
     """One sentence per k, computed from the seeds: where SparseLoCo's mean is below / above DiLoCo's, and where
     the difference is smaller than the larger of the two spreads (max − min over the seeds): level."""
     parts = []
@@ -571,7 +574,22 @@ def reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADL
         said = [f"{where} at {', '.join(at)}" for where, at in found.items() if at]
         if said:
             parts.append(f"{NAMES[k]} is " + "; ".join(said))
-    return ("Mean held-out loss against DiLoCo's (negative: SparseLoCo lower): " + ". ".join(parts) + ".") if parts else ""
+    return (lead + ". ".join(parts) + ".") if parts else ""
+
+
+def size_reading(docs: Dict[str, Dict]) -> str:
+    """The second model size in one sentence for the README (empty until one of its W is measured)."""
+    small = next((docs[f"quality_w{W}"] for W in HEADLINE_W if f"quality_w{W}" in docs), None)
+    large = next((docs[f"quality_4x256_w{W}"] for W in SIZE2_W if f"quality_4x256_w{W}" in docs), None)
+    if small is None or large is None:
+        return ""
+    n_small, n_large = small["config"]["numel"], large["config"]["numel"]
+    lead = (f"On a {n_large / n_small:.0f}× larger model ({n_large / 1e6:.2f} M parameters, the same protocol on a "
+            f"grid widened for it, {len(large['config']['seeds'])} seeds): ")
+    cpus = {W: docs[f"quality_4x256_w{W}"]["machine"]["cpu"] for W in SIZE2_W if f"quality_4x256_w{W}" in docs}
+    where = ("" if set(cpus.values()) == {small["machine"]["cpu"]} else
+             " Measured on " + " and ".join(f"{cpu} at W = {W}" for W, cpu in cpus.items()) + ".")
+    return reading(docs, "_4x256", SIZE2_W, lead=lead) + where
 
 
 def render_readme_block(docs: Dict[str, Dict]) -> str:
@@ -603,6 +621,7 @@ def render_readme_block(docs: Dict[str, Dict]) -> str:
                      f"{fmt_bytes(g['diloco']['bytes_sent'])} → {fmt_bytes(g['sparseloco']['bytes_sent'])} | {time_} |")
         m = docs[f"quality_w{have[0]}"]["machine"]
         L += ["", reading(docs)]
+        L += ["", size_reading(docs)] if size_reading(docs) else []
         L += ["", f"Measured on {m['cpu']} ({m['cpus']} CPUs); commands, machine, the bytes ratio on Llama-1B's "
               "tensors, a second model size and plots: [docs/results.md](docs/results.md)."]
     return "\n".join(L + ["", README_END])

@@ -193,6 +193,22 @@ def test_a_second_size_measured_at_one_w_keeps_the_other_ws_command(tmp_path):
     assert "| 8 | not measured yet |" in size2 and PLAN["quality_4x256_w8"] in size2
 
 
+def test_the_readme_says_the_second_size_in_one_sentence_from_its_file(tmp_path):
+    write(tmp_path, "quality_w4", quality_doc(4))
+    assert "larger model" not in R.render_readme_block(R.load_results(str(tmp_path)))
+    large = quality_doc(4, sl_losses=(1.90, 1.92, 1.91))
+    large["config"]["numel"] = 3_258_112
+    write(tmp_path, "quality_4x256_w4", large)
+    block = R.render_readme_block(R.load_results(str(tmp_path)))
+    # k = 64: 1.91 against DiLoCo's 2.12, further apart than either spread (0.02, 0.04)
+    assert ("On a 7× larger model (3.26 M parameters, the same protocol on a grid widened for it, 3 seeds): "
+            "SparseLoCo k = 64 is ahead of DiLoCo at W = 4 (-0.210).") in block
+    assert "Measured on Other CPU" not in block
+    large["machine"]["cpu"] = "Other CPU"          # a machine other than the headline's is named
+    write(tmp_path, "quality_4x256_w4", large)
+    assert "Measured on Other CPU at W = 4." in R.render_readme_block(R.load_results(str(tmp_path)))
+
+
 def test_the_network_columns_and_the_readme_table_come_from_the_network_file(tmp_path):
     write(tmp_path, "quality_w2", quality_doc(2))
     write(tmp_path, "network_w2", network_doc(2))
