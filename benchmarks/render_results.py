@@ -171,6 +171,11 @@ def fmt_bytes(n: Optional[float]) -> str:
     return f"{n:.1f} TB"
 
 
+def fmt_params(n: float) -> str:
+    """A parameter count as the page writes it: 446 k, 3.26 M."""
+    return f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.0f} k"
+
+
 def fmt_setting(key: str, setting: tuple) -> str:
     lr, mu = setting
     if lr is None:
@@ -418,13 +423,19 @@ def sweep_section(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> Li
 
 
 def size_comparison(docs: Dict[str, Dict]) -> List[str]:
-    out = []
+    """Mean(SparseLoCo) − mean(DiLoCo) per W on the quality model and on the second size, then the k = 64 move in
+    one sentence."""
+    out: List[str] = []
+    moves = []
+    sizes = ""
     for W in SIZE2_W:
         small, large = docs.get(f"quality_w{W}"), docs.get(f"quality_4x256_w{W}")
         if small is None or large is None:
             continue
         if not out:
-            out = ["| W | Δ SparseLoCo k = 64 − DiLoCo: 446 k model | 3.26 M model | Δ k = 128 − DiLoCo: 446 k | 3.26 M |",
+            a, b = fmt_params(small["config"]["numel"]), fmt_params(large["config"]["numel"])
+            sizes = f"From the {a} to the {b} model"
+            out = [f"| W | Δ SparseLoCo k = 64 − DiLoCo: {a} model | {b} model | Δ k = 128 − DiLoCo: {a} | {b} |",
                    "|---|---:|---:|---:|---:|"]
         cells = []
         for k in ("sparseloco", "sparseloco:128"):
@@ -432,6 +443,10 @@ def size_comparison(docs: Dict[str, Dict]) -> List[str]:
                 g, d = seed_group(doc, W, k), seed_group(doc, W, "diloco")
                 cells.append("" if g is None or d is None else f"{g['mean'] - d['mean']:+.3f}")
         out.append(f"| {W} | " + " | ".join(cells) + " |")
+        if cells[0] and cells[1]:
+            moves.append(f"from {cells[0]} to {cells[1]} at W = {W}")
+    if moves:
+        out += ["", f"{sizes}, SparseLoCo k = 64 − DiLoCo goes " + " and ".join(moves) + "."]
     return out
 
 
@@ -584,7 +599,7 @@ def size_reading(docs: Dict[str, Dict]) -> str:
     if small is None or large is None:
         return ""
     n_small, n_large = small["config"]["numel"], large["config"]["numel"]
-    lead = (f"On a {n_large / n_small:.0f}× larger model ({n_large / 1e6:.2f} M parameters, the same protocol on a "
+    lead = (f"On a {n_large / n_small:.0f}× larger model ({fmt_params(n_large)} parameters, the same protocol on a "
             f"grid widened for it, {len(large['config']['seeds'])} seeds): ")
     cpus = {W: docs[f"quality_4x256_w{W}"]["machine"]["cpu"] for W in SIZE2_W if f"quality_4x256_w{W}" in docs}
     where = ("" if set(cpus.values()) == {small["machine"]["cpu"]} else
@@ -601,7 +616,7 @@ def render_readme_block(docs: Dict[str, Dict]) -> str:
     else:
         q = docs[f"quality_w{have[0]}"]["config"]
         L += [f"SparseLoCo against DiLoCo, both tuned on their own grid at each W, {len(q['seeds'])} seeds "
-              f"(held-out loss, mean ± spread; lower is better; a {q['numel'] / 1e3:.0f} k-parameter Megatron GPT, "
+              f"(held-out loss, mean ± spread; lower is better; a {fmt_params(q['numel'])}-parameter Megatron GPT, "
               f"{q['steps']} inner steps per worker, H = {q['H']}). Bytes: sent per worker over the run. "
               "Time: to DiLoCo's final loss with each worker on its own 100 Mbit/s link.", "",
               "| W | DiLoCo | SparseLoCo k = 64 | SparseLoCo k = 128 | bytes / worker: DiLoCo → k = 64 | "

@@ -209,6 +209,19 @@ def test_the_readme_says_the_second_size_in_one_sentence_from_its_file(tmp_path)
     assert "Measured on Other CPU at W = 4." in R.render_readme_block(R.load_results(str(tmp_path)))
 
 
+def test_the_size_comparison_is_each_files_mean_difference(tmp_path):
+    write(tmp_path, "quality_w4", quality_doc(4))                      # k = 64 − DiLoCo: 2.0867 − 2.12
+    large = quality_doc(4, diloco_losses=(2.0, 2.2, 2.1), sl_losses=(1.90, 1.92, 1.91))
+    large["config"]["numel"] = 3_258_112
+    write(tmp_path, "quality_4x256_w4", large)                         # 1.91 − 2.10; k = 128: 2.0067 − 2.10
+    write(tmp_path, "quality_w8", quality_doc(8))                      # no second size at W = 8: no row
+    page = R.render_page(R.load_results(str(tmp_path)))
+    cmp_ = page.split("Where the comparison moves with size")[1].split("\n## ")[0]
+    assert "| W | Δ SparseLoCo k = 64 − DiLoCo: 446 k model | 3.26 M model |" in cmp_
+    assert "| 4 | -0.033 | -0.190 | -0.113 | -0.093 |" in cmp_ and "| 8 |" not in cmp_
+    assert "From the 446 k to the 3.26 M model, SparseLoCo k = 64 − DiLoCo goes from -0.033 to -0.190 at W = 4." in cmp_
+
+
 def test_the_network_columns_and_the_readme_table_come_from_the_network_file(tmp_path):
     write(tmp_path, "quality_w2", quality_doc(2))
     write(tmp_path, "network_w2", network_doc(2))
