@@ -72,3 +72,21 @@ def test_cuda_tensor_type_names_only_inside_wrapped_calls():
         assert t.to(torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
         assert t.cuda() is t
     assert t.type() == "torch.FloatTensor"
+
+
+def test_a_bridge_without_apply_fn_patches_exactly_its_evidence_modules(monkeypatch):
+    """The common workaround reads its targets from the evidence: those modules get the stand-in, no other."""
+    import sys
+    import types
+
+    mods = {name: types.ModuleType(name) for name in ("_bridge_a", "_bridge_b", "_bridge_c")}
+    for name, mod in mods.items():
+        mod.torch = torch
+        monkeypatch.setitem(sys.modules, name, mod)
+    stand_in = cb._CpuTorch(device_count=1)
+    bridge = cb.Bridge(name="t", answers="x", why="y", proxy=stand_in,
+                       evidence={"_bridge_a:f": [r"."], "_bridge_b": [r"."], "_bridge_a:g": [r"."]})
+    assert bridge.modules == ("_bridge_a", "_bridge_b")
+    bridge.apply()
+    assert mods["_bridge_a"].torch is stand_in and mods["_bridge_b"].torch is stand_in
+    assert mods["_bridge_c"].torch is torch

@@ -329,14 +329,17 @@ class Bridge:
     """One CPU workaround for one CUDA assumption in megatron.
 
     ``evidence`` maps a target (``'module'`` or ``'module:Qual.name'``) to regexes that must all
-    match its source for the workaround to still be needed.
+    match its source for the workaround to still be needed. Without an ``apply_fn`` the workaround
+    is the common one: the global ``torch`` of every module named in the evidence (and no other)
+    is replaced by ``proxy``, so a module is patched only where its source shows the assumption.
     """
 
     name: str
     answers: str  # the megatron file/function it answers
     why: str
     evidence: Dict[str, Sequence[str]]
-    apply_fn: Callable[[], None]
+    apply_fn: Optional[Callable[[], None]] = None  # None: ``proxy`` in every evidence module
+    proxy: Optional[_CpuTorch] = None  # the CPU stand-in for ``torch`` there (None: _CPU_TORCH)
     extra_check: Optional[Callable[[], List[str]]] = None  # more evidence than source patterns
     packaging: bool = False  # not about CUDA: needed on CUDA machines too
 
@@ -345,6 +348,18 @@ class Bridge:
         """The packages the evidence lives in (``megatron.core``, ``megatron.training``): the bridge
         patches them, so it applies only where they are installed."""
         return tuple(sorted({".".join(t.split(":")[0].split(".")[:2]) for t in self.evidence}))
+
+    @property
+    def modules(self) -> Tuple[str, ...]:
+        """The modules the evidence reads, in its order."""
+        return tuple(dict.fromkeys(t.split(":")[0] for t in self.evidence))
+
+    def apply(self) -> None:
+        """Put the workaround in place: ``apply_fn``, or the CPU stand-in in every evidence module."""
+        if self.apply_fn is not None:
+            self.apply_fn()
+        else:
+            _proxy_torch(*self.modules, proxy=self.proxy)()
 
     def available(self) -> bool:
         """Whether the packages the bridge patches are installed."""
@@ -538,8 +553,6 @@ BRIDGES: List[Bridge] = [
             f"{_CORE}.distributed.distributed_data_parallel:DistributedDataParallel.__init__":
                 [r"torch\.cuda\.Stream\("],
         },
-        apply_fn=_proxy_torch(f"{_CORE}.distributed.param_and_grad_buffer",
-                              f"{_CORE}.distributed.distributed_data_parallel"),
     ),
     Bridge(
         name="optimizer_cuda_allocations",
@@ -557,8 +570,6 @@ BRIDGES: List[Bridge] = [
             f"{_CORE}.optimizer.grad_scaler": _ON_CUDA,
             f"{_CORE}.optimizer.distrib_optimizer": _CURRENT_DEVICE,
         },
-        apply_fn=_proxy_torch(f"{_CORE}.optimizer.optimizer", f"{_CORE}.optimizer.distrib_optimizer",
-                              f"{_CORE}.optimizer.clip_grads", f"{_CORE}.optimizer.grad_scaler"),
     ),
     Bridge(
         name="cuda_tensor_type_names",
@@ -600,8 +611,6 @@ BRIDGES: List[Bridge] = [
             f"{_CORE}.tensor_parallel.layers": _ON_CURRENT_DEVICE,
             f"{_CORE}.transformer.utils:get_default_causal_mask": _ON_CUDA_DQ,
         },
-        apply_fn=_proxy_torch(f"{_CORE}.utils", f"{_CORE}.tensor_parallel.mappings",
-                              f"{_CORE}.tensor_parallel.layers", f"{_CORE}.transformer.utils"),
     ),
     Bridge(
         name="rotary_embedding_on_cpu",
@@ -613,7 +622,6 @@ BRIDGES: List[Bridge] = [
             f"{_CORE}.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.get_emb":
                 _ON_CURRENT_DEVICE,
         },
-        apply_fn=_proxy_torch(f"{_CORE}.models.common.embeddings.rotary_pos_embedding"),
     ),
     Bridge(
         name="pipeline_schedules_on_cpu",
@@ -629,8 +637,6 @@ BRIDGES: List[Bridge] = [
             f"{_CORE}.pipeline_parallel.p2p_communication":
                 [r"device=torch\.cuda\.current_device\(\)", r"torch\.cuda\.synchronize\(\)"],
         },
-        apply_fn=_proxy_torch(f"{_CORE}.pipeline_parallel.schedules",
-                              f"{_CORE}.pipeline_parallel.p2p_communication"),
     ),
     Bridge(
         name="moe_alltoall_split_sizes_on_host",
@@ -659,8 +665,6 @@ BRIDGES: List[Bridge] = [
             f"{_CORE}.transformer.moe.token_dispatcher": [r"torch\.cuda\.Stream\(\)"],
             f"{_CORE}.transformer.moe.moe_layer": [r"torch\.cuda\.(Event|Stream)\("],
         },
-        apply_fn=_proxy_torch(f"{_CORE}.transformer.moe.router", f"{_CORE}.transformer.moe.token_dispatcher",
-                              f"{_CORE}.transformer.moe.moe_layer"),
     ),
     Bridge(
         name="dataset_helpers_prebuilt",
@@ -698,7 +702,7 @@ BRIDGES: List[Bridge] = [
                  r"if device_count > 0 and not skip_model_parallel_init"],
             "megatron.training.initialize:_set_random_seed": [r"if torch\.cuda\.device_count\(\) > 0:"],
         },
-        apply_fn=_proxy_torch("megatron.training.initialize", proxy=_CPU_TORCH_ONE_DEVICE),
+        proxy=_CPU_TORCH_ONE_DEVICE,
     ),
     Bridge(
         name="training_loop_cuda_allocations",
@@ -712,7 +716,6 @@ BRIDGES: List[Bridge] = [
             "megatron.training.training:build_train_valid_test_data_loaders": _ON_CUDA,
             f"{_CORE}.timers:Timer.start": _CUDA_SYNCHRONIZE,
         },
-        apply_fn=_proxy_torch("megatron.training.training", f"{_CORE}.timers"),
     ),
     Bridge(
         name="training_get_model_module_cuda",
@@ -728,7 +731,6 @@ BRIDGES: List[Bridge] = [
         why="Before each training step megatron.training saves torch.cuda.get_rng_state() so a step "
             "can be re-run; the CPU generator plays that role.",
         evidence={f"{_CORE}.rerun_state_machine:RerunStateMachine._save_state": _CUDA_RNG_STATE},
-        apply_fn=_proxy_torch(f"{_CORE}.rerun_state_machine"),
     ),
     Bridge(
         name="training_utils_cuda_allocations",
@@ -743,7 +745,6 @@ BRIDGES: List[Bridge] = [
                 _ON_CURRENT_DEVICE,
             "megatron.training.checkpointing": [r"'cuda_rng_state': torch\.cuda\.get_rng_state\(\)"],
         },
-        apply_fn=_proxy_torch("megatron.training.utils.common_utils", "megatron.training.checkpointing"),
     ),
     Bridge(
         name="training_device_arch_version",
@@ -771,12 +772,9 @@ BRIDGES: List[Bridge] = [
                 _CUDA_SYNCHRONIZE,
             f"{_CORE}.dist_checkpointing.strategies.state_dict_saver": _ON_CUDA,
             f"{_CORE}.dist_checkpointing.strategies.async_utils": _CUDA_SYNCHRONIZE,
+            f"{_CORE}.dist_checkpointing.strategies.fully_parallel": _CUDA_SYNCHRONIZE,
+            f"{_CORE}.dist_checkpointing.tensor_aware_state_dict": _CUDA_SYNCHRONIZE,
         },
-        apply_fn=_proxy_torch(f"{_CORE}.dist_checkpointing.strategies.filesystem_async",
-                              f"{_CORE}.dist_checkpointing.strategies.state_dict_saver",
-                              f"{_CORE}.dist_checkpointing.strategies.async_utils",
-                              f"{_CORE}.dist_checkpointing.strategies.fully_parallel",
-                              f"{_CORE}.dist_checkpointing.tensor_aware_state_dict"),
     ),
     Bridge(
         name="tied_embedding_init_cuda",
@@ -801,7 +799,7 @@ def _apply(bridges: Sequence[Bridge]) -> List[str]:
     for bridge in bridges:
         if bridge.name in _APPLIED or not bridge.available():
             continue
-        bridge.apply_fn()
+        bridge.apply()
         _APPLIED.append(bridge.name)
     return list(_APPLIED)
 
