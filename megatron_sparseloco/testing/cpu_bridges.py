@@ -13,10 +13,11 @@ moves what a bridge works around.
 
 How the bridges patch, narrowest first:
 
-* **Per-module ``torch`` stand-in** (:class:`_CpuTorch`): in each listed megatron module the global
-  name ``torch`` is replaced by a proxy that forwards everything to the real ``torch`` except
-  ``torch.cuda`` (→ :class:`_CpuCuda`: ``current_device()`` is ``'cpu'``, ``synchronize`` /
-  ``Stream`` / ``Event`` / ``current_stream`` / ``stream()`` / memory statistics are CPU no-ops,
+* **Per-module ``torch`` stand-in** (:class:`_CpuTorch`, a bridge's default): in each megatron
+  module its evidence names (and only there) the global name ``torch`` is replaced by a proxy
+  that forwards everything to the real ``torch`` except ``torch.cuda`` (→ :class:`_CpuCuda`:
+  ``current_device()`` is ``'cpu'``, ``synchronize`` / ``Stream`` / ``Event`` /
+  ``current_stream`` / ``stream()`` / memory statistics are CPU no-ops,
   the CUDA RNG calls use the CPU generator) and tensor factories (``zeros``, ``empty``,
   ``tensor``, ...) whose ``device='cuda'`` argument becomes ``'cpu'``. ``torch`` itself, and every
   other module, are untouched.
