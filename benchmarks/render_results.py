@@ -601,10 +601,14 @@ def size_reading(docs: Dict[str, Dict]) -> str:
     n_small, n_large = small["config"]["numel"], large["config"]["numel"]
     lead = (f"On a {n_large / n_small:.0f}× larger model ({fmt_params(n_large)} parameters, the same protocol on a "
             f"grid widened for it, {len(large['config']['seeds'])} seeds): ")
+    w = large["config"]["workers"][0]
+    g, d = seed_group(large, w, "sparseloco"), seed_group(large, w, "diloco")
+    sent = ("" if g is None or d is None else f" Bytes sent per worker: DiLoCo {fmt_bytes(d['bytes_sent'])} → "
+            f"SparseLoCo k = 64 {fmt_bytes(g['bytes_sent'])} ({d['bytes_sent'] / g['bytes_sent']:.0f}× fewer).")
     cpus = {W: docs[f"quality_4x256_w{W}"]["machine"]["cpu"] for W in SIZE2_W if f"quality_4x256_w{W}" in docs}
     where = ("" if set(cpus.values()) == {small["machine"]["cpu"]} else
              " Measured on " + " and ".join(f"{cpu} at W = {W}" for W, cpu in cpus.items()) + ".")
-    return reading(docs, "_4x256", SIZE2_W, lead=lead) + where
+    return reading(docs, "_4x256", SIZE2_W, lead=lead) + sent + where
 
 
 def render_readme_block(docs: Dict[str, Dict]) -> str:

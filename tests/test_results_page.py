@@ -203,6 +203,7 @@ def test_the_readme_says_the_second_size_in_one_sentence_from_its_file(tmp_path)
     # k = 64: 1.91 against DiLoCo's 2.12, further apart than either spread (0.02, 0.04)
     assert ("On a 7× larger model (3.26 M parameters, the same protocol on a grid widened for it, 3 seeds): "
             "SparseLoCo k = 64 is ahead of DiLoCo at W = 4 (-0.210).") in block
+    assert "Bytes sent per worker: DiLoCo 100.0 kB → SparseLoCo k = 64 800 B (125× fewer)." in block
     assert "Measured on Other CPU" not in block
     large["machine"]["cpu"] = "Other CPU"          # a machine other than the headline's is named
     write(tmp_path, "quality_4x256_w4", large)
