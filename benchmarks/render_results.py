@@ -422,6 +422,54 @@ def sweep_section(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> Li
     return out
 
 
+def default_gap(doc: Dict, W: int, k: str) -> Optional[tuple]:
+    """(default setting, chosen setting, seed-0 loss at the default or None where it is not on the grid, that loss
+    minus the chosen point's); None where nothing was chosen."""
+    setting = chosen(doc, W).get(k)
+    pts = sweep_points(doc, W, k)
+    best = [p for p in pts if setting is not None and _at(p, setting)]
+    if not best:
+        return None
+    d = (doc["config"].get("defaults") or {}).get(str(W), {}).get(k) or {}
+    dflt = (d.get("lr"), d.get("momentum") if k == "diloco" else None)
+    at_default = [p for p in pts if _at(p, dflt)]
+    if not at_default:
+        return dflt, setting, None, None
+    loss = at_default[0]["held_out_loss"]
+    return dflt, setting, loss, loss - best[0]["held_out_loss"]
+
+
+def default_cost(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADLINE_W) -> str:
+    """What running without the outer lr / momentum flags costs, from the sweep (seed 0): the default point's loss
+    over the chosen point's, per method and W where they differ; where they agree, and where the default is not on
+    the grid, in one clause each."""
+    costs: List[str] = []
+    same: Dict[str, List[int]] = {}
+    off: Dict[str, List[int]] = {}
+    for k in KEYS:
+        for W in widths:
+            doc = docs.get(f"quality{size}_w{W}")
+            gap = default_gap(doc, W, k) if doc else None
+            if gap is None:
+                continue
+            dflt, setting, loss, cost = gap
+            if loss is None:
+                off.setdefault(k, []).append(W)
+            elif dflt == setting:
+                same.setdefault(k, []).append(W)
+            else:
+                costs.append(f"{NAMES[k]} at W = {W}: {fmt_setting(k, dflt)} → {loss:.4f}, {cost:+.3f} over the "
+                             f"chosen {fmt_setting(k, setting)}")
+    if not costs:
+        return ""
+
+    def where(groups: Dict[str, List[int]]) -> str:
+        return "; ".join(f"{NAMES[k]} at W = {', '.join(str(W) for W in ws)}" for k, ws in groups.items())
+    return ("Without the outer lr / momentum flags (the plugin's defaults; seed 0 of the sweep): " + "; ".join(costs)
+            + "." + (f" The default is the chosen point for {where(same)}." if same else "")
+            + (f" Not on the grid: the default of {where(off)}." if off else ""))
+
+
 def size_comparison(docs: Dict[str, Dict]) -> List[str]:
     """Mean(SparseLoCo) − mean(DiLoCo) per W on the quality model and on the second size, then the k = 64 move in
     one sentence."""
@@ -519,6 +567,7 @@ def render_page(docs: Dict[str, Dict]) -> str:
     L += ["## SparseLoCo against DiLoCo", ""]
     L += headline(docs)
     L += paragraph(reading(docs))
+    L += paragraph(default_cost(docs))
     L += ["", "Outer step and time: the same runs on one 100 Mbit/s link per worker (next section). "
           "*Seeds ahead*: on how many seeds SparseLoCo's loss is below DiLoCo's on the same seed.", ""]
     L += command_block([(f"quality_w{W}", docs[f"quality_w{W}"]) for W in HEADLINE_W if f"quality_w{W}" in docs])
@@ -546,6 +595,7 @@ def render_page(docs: Dict[str, Dict]) -> str:
           "grids widened until the chosen point is inside (sweep tables below).", ""]
     L += headline(docs, "_4x256", SIZE2_W)
     L += paragraph(reading(docs, "_4x256", SIZE2_W))
+    L += paragraph(default_cost(docs, "_4x256", SIZE2_W))
     big = [(f"quality_4x256_w{W}", docs[f"quality_4x256_w{W}"]) for W in SIZE2_W if f"quality_4x256_w{W}" in docs]
     if big:
         L += [""] + command_block(big)
@@ -608,7 +658,14 @@ def size_reading(docs: Dict[str, Dict]) -> str:
     cpus = {W: docs[f"quality_4x256_w{W}"]["machine"]["cpu"] for W in SIZE2_W if f"quality_4x256_w{W}" in docs}
     where = ("" if set(cpus.values()) == {small["machine"]["cpu"]} else
              " Measured on " + " and ".join(f"{cpu} at W = {W}" for W, cpu in cpus.items()) + ".")
-    return reading(docs, "_4x256", SIZE2_W, lead=lead) + sent + where
+    gaps = {W: default_gap(docs[f"quality_4x256_w{W}"], W, "sparseloco") for W in SIZE2_W
+            if f"quality_4x256_w{W}" in docs}
+    over = {W: g for W, g in gaps.items() if g is not None and g[3] is not None and g[3] > 0}
+    lr_note = ("" if not over else " On it SparseLoCo's best outer lr is below the plugin's default ("
+               + ", ".join(f"{g[1][0]:g} vs {g[0][0]:g} at W = {W}" for W, g in over.items())
+               + "; the default costs " + " and ".join(f"{g[3]:+.3f}" for g in over.values())
+               + " at seed 0): set `--sparseloco-outer-lr` there.")
+    return reading(docs, "_4x256", SIZE2_W, lead=lead) + sent + lr_note + where
 
 
 def render_readme_block(docs: Dict[str, Dict]) -> str:

@@ -204,10 +204,29 @@ def test_the_readme_says_the_second_size_in_one_sentence_from_its_file(tmp_path)
     assert ("On a 7× larger model (3.26 M parameters, the same protocol on a grid widened for it, 3 seeds): "
             "SparseLoCo k = 64 is ahead of DiLoCo at W = 4 (-0.210).") in block
     assert "Bytes sent per worker: DiLoCo 100.0 kB → SparseLoCo k = 64 800 B (125× fewer)." in block
+    # the sweep's default lr (2.0, loss 2.3) is above the chosen 1.5 (seed 0: 1.90)
+    assert ("On it SparseLoCo's best outer lr is below the plugin's default (1.5 vs 2 at W = 4; the default costs "
+            "+0.400 at seed 0): set `--sparseloco-outer-lr` there.") in block
     assert "Measured on Other CPU" not in block
     large["machine"]["cpu"] = "Other CPU"          # a machine other than the headline's is named
     write(tmp_path, "quality_4x256_w4", large)
     assert "Measured on Other CPU at W = 4." in R.render_readme_block(R.load_results(str(tmp_path)))
+
+
+def test_the_defaults_cost_is_read_from_the_sweep(tmp_path):
+    """Default point's seed-0 loss minus the chosen point's: DiLoCo 2.30 − 2.10, k = 64 2.30 − 2.05, k = 128 2.1 − 2.0."""
+    doc = quality_doc(2)
+    write(tmp_path, "quality_w2", doc)
+    page = R.render_page(R.load_results(str(tmp_path)))
+    assert ("Without the outer lr / momentum flags (the plugin's defaults; seed 0 of the sweep): DiLoCo at W = 2: "
+            "0.7 / 0.9 → 2.3000, +0.200 over the chosen 0.5 / 0.8; SparseLoCo k = 64 at W = 2: 2 → 2.3000, +0.250 over "
+            "the chosen 1.5; SparseLoCo k = 128 at W = 2: 1.5 → 2.1000, +0.100 over the chosen 1.") in page
+    doc["config"]["defaults"]["2"] = {"diloco": {"lr": 0.9, "momentum": 0.99}, "sparseloco": {"lr": 1.5},
+                                      "sparseloco:128": {"lr": 1.5}}
+    write(tmp_path, "quality_w2", doc)
+    page = R.render_page(R.load_results(str(tmp_path)))
+    assert ("seed 0 of the sweep): SparseLoCo k = 128 at W = 2: 1.5 → 2.1000, +0.100 over the chosen 1. The default "
+            "is the chosen point for SparseLoCo k = 64 at W = 2. Not on the grid: the default of DiLoCo at W = 2.") in page
 
 
 def test_the_size_comparison_is_each_files_mean_difference(tmp_path):
