@@ -59,7 +59,7 @@ So a skipped round discards, on every worker, the H inner steps before its launc
 steps of the window (the blocking step keeps none of the round; it has no window). The agreement
 runs off the main thread because it waits for the slowest worker: on the main thread at launch it
 was 0.29 s of the 0.37 s of exposed outer time per round on the 100 Mbit/s benchmark
-(docs/benchmarks.md, "Where the exposed time goes").
+(docs/archive/benchmarks_notebook.md, "Where the exposed time goes").
 
 Checkpoints: ``wait()`` completes the collective and computes θ_outer,k+1 early (the payloads were
 fixed at launch, so this is bitwise what completion computes); the merge stays due at H·k+τ. A
