@@ -20,7 +20,7 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -404,13 +404,11 @@ def sweep_section(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> Li
         if not out:
             out = ["| W | method | outer lr (/ μ) → held-out loss, seed 0 (bold: chosen) | chosen on the grid's edge |",
                    "|---|---|---|---|"]
-        default = (doc["config"].get("defaults") or {}).get(str(W), {})
         for k in KEYS:
             pts, setting = sweep_points(doc, W, k), chosen(doc, W).get(k)
             if not pts or setting is None:
                 continue
-            d = default.get(k) or {}
-            dflt = (d.get("lr"), d.get("momentum") if k == "diloco" else None)
+            dflt = default_setting(doc, W, k)
 
             def cell(p):
                 text = f"{fmt_setting(k, (p['outer_lr'], p['outer_momentum']))} {p['held_out_loss']:.4f}"
@@ -422,21 +420,34 @@ def sweep_section(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> Li
     return out
 
 
-def default_gap(doc: Dict, W: int, k: str) -> Optional[tuple]:
-    """(default setting, chosen setting, seed-0 loss at the default or None where it is not on the grid, that loss
-    minus the chosen point's); None where nothing was chosen."""
+def default_setting(doc: Dict, W: int, k: str) -> tuple:
+    """(outer lr, μ) the plugin runs for ``k`` at W without the outer flags, as the file resolved them."""
+    d = (doc["config"].get("defaults") or {}).get(str(W), {}).get(k) or {}
+    return d.get("lr"), d.get("momentum") if k == "diloco" else None
+
+
+class DefaultGap(NamedTuple):
+    """The plugin's default against the sweep's chosen point, seed 0."""
+
+    default: tuple             # (outer lr, μ) without the flags
+    chosen: tuple              # (outer lr, μ) the sweep chose
+    loss: Optional[float]      # held-out loss at the default; None where the default is not on the grid
+    cost: Optional[float]      # that loss minus the chosen point's
+
+
+def default_gap(doc: Dict, W: int, k: str) -> Optional[DefaultGap]:
+    """The default's gap to the chosen point for ``k`` at W; None where nothing was chosen."""
     setting = chosen(doc, W).get(k)
     pts = sweep_points(doc, W, k)
     best = [p for p in pts if setting is not None and _at(p, setting)]
-    if not best:
+    if setting is None or not best:
         return None
-    d = (doc["config"].get("defaults") or {}).get(str(W), {}).get(k) or {}
-    dflt = (d.get("lr"), d.get("momentum") if k == "diloco" else None)
+    dflt = default_setting(doc, W, k)
     at_default = [p for p in pts if _at(p, dflt)]
     if not at_default:
-        return dflt, setting, None, None
+        return DefaultGap(dflt, setting, None, None)
     loss = at_default[0]["held_out_loss"]
-    return dflt, setting, loss, loss - best[0]["held_out_loss"]
+    return DefaultGap(dflt, setting, loss, loss - best[0]["held_out_loss"])
 
 
 def default_cost(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADLINE_W) -> str:
@@ -452,14 +463,13 @@ def default_cost(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = 
             gap = default_gap(doc, W, k) if doc else None
             if gap is None:
                 continue
-            dflt, setting, loss, cost = gap
-            if loss is None:
+            if gap.loss is None or gap.cost is None:
                 off.setdefault(k, []).append(W)
-            elif dflt == setting:
+            elif gap.default == gap.chosen:
                 same.setdefault(k, []).append(W)
             else:
-                costs.append(f"{NAMES[k]} at W = {W}: {fmt_setting(k, dflt)} → {loss:.4f}, {cost:+.3f} over the "
-                             f"chosen {fmt_setting(k, setting)}")
+                costs.append(f"{NAMES[k]} at W = {W}: {fmt_setting(k, gap.default)} → {gap.loss:.4f}, "
+                             f"{gap.cost:+.3f} over the chosen {fmt_setting(k, gap.chosen)}")
     if not costs:
         return ""
 
@@ -645,9 +655,10 @@ def reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADL
 def size_reading(docs: Dict[str, Dict]) -> str:
     """The second model size in one sentence for the README (empty until one of its W is measured)."""
     small = next((docs[f"quality_w{W}"] for W in HEADLINE_W if f"quality_w{W}" in docs), None)
-    large = next((docs[f"quality_4x256_w{W}"] for W in SIZE2_W if f"quality_4x256_w{W}" in docs), None)
-    if small is None or large is None:
+    bigs = {W: docs[f"quality_4x256_w{W}"] for W in SIZE2_W if f"quality_4x256_w{W}" in docs}
+    if small is None or not bigs:
         return ""
+    large = next(iter(bigs.values()))
     n_small, n_large = small["config"]["numel"], large["config"]["numel"]
     lead = (f"On a {n_large / n_small:.0f}× larger model ({fmt_params(n_large)} parameters, the same protocol on a "
             f"grid widened for it, {len(large['config']['seeds'])} seeds): ")
@@ -655,15 +666,14 @@ def size_reading(docs: Dict[str, Dict]) -> str:
     g, d = seed_group(large, w, "sparseloco"), seed_group(large, w, "diloco")
     sent = ("" if g is None or d is None else f" Bytes sent per worker: DiLoCo {fmt_bytes(d['bytes_sent'])} → "
             f"SparseLoCo k = 64 {fmt_bytes(g['bytes_sent'])} ({d['bytes_sent'] / g['bytes_sent']:.0f}× fewer).")
-    cpus = {W: docs[f"quality_4x256_w{W}"]["machine"]["cpu"] for W in SIZE2_W if f"quality_4x256_w{W}" in docs}
+    cpus = {W: doc["machine"]["cpu"] for W, doc in bigs.items()}
     where = ("" if set(cpus.values()) == {small["machine"]["cpu"]} else
              " Measured on " + " and ".join(f"{cpu} at W = {W}" for W, cpu in cpus.items()) + ".")
-    gaps = {W: default_gap(docs[f"quality_4x256_w{W}"], W, "sparseloco") for W in SIZE2_W
-            if f"quality_4x256_w{W}" in docs}
-    over = {W: g for W, g in gaps.items() if g is not None and g[3] is not None and g[3] > 0}
+    gaps = {W: default_gap(doc, W, "sparseloco") for W, doc in bigs.items()}
+    over = {W: g for W, g in gaps.items() if g is not None and g.cost is not None and g.cost > 0}
     lr_note = ("" if not over else " On it SparseLoCo's best outer lr is below the plugin's default ("
-               + ", ".join(f"{g[1][0]:g} vs {g[0][0]:g} at W = {W}" for W, g in over.items())
-               + "; the default costs " + " and ".join(f"{g[3]:+.3f}" for g in over.values())
+               + ", ".join(f"{g.chosen[0]:g} vs {g.default[0]:g} at W = {W}" for W, g in over.items())
+               + "; the default costs " + " and ".join(f"{g.cost:+.3f}" for g in over.values() if g.cost is not None)
                + " at seed 0): set `--sparseloco-outer-lr` there.")
     return reading(docs, "_4x256", SIZE2_W, lead=lead) + sent + lr_note + where
 
@@ -696,8 +706,8 @@ def render_readme_block(docs: Dict[str, Dict]) -> str:
                      f"{g['sparseloco:128']['mean']:.3f} ± {g['sparseloco:128']['spread']:.3f} | "
                      f"{fmt_bytes(g['diloco']['bytes_sent'])} → {fmt_bytes(g['sparseloco']['bytes_sent'])} | {time_} |")
         m = docs[f"quality_w{have[0]}"]["machine"]
-        L += ["", reading(docs)]
-        L += ["", size_reading(docs)] if size_reading(docs) else []
+        size2 = size_reading(docs)
+        L += ["", reading(docs)] + (["", size2] if size2 else [])
         L += ["", f"Measured on {m['cpu']} ({m['cpus']} CPUs); commands, machine, the bytes ratio on Llama-1B's "
               "tensors, a second model size and plots: [docs/results.md](docs/results.md)."]
     return "\n".join(L + ["", README_END])

@@ -348,7 +348,7 @@ class Bridge:
     def needs(self) -> Tuple[str, ...]:
         """The packages the evidence lives in (``megatron.core``, ``megatron.training``): the bridge
         patches them, so it applies only where they are installed."""
-        return tuple(sorted({".".join(t.split(":")[0].split(".")[:2]) for t in self.evidence}))
+        return tuple(sorted({".".join(m.split(".")[:2]) for m in self.modules}))
 
     @property
     def modules(self) -> Tuple[str, ...]:
