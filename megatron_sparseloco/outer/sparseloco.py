@@ -28,9 +28,9 @@ quality benchmark's measurement, not a derivation: the best lr of the 900-step s
 × k ∈ {64, 128} was the grid point nearest this rule at all six points on the 446 k-parameter model
 (docs/results.md, "Sweeps"); on the 3.26 M-parameter model it was one grid step (÷ √2) lower
 (docs/integration.md, "Outer lr and the number of workers"). Outside the measured u the end value is
-held. A reading: under the contributors mean a
-coordinate chosen by one worker moves θ_outer by that worker's whole value, so the update's norm grows
-with the union of the selections, and the step that works shrinks with it. The rule is the default
+held. A reading: under the contributors mean a coordinate chosen by one worker moves θ_outer by that
+worker's whole value, so the update's norm grows with the union of the selections, and the step that
+works shrinks with it. The rule is the default
 only with the contributors mean and no outer momentum; otherwise the default is 1.5 (the rule's value
 at u = 1/16). An explicit ``--sparseloco-outer-lr`` (``lr=``) always wins.
 
