@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from megatron_sparseloco.megatron.arguments import (LOOP, LoopFlags, SparseLoCoArgumentError, add_sparseloco_args,
-                                                    dest_of, flag_table, option, takers, validate_sparseloco_args)
+                                                    dest_of, flag_table, option, shared_help, takers,
+                                                    validate_sparseloco_args)
 from megatron_sparseloco.megatron.strategy_from_args import strategy_factory_from_args
 from megatron_sparseloco.outer.base import OuterConfig, OuterStepStats, OuterStrategy
-from megatron_sparseloco.outer.config_fields import FieldSpec, flag_field, flagged_fields
+from megatron_sparseloco.outer.config_fields import FieldSpec, field_specs, flag_field, flagged_fields
 from megatron_sparseloco.outer.registry import (outer_strategy_classes, register_outer_strategy,
                                                 unregister_outer_strategy)
 
@@ -51,9 +52,9 @@ def _refused(args, flag: str) -> str:
 class ToyConfig(OuterConfig):
     """The toy outer step: θ_outer ← θ_outer − gain·Δ̄ (one worker: Δ̄ = Δ)."""
 
-    gain: float = flag_field(0.5, flag="toy-gain", low=0.0, high=1.0, low_open=True,
-                             help="Toy outer step: the gain g in θ_outer ← θ_outer − g·Δ.")
-    """The step on the pseudo-gradient, in (0, 1]."""
+    gain: float = flag_field(0.5, flag="toy-gain", low=0.0, high=1.0, low_open=True)
+    """Toy outer step: the gain g in θ_outer ← θ_outer − g·Δ,
+    in (0, 1]."""
 
 
 class Toy(OuterStrategy):
@@ -79,6 +80,8 @@ def toy():
 def test_toy_algorithm_flag_appears_validates_and_reaches_the_strategy(toy):
     parser = add_sparseloco_args(argparse.ArgumentParser())
     assert "--sparseloco-toy-gain" in parser.format_help()
+    gain = next(a for a in parser._actions if a.dest == "sparseloco_toy_gain")
+    assert gain.help == "Toy outer step: the gain g in θ_outer ← θ_outer − g·Δ, in (0, 1]."   # the docstring
     assert "toy" in next(a for a in parser._actions if a.dest == "sparseloco_algorithm").choices
 
     args = validate_sparseloco_args(_args(["--sparseloco-algorithm", "toy", "--sparseloco-toy-gain", "0.25"]), WORLD)
@@ -242,6 +245,41 @@ def test_shared_flags_declare_one_type():
     """A flag shared by several configs (e.g. --sparseloco-outer-lr) has one type and kind, several defaults."""
     for flag, owners in flag_table().items():
         assert len({(s.type, s.store_true) for s in owners.values()}) == 1, flag
+
+
+# ---------------------------------------------------------------------- the docstring is the help
+def test_a_field_without_a_docstring_is_refused_naming_it():
+    @dataclass
+    class Undocumented(OuterConfig):
+        gain: float = flag_field(0.5, flag="toy-gain")
+
+    with pytest.raises(TypeError, match=r"Undocumented\.gain: a config field needs a docstring"):
+        list(field_specs(Undocumented))
+
+
+def test_a_class_docstring_overrides_a_helpers_doc_and_shared_flags_name_their_owners():
+    @dataclass
+    class Plain(OuterConfig):
+        gain: float = flag_field(0.5, flag="toy-gain", doc="The helper's ``gain``\n   description.")
+
+    @dataclass
+    class Own(Plain):
+        gain: float = flag_field(0.25, flag="toy-gain", doc="The helper's ``gain`` description.")
+        """This config's
+        own meaning."""
+
+    plain, own = flagged_fields(Plain)["toy-gain"], flagged_fields(Own)["toy-gain"]
+    assert plain.help == "The helper's gain description."       # literal marks dropped, one line
+    assert own.help == "This config's own meaning."
+    assert shared_help({"a": plain, "b": plain}) == plain.help
+    assert shared_help({"a": plain, "b": own, "c": plain}) == (
+        "a/c: The helper's gain description. b: This config's own meaning.")
+
+
+def test_every_flag_has_help_from_its_fields():
+    """Every --sparseloco-* flag's help is its fields' description (shared flags: each owner's)."""
+    for flag, owners in flag_table().items():
+        assert shared_help(owners) and all(s.help for s in owners.values()), flag
 
 
 # ---------------------------------------------------------------------- explicit forwarding

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from megatron_sparseloco.comm.topology import TOPOLOGIES
 from megatron_sparseloco.elastic.auth import TokenError, read_token
-from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError, dest_of, option
+from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError, argparse_help, dest_of, option
 from megatron_sparseloco.outer.config_fields import ConfigError, FieldSpec, check_fields, flagged_fields, flag_field
 
 #: ``--sparseloco-elastic-after-failed-round``: keep or discard the local progress of a round that did not commit
@@ -33,59 +33,42 @@ DEFAULT_OUTER_TIMEOUT_S = 300.0
 class ElasticConfig:
     """One job's elastic settings (each field is the flag ``--sparseloco-<flag>``)."""
 
-    lighthouse: Optional[str] = flag_field(
-        None, type=str, flag="lighthouse",
-        help="torchft lighthouse URL (e.g. http://host:29510): turns elastic mode on, each worker its own job.")
-    """The lighthouse every job of the run talks to (``torchft_lighthouse --bind``); None: elastic mode off."""
-    worker_index: Optional[int] = flag_field(
-        None, type=int, flag="worker-index", low=0,
-        help="Elastic mode: this job's worker slot I, 0 <= I < --sparseloco-workers (its identity and data slot).")
-    """I: the job's identity (torchft replica id) and the slot of the data it reads."""
-    min_workers: int = flag_field(
-        1, flag="min-workers", low=1,
-        help="Elastic mode: a round commits only with at least M contributing workers (M <= --sparseloco-workers).")
-    """M: the fewest contributors a round commits with (also the lighthouse's --min_replicas)."""
-    token_file: Optional[str] = flag_field(
-        None, type=str, flag="elastic-token-file",
-        help="Elastic mode (required): file holding the run's shared secret (>= 16 characters, not readable by "
-             "other users); a job with another secret is refused.")
-    """The run's secret (``elastic.auth``): every job of the run must read the same one."""
-    quorum_timeout: float = flag_field(
-        900.0, flag="elastic-quorum-timeout", low=0.0, low_open=True,
-        help="Elastic mode: seconds a job waits for a quorum (longer than the slowest worker's round).")
-    """Seconds ``start_quorum`` may wait: covers the spread of the workers' round times."""
-    connect_timeout: float = flag_field(
-        60.0, flag="elastic-connect-timeout", low=0.0, low_open=True,
-        help="Elastic mode: seconds to connect to the lighthouse and to the peers' manager servers.")
-    """Connection timeout of torchft's RPCs (lighthouse, manager servers)."""
-    heartbeat_interval: float = flag_field(
-        0.5, flag="elastic-heartbeat-interval", low=0.0, low_open=True,
-        help="Elastic mode: seconds between heartbeats to the lighthouse (well below its --heartbeat_timeout_ms).")
-    """How often the job's manager server tells the lighthouse it is alive."""
-    host: Optional[str] = flag_field(
-        None, type=str, flag="elastic-host",
-        help="Elastic mode: the address other sites reach this job at (its manager server and store); default: "
-             "MASTER_ADDR for the store, this host's name for the manager server.")
-    """Advertised address: the peers connect to this job's store and manager server there."""
-    manager_port: int = flag_field(
-        0, flag="elastic-manager-port", low=0, high=65535,
-        help="Elastic mode: port of this job's torchft manager server (rank 0), 0: any free port; fix it to open "
-             "it in a firewall.")
-    """Port of the manager server (0: ephemeral)."""
-    max_failed_rounds: int = flag_field(
-        0, flag="elastic-max-failed-rounds", low=0,
-        help="Elastic mode: the job exits after this many consecutive rounds that did not commit (0: never).")
-    """torchft's ``max_retries``: consecutive failed rounds before the job gives up (0: unlimited)."""
-    heal_chunk_mb: int = flag_field(
-        64, flag="elastic-heal-chunk-mb", low=1,
-        help="Elastic mode: MiB per message of a heal (the state a joining job receives from a live peer).")
-    """Size of the heal stream's messages (``elastic.heal``): bounds the extra memory of a heal."""
-    after_failed_round: str = flag_field(
-        "keep", flag="elastic-after-failed-round", choices=AFTER_FAILED_ROUND,
-        help="Elastic mode: what a job does with its local progress when a round does not commit: 'keep' it "
-             "(the next pseudo-gradient covers both rounds) or 'discard' it (θ_local ← θ_outer, as torchft's DiLoCo).")
-    """After a round that did not commit: ``keep`` θ_local (the next Δ = θ_outer − θ_local spans both rounds'
-    inner steps) or ``discard`` it (θ_local ← θ_outer; the inner optimizer state is kept either way)."""
+    lighthouse: Optional[str] = flag_field(None, type=str, flag="lighthouse")
+    """URL of the torchft lighthouse every job of the run talks to (``torchft_lighthouse --bind``, e.g.
+    http://host:29510): turns elastic mode on, each worker its own job; unset: elastic mode off."""
+    worker_index: Optional[int] = flag_field(None, type=int, flag="worker-index", low=0)
+    """Elastic mode: this job's worker slot I, 0 <= I < --sparseloco-workers: its identity (torchft replica
+    id) and the slot of the data it reads."""
+    min_workers: int = flag_field(1, flag="min-workers", low=1)
+    """Elastic mode: a round commits only with at least M contributing workers (M <= --sparseloco-workers;
+    also the lighthouse's --min_replicas)."""
+    token_file: Optional[str] = flag_field(None, type=str, flag="elastic-token-file")
+    """Elastic mode (required): file holding the run's shared secret (>= 16 characters, not readable by other
+    users; ``elastic.auth``). Every job of the run must read the same one; a job with another is refused."""
+    quorum_timeout: float = flag_field(900.0, flag="elastic-quorum-timeout", low=0.0, low_open=True)
+    """Elastic mode: seconds a job waits for a quorum (``start_quorum``); longer than the spread of the
+    workers' round times."""
+    connect_timeout: float = flag_field(60.0, flag="elastic-connect-timeout", low=0.0, low_open=True)
+    """Elastic mode: seconds to connect to the lighthouse and to the peers' manager servers (torchft's RPCs)."""
+    heartbeat_interval: float = flag_field(0.5, flag="elastic-heartbeat-interval", low=0.0, low_open=True)
+    """Elastic mode: seconds between the heartbeats this job's manager server sends the lighthouse (well below
+    the lighthouse's --heartbeat_timeout_ms)."""
+    host: Optional[str] = flag_field(None, type=str, flag="elastic-host")
+    """Elastic mode: the address other sites reach this job at (its manager server and store); unset:
+    MASTER_ADDR for the store, this host's name for the manager server."""
+    manager_port: int = flag_field(0, flag="elastic-manager-port", low=0, high=65535)
+    """Elastic mode: port of this job's torchft manager server (rank 0); 0: any free port. Fix it to open it
+    in a firewall."""
+    max_failed_rounds: int = flag_field(0, flag="elastic-max-failed-rounds", low=0)
+    """Elastic mode: the job exits after this many consecutive rounds that did not commit (torchft's
+    ``max_retries``; 0: never)."""
+    heal_chunk_mb: int = flag_field(64, flag="elastic-heal-chunk-mb", low=1)
+    """Elastic mode: MiB per message of a heal, the state a joining job receives from a live peer
+    (``elastic.heal``); bounds the heal's extra memory."""
+    after_failed_round: str = flag_field("keep", flag="elastic-after-failed-round", choices=AFTER_FAILED_ROUND)
+    """Elastic mode: what a job does with its local progress when a round does not commit: "keep" it (the
+    next pseudo-gradient Δ = θ_outer − θ_local spans both rounds' inner steps) or "discard" it
+    (θ_local ← θ_outer, as torchft's DiLoCo); the inner optimizer state is kept either way."""
 
     def validate(self) -> "ElasticConfig":
         check_fields(self)
@@ -122,7 +105,8 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         return parser
     group = parser.add_argument_group(title="sparseloco elastic", description="one job per worker, over torchft")
     for flag, spec in elastic_flags().items():
-        group.add_argument(option(flag), dest=dest_of(flag), type=spec.type, default=None, help=spec.help,
+        group.add_argument(option(flag), dest=dest_of(flag), type=spec.type, default=None,
+                           help=argparse_help(spec.help),
                            choices=spec.choices)
     return parser
 

@@ -7,12 +7,12 @@ pretrain script)::
     validate_sparseloco_args(args)           # before Megatron's validate_args (world size from the launcher)
 
 One source per setting: every field of a registered strategy's config declared with
-``outer.config_fields.flag_field`` is the flag ``--sparseloco-<flag>`` (its type, choices and help
-from the field); several algorithms may share a flag, each with its own default (``--sparseloco-
-outer-lr``: DiLoCo 0.7, SparseLoCo a rule of W and k). The loop-level flags (workers, inner steps, timeout,
-consistency checks, overlap, fragments) are the flagged fields of ``loop_config.OuterLoopConfig``,
-whose ``validate`` holds the loop's cross-field rules. Every flag is None on the parser, so a flag
-given can be told from one left unset.
+``outer.config_fields.flag_field`` is the flag ``--sparseloco-<flag>`` (its type and choices from the
+field, its help from the field's docstring); several algorithms may share a flag, each with its own
+default (``--sparseloco-outer-lr``: DiLoCo 0.7, SparseLoCo a rule of W and k). The loop-level flags
+(workers, inner steps, timeout, consistency checks, overlap, fragments) are the flagged fields of
+``loop_config.OuterLoopConfig``, whose ``validate`` holds the loop's cross-field rules. Every flag is
+None on the parser, so a flag given can be told from one left unset.
 
 ``validate_sparseloco_args`` runs before any model is built (the plugin calls it before Megatron's
 own ``validate_args``): the Megatron-layout checks (world size, data-parallel divisibility, Megatron
@@ -27,7 +27,7 @@ a DiLoCo worker *is* a distributed-optimizer instance (see ``megatron_sparseloco
 from __future__ import annotations
 
 import argparse
-from typing import Collection, Dict, List, Optional, Sequence, Set, Type
+from typing import Collection, Dict, List, Mapping, Optional, Set, Type
 
 from megatron_sparseloco.megatron.loop_config import AUTO, OuterLoopConfig
 from megatron_sparseloco.outer.base import OuterConfig, OuterStrategy
@@ -97,13 +97,30 @@ def takers(flag: str, table: Optional[Dict[str, Dict[str, FieldSpec]]] = None) -
     return list(owners)
 
 
-def _argparse_kwargs(flag: str, specs: Sequence[FieldSpec]) -> dict:
+def shared_help(owners: Mapping[str, FieldSpec]) -> str:
+    """A flag's help: its field's docstring; where the algorithms that share the flag describe it differently,
+    each description after the algorithms it belongs to ("diloco/sparseloco: ... gasloc: ...")."""
+    owners_of: Dict[str, List[str]] = {}
+    for owner, spec in owners.items():
+        owners_of.setdefault(spec.help, []).append(owner)
+    if len(owners_of) == 1:
+        return next(iter(owners_of))
+    return " ".join(f"{'/'.join(names)}: {text}" for text, names in owners_of.items())
+
+
+def argparse_help(text: str) -> str:
+    """``text`` as an argparse help string (argparse reads ``%`` as a format: ``1.56 %`` must be ``%%``)."""
+    return text.replace("%", "%%")
+
+
+def _argparse_kwargs(flag: str, owners: Mapping[str, FieldSpec]) -> dict:
+    specs = list(owners.values())
     first = specs[0]
     for s in specs[1:]:
         if (s.type, s.store_true) != (first.type, first.store_true):
             raise TypeError(f"{option(flag)}: config fields {first.name} and {s.name} declare it with different "
                             f"types ({first.type.__name__}, {s.type.__name__}) or kinds of flag")
-    help_text = next((s.help for s in specs if s.help), "")
+    help_text = argparse_help(shared_help(owners))
     if first.type is bool:
         action = "store_true" if first.store_true else argparse.BooleanOptionalAction
         return dict(action=action, default=None, help=help_text)
@@ -131,7 +148,7 @@ def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--sparseloco-algorithm", choices=algorithms(), default=None,
                    help="Outer algorithm. Unset: the plugin is off and Megatron trains as usual.")
     for flag, owners in flag_table().items():
-        g.add_argument(option(flag), dest=dest_of(flag), **_argparse_kwargs(flag, list(owners.values())))
+        g.add_argument(option(flag), dest=dest_of(flag), **_argparse_kwargs(flag, owners))
     from megatron_sparseloco.elastic.config import add_elastic_args  # (it imports this module)
     return add_elastic_args(parser)
 

@@ -160,7 +160,7 @@ def flag_syntax(a: argparse.Action) -> str:
 
 
 def meaning(a: argparse.Action) -> str:
-    text = " ".join((a.help or "").split())
+    text = " ".join((a.help or "").replace("%%", "%").split())     # (argparse's escape, ``argparse_help``)
     extra = notes(a.dest)
     return f"{text} [{'; '.join(extra)}]" if extra else text
 

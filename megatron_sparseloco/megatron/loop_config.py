@@ -30,61 +30,40 @@ AUTO = "auto"
 class OuterLoopConfig:
     """The outer loop's settings, shared by every algorithm."""
 
-    workers: Optional[int] = flag_field(
-        None, type=int, flag="workers", low=1,
-        help="Number of workers W; a worker is one distributed-optimizer instance "
-             "(sets --num-distributed-optimizer-instances) and must divide the data-parallel size. In elastic mode "
-             "(--sparseloco-lighthouse) the number of worker slots, each job being one worker.")
-    """W; unset: Megatron's --num-distributed-optimizer-instances (``arguments.resolve_workers``)."""
-    inner_steps: int = flag_field(15, flag="inner-steps", low=1,
-                                  help="Inner optimizer steps H between outer steps (reference code 15; "
-                                       "Covenant-72B 30).")
-    """H, iterations per outer round (the reference code's 15)."""
-    inner_steps_per_worker: Optional[Union[str, List[int]]] = flag_field(
-        None, type=str, flag="inner-steps-per-worker",
-        help="Comma-separated inner steps H_w per worker: a round lasts max(H_w) iterations, worker w steps on the "
-             "first H_w (a slower worker does fewer steps instead of stalling the others); 'auto': H_w from measured "
-             "step times, re-agreed at every outer step.")
-    """H_w per worker: a comma-separated string on the command line (``parse_per_worker_steps`` makes it a
-    list of W ints), or ``"auto"`` (measured, ``megatron/auto_steps.py``); only for strategies with
-    ``Capabilities.per_worker_inner_steps``."""
+    workers: Optional[int] = flag_field(None, type=int, flag="workers", low=1)
+    """Number of workers W: a worker is one distributed-optimizer instance (sets
+    --num-distributed-optimizer-instances; unset: that flag's value) and must divide the data-parallel size.
+    In elastic mode (--sparseloco-lighthouse) the number of worker slots, each job being one worker."""
+    inner_steps: int = flag_field(15, flag="inner-steps", low=1)
+    """Inner optimizer steps H between outer steps (the reference code's 15; Covenant-72B 30)."""
+    inner_steps_per_worker: Optional[Union[str, List[int]]] = flag_field(None, type=str, flag="inner-steps-per-worker")
+    """Comma-separated inner steps H_w per worker (parsed into a list of W ints): a round lasts max(H_w)
+    iterations, worker w steps on the first H_w (a slower worker does fewer steps instead of stalling the
+    others); "auto": H_w from measured step times, re-agreed at every outer step (megatron/auto_steps.py)."""
     active_inner_steps: Optional[int] = config_field(None, type=int, low=1)
     """This worker's H_w (<= H): it steps on the first H_w iterations of each round; None: H."""
-    consistency_check_interval: int = flag_field(0, flag="consistency-check-interval", low=0,
-                                                 help="Every N outer steps compare a hash of θ_outer across workers "
-                                                      "(0: off).")
-    """Outer steps between θ_outer hash checks; only for strategies ``identical_across_workers``."""
-    outer_timeout_s: Optional[float] = flag_field(
-        None, type=float, flag="outer-timeout", low=0.0, low_open=True,
-        help="Seconds an outer step may wait for the other workers before failing (its own group with this "
-             "timeout; unset: Megatron's group and timeout).")
-    """Timeout of the outer group: set, the outer step runs on a group of its own with it (so does delayed
-    application, whose collectives must not interleave with another group's: 600 s unless set); None:
-    Megatron's inter-instance group and timeout."""
-    overlap_steps: int = flag_field(
-        0, flag="overlap-steps", low=0,
-        help="Delayed application τ (0: blocking outer step). 1 <= τ < H: the outer collective is launched at the "
-             "end of a round and runs while the next τ inner steps compute; its result is merged τ steps later "
-             "(see --sparseloco-overlap-merge; outer/overlap.py).")
-    """τ, inner steps the outer collective overlaps (``outer.overlap``); only for strategies ``supports_overlap``."""
-    overlap_merge: str = flag_field(
-        "replay", flag="overlap-merge", choices=MERGES,
-        help="With --sparseloco-overlap-steps: 'replay' (default) puts the τ steps of local progress on the new "
-             "global point, θ ← θ_outer + (θ_now − θ_launch); 'lerp' is torchft's Streaming DiLoCo "
-             "θ ← lerp(θ_outer, θ_now, α).")
-    """How the τ local steps are merged with θ_outer,k+1 (``outer.overlap.OverlapConfig.merge``)."""
-    overlap_alpha: float = flag_field(
-        0.5, flag="overlap-alpha", low=0.0, high=1.0,
-        help="With --sparseloco-overlap-merge lerp: the weight α in [0, 1] of the local params (0: discard the τ "
-             "local steps, 1: keep them and ignore the global point). Default 0.5.")
-    """α of the lerp merge."""
-    fragments: int = flag_field(
-        1, flag="fragments", low=1,
-        help="Streaming-DiLoCo fragments P (1: the whole model syncs at once). The layers are split into P "
-             "contiguous groups (embedding with the first, output layer with the last), each with its own outer "
-             "state; fragment p syncs every H steps at offset floor(p*H/P), so each sync moves about 1/P of the "
-             "bytes. With --sparseloco-overlap-steps τ: τ < H/P.")
-    """P, layer groups synced at staggered offsets (``megatron.fragments``); 1 <= P <= layers, P <= H."""
+    consistency_check_interval: int = flag_field(0, flag="consistency-check-interval", low=0)
+    """Every N outer steps compare a hash of θ_outer across workers (0: off)."""
+    outer_timeout_s: Optional[float] = flag_field(None, type=float, flag="outer-timeout", low=0.0, low_open=True)
+    """Seconds an outer step may wait for the other workers before failing: set, the outer step runs on a
+    group of its own with this timeout (so does delayed application, whose collectives must not interleave
+    with another group's: 600 s unless set); unset: Megatron's inter-instance group and timeout."""
+    overlap_steps: int = flag_field(0, flag="overlap-steps", low=0)
+    """Delayed application τ (0: blocking outer step). 1 <= τ < H: the outer collective is launched at the
+    end of a round and runs while the next τ inner steps compute; its result is merged τ steps later (see
+    --sparseloco-overlap-merge; outer/overlap.py)."""
+    overlap_merge: str = flag_field("replay", flag="overlap-merge", choices=MERGES)
+    """With --sparseloco-overlap-steps: "replay" (default) puts the τ steps of local progress on the new
+    global point, θ ← θ_outer + (θ_now − θ_launch); "lerp" is torchft's Streaming DiLoCo
+    θ ← lerp(θ_outer, θ_now, α)."""
+    overlap_alpha: float = flag_field(0.5, flag="overlap-alpha", low=0.0, high=1.0)
+    """With --sparseloco-overlap-merge lerp: the weight α in [0, 1] of the local params (0: discard the τ
+    local steps, 1: keep them and ignore the global point)."""
+    fragments: int = flag_field(1, flag="fragments", low=1)
+    """Streaming-DiLoCo fragments P (1: the whole model syncs at once; megatron/fragments.py). The layers
+    are split into P contiguous groups (embedding with the first, output layer with the last), each with
+    its own outer state; fragment p syncs every H steps at offset floor(p*H/P), so each sync moves about
+    1/P of the bytes. 1 <= P <= layers, P <= H; with --sparseloco-overlap-steps τ: τ < H/P."""
     check_identical_start: bool = config_field(True)
     """Assert identical params across workers when the loop is built (θ_outer is initialised from them)."""
     identical_across_workers: Optional[bool] = config_field(None, type=bool)

@@ -49,21 +49,15 @@ class OuterConfig:
     and ``validate`` checks them all (``check_fields``) before the subclass's cross-field checks.
     """
 
-    bucket_numel: int = flag_field(1 << 24, flag="bucket-size", low=1,
-                                   help="Elements per outer-step bucket (bounds the outer step's extra memory).")
-    """Elements per bucket: the outer step's extra memory is one bucket (64 MiB of fp32 by default)."""
-    nonfinite_policy: str = flag_field("skip", flag="nonfinite-policy", choices=NONFINITE_POLICIES,
-                                       help="NaN/Inf pseudo-gradient on any worker: skip the outer step on all "
-                                            "workers, or abort.")
-    """What a NaN/Inf pseudo-gradient does (module docstring): skip the round, or raise ``NonFiniteError``."""
-
-    anchor_on_cpu: bool = flag_field(
-        False, flag="anchor-on-cpu", store_true=True,
-        help="Keep θ_outer in pinned host memory instead of on the GPU (4 B less GPU memory per parameter element "
-             "of the shard; each bucket is staged on the GPU for the outer step; results bitwise identical).")
-    """θ_outer in (pinned) host memory instead of on the params' device; each bucket is staged on the
-    device for the step (``OuterStrategy.anchor_bucket``); only for strategies with
-    ``Capabilities.supports_anchor_on_cpu`` (a config whose strategy lacks it refuses it in ``validate``)."""
+    bucket_numel: int = flag_field(1 << 24, flag="bucket-size", low=1)
+    """Elements per outer-step bucket: the outer step's extra memory is one bucket (64 MiB of fp32 by
+    default)."""
+    nonfinite_policy: str = flag_field("skip", flag="nonfinite-policy", choices=NONFINITE_POLICIES)
+    """A NaN/Inf pseudo-gradient on any worker: skip the outer step on all workers (θ_outer unchanged), or
+    abort (raises ``NonFiniteError``)."""
+    anchor_on_cpu: bool = flag_field(False, flag="anchor-on-cpu", store_true=True)
+    """Keep θ_outer in pinned host memory instead of on the GPU (4 B less GPU memory per parameter element
+    of the shard); each bucket is staged on the GPU for the outer step, results bitwise identical."""
     rule_fields: Tuple[str, ...] = config_field((), type=tuple)
     """Fields whose value ``resolve_for_workers`` set from a rule of the number of workers
     (``default_rules``): a round with fewer contributors than W evaluates the rule again."""

@@ -17,21 +17,24 @@ from megatron_sparseloco.outer.config_fields import ConfigError, flag_field
 
 def codec_chunk_field(requires: Optional[Mapping[str, Any]] = None):
     return flag_field(4096, flag="chunk-size", low=1, high=MAX_CHUNK, requires=requires,
-                      help="Chunk size C (elements per Top-k chunk).")
+                      doc="Chunk size C: Top-k is taken per chunk of C elements (SparseLoCo's tensor chunking: "
+                          "2-D weights in √C×√C tiles).")
 
 
 def codec_k_field(requires: Optional[Mapping[str, Any]] = None):
-    return flag_field(64, flag="topk", low=1, requires=requires, help="Values kept per chunk (k; density k/C).")
+    return flag_field(64, flag="topk", low=1, requires=requires,
+                      doc="Values k kept per chunk (density k/C; the reference's 64 of 4096 = 1.56 %).")
 
 
 def codec_value_bits_field(choices: Sequence[int], requires: Optional[Mapping[str, Any]] = None):
     return flag_field(2, flag="value-bits", choices=choices, requires=requires,
-                      help="Bits per kept value: 2/4/8 quantised, 16 bf16, 32 fp32.")
+                      doc="Bits per kept value: 2/4/8 quantised to 2**bits bins, 16 raw bf16, 32 raw fp32.")
 
 
 def codec_index_coding_field(requires: Optional[Mapping[str, Any]] = None):
     return flag_field("packed", flag="index-coding", choices=INDEX_CODINGS, requires=requires,
-                      help="Index wire format: packed ceil(log2 C)-bit, or entropy-coded (Golomb-Rice).")
+                      doc='Index wire format: "packed" (ceil(log2 C) bits, fixed payload sizes, no size exchange) '
+                          'or "entropy" (Rice-coded gaps).')
 
 
 def check_codec(codec: CodecConfig, owner: str) -> None:

@@ -4,11 +4,14 @@ A strategy's config dataclass declares each setting once::
 
     @dataclass
     class DiLoCoConfig(OuterConfig):
-        lr: float = flag_field(0.7, flag="outer-lr", low=0.0, low_open=True, help="Outer learning rate.")
-        \"\"\"Outer SGD learning rate (the paper's 0.7).\"\"\"
+        lr: float = flag_field(0.7, flag="outer-lr", low=0.0, low_open=True)
+        \"\"\"Outer SGD learning rate on θ_outer (the DiLoCo paper's 0.7).\"\"\"
 
 and everything else reads it from there:
 
+* the field's docstring is its one description: the flag's help and the README's flag table
+  (``field_docs`` reads it from the class source, as megatron.training's ``ArgumentGroupFactory``
+  does; a field made by a shared helper may carry it as ``doc``); a field without one is refused;
 * ``check_fields(config)`` (run first by ``OuterConfig.validate``) refuses a value of the wrong
   type, outside ``choices`` or outside the range, with a ``ConfigError`` naming the field and a fix;
 * ``check_given(config, given)`` refuses a field that was set explicitly although the config
@@ -24,9 +27,13 @@ module knows nothing about Megatron or argparse: a flag here is only a name.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
 import math
 import re
+import textwrap
 from typing import Any, Collection, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 META_KEY = "sparseloco"
@@ -87,32 +94,35 @@ def _num(x) -> str:
     return str(int(x)) if isinstance(x, (int, float)) and float(x).is_integer() else f"{x:g}" if x is not None else ""
 
 
-def config_field(default, *, type: Optional[type] = None, help: str = "", choices: Optional[Sequence] = None,
+def config_field(default, *, type: Optional[type] = None, choices: Optional[Sequence] = None,
                  low: Optional[float] = None, high: Optional[float] = None, low_open: bool = False,
                  high_open: bool = False, requires: Optional[Mapping[str, Any]] = None, flag: Optional[str] = None,
-                 store_true: bool = False):
+                 store_true: bool = False, doc: Optional[str] = None):
     """A dataclass field whose type, choices and range ``check_fields`` enforces.
 
     ``type`` defaults to the default's type (bool, int, float or str); ``choices`` is the set of
     allowed values; ``low``/``high`` bound a number (closed unless ``low_open``/``high_open``);
     ``requires`` maps other fields to the value they must have for this one to apply (set
     explicitly otherwise: refused by ``check_given``). ``flag`` (see ``flag_field``) names the
-    command-line setting; ``store_true``: a bool flag that can only be switched on.
+    command-line setting; ``store_true``: a bool flag that can only be switched on. ``doc`` describes a
+    field made by a helper that several configs share (the codec's, the outer SGD's); a docstring under
+    the field in the class overrides it (where an algorithm gives the setting another meaning).
     """
     kind = type if type is not None else builtins_type(default)
-    meta = dict(type=kind, flag=flag, help=help, choices=None if choices is None else tuple(choices), low=low,
-                high=high, low_open=low_open, high_open=high_open, requires=dict(requires or {}),
+    meta = dict(type=kind, flag=flag, help=help_text(doc or ""), choices=None if choices is None else tuple(choices),
+                low=low, high=high, low_open=low_open, high_open=high_open, requires=dict(requires or {}),
                 store_true=store_true)
     return dataclasses.field(default=default, metadata={META_KEY: meta})
 
 
-def flag_field(default, *, flag: str, help: str, **kw):
-    """``config_field`` with a command-line flag ``flag`` (``--sparseloco-<flag>``) and its one-line ``help``.
+def flag_field(default, *, flag: str, **kw):
+    """``config_field`` with a command-line flag ``flag`` (``--sparseloco-<flag>``); the field's docstring is
+    its help.
 
     Several configs may declare the same flag (e.g. ``outer-lr`` for DiLoCo and SparseLoCo), each
-    with its own default; type and kind of flag must agree.
+    with its own default and docstring; type and kind of flag must agree.
     """
-    return config_field(default, flag=flag, help=help, **kw)
+    return config_field(default, flag=flag, **kw)
 
 
 def builtins_type(default) -> type:
@@ -122,12 +132,47 @@ def builtins_type(default) -> type:
     raise TypeError(f"config_field: give type= for a default of type {type(default).__name__}")
 
 
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> Optional[Dict[str, str]]:
+    """name → docstring (the string literal right after the field's annotated assignment) of every field
+    of ``cls`` and its bases, a subclass's overriding its base's; None where a class's source cannot be
+    read (an install without ``.py`` files)."""
+    docs: Dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            return None
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                    and isinstance(after.value.value, str)):
+                docs[node.target.id] = after.value.value
+    return docs
+
+
+def help_text(doc: str) -> str:
+    """A field docstring as one line of help: whitespace collapsed, ````literal```` marks dropped."""
+    return " ".join(doc.replace("``", "").split())
+
+
 def field_specs(config_or_class) -> Iterator[FieldSpec]:
-    """The ``FieldSpec`` of every field declared with ``config_field`` / ``flag_field``, in order."""
-    for f in dataclasses.fields(config_or_class):
+    """The ``FieldSpec`` of every field declared with ``config_field`` / ``flag_field``, in order; ``help``
+    is the field's docstring, else its ``doc`` (``help_text``). A declared field with neither raises
+    TypeError."""
+    cls = config_or_class if isinstance(config_or_class, type) else type(config_or_class)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
         meta = f.metadata.get(META_KEY)
-        if meta is not None:
-            yield FieldSpec(name=f.name, default=f.default, **meta)
+        if meta is None:
+            continue
+        if docs is not None and f.name in docs:
+            meta = {**meta, "help": help_text(docs[f.name])}
+        elif docs is not None and not meta["help"]:
+            raise TypeError(f"{cls.__name__}.{f.name}: a config field needs a docstring (the line after it), "
+                            "which is its description and its flag's help")
+        yield FieldSpec(name=f.name, default=f.default, **meta)
 
 
 def flagged_fields(config_or_class) -> Dict[str, FieldSpec]:

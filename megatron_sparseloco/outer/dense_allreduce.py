@@ -30,7 +30,8 @@ COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def comm_dtype_field():
     """The dense all-reduce's wire format (``--sparseloco-diloco-comm-dtype``), shared by average and DiLoCo."""
     return flag_field("fp32", flag="diloco-comm-dtype", choices=tuple(COMM_DTYPES),
-                      help="DiLoCo / average: dtype of the pseudo-gradient all-reduce.")
+                      doc="Wire format of the pseudo-gradient all-reduce: fp32 (exact up to summation order) or "
+                          "bf16 (half the bytes).")
 
 
 @dataclass
@@ -38,7 +39,6 @@ class DenseConfig(OuterConfig):
     """Fields every dense all-reduce strategy shares."""
 
     comm_dtype: str = comm_dtype_field()
-    """Wire format of the Δ all-reduce: "fp32" (exact up to summation order) or "bf16" (half the bytes)."""
 
 
 DenseConfigT = TypeVar("DenseConfigT", bound=DenseConfig)

@@ -33,11 +33,8 @@ class DiLoCoConfig(DenseConfig):
     """The DiLoCo paper's outer optimiser: SGD, lr 0.7, Nesterov momentum 0.9."""
 
     lr: float = lr_field(0.7)
-    """Outer SGD learning rate on θ_outer (the paper's 0.7)."""
     momentum: float = momentum_field(0.9)
-    """Outer momentum μ in [0, 1); 0 disables it (no momentum buffer)."""
     nesterov: bool = nesterov_field(True)
-    """Nesterov (u = Δ̄ + μ·m) or heavy ball (u = m); needs μ > 0."""
 
     def validate(self) -> "DiLoCoConfig":
         super().validate()

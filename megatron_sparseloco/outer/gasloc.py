@@ -134,70 +134,47 @@ LAG_RULES = ("laplacian-momentum", "mixed-nesterov")
 
 @dataclass
 class GASLoCConfig(OuterConfig):
-    """Configuration of the GASLoC outer step (see the module docstring for the math).
+    """Configuration of the GASLoC outer step (see the module docstring for the math)."""
 
-    topology       one of comm.topology.TOPOLOGIES: ring, exponential, random1, random2, complete,
-                   bandwidth (one-peer matchings drawn from measured link costs)
-    seed           shared by all workers; random matchings are drawn from (seed, round)
-    proposal_lr    η, the step on Δ inside the proposal y = θ0 − ηΔ (outer lr of DiLoCo on K_W)
-    momentum       γ, heavy-ball momentum on the mixed increment (0 disables it)
-    mixing_weight  edge weight of the mixing matrix; None = the topology's default
-                   (ring / random2: 1/3, exponential / random1: 1/2); must be None for complete
-    compress       send proposals SparseLoCo-compressed against CHOCO public copies
-    chunk, k, value_bits, index_coding   codec of the compressed mode: top-k of each chunk of
-                   ``chunk`` elements, values quantised to ``value_bits`` (32 = raw fp32),
-                   indices "packed" (fixed payload sizes, no size exchange) or "entropy"
-    ef_beta        accepted for parity with SparseLoCo but NOT used: the residual y − x̂ is the
-                   error feedback (β = 1); see the module docstring
-    gossip_step    ξ, CHOCO's consensus step on the copy differences (compressed mode only);
-                   1 = the uncompressed mixing when the codec is lossless
-    rule           "ours" (momentum on the mixed increment), "laplacian-momentum" (on proposals) or
-                   "mixed-nesterov" (the proposals' look-ahead is mixed too)
-    gossip_rounds  R: mixing steps per outer round, each with the topology's next matching
-                   (uncompressed only); exponential with R = log2 W averages exactly
-    max_copies     compressed mode: most peers whose public copies are kept (LRU, dynamic topologies)
-    bandwidth_refresh  topology "bandwidth": rounds between agreements on the link-cost table
-    """
-
-    topology: str = flag_field("ring", flag="gossip-topology", choices=TOPOLOGIES,
-                               help="Gossip graph (exponential needs a power-of-two W; bandwidth: one-peer matchings "
-                                    "that "
-                                    "use slow links less, from measured link times).")
-    seed: int = flag_field(0, flag="gossip-seed", low=0,
-                           help="Seed shared by all workers for the random matchings.")
+    topology: str = flag_field("ring", flag="gossip-topology", choices=TOPOLOGIES)
+    """Gossip graph (``comm.topology``): ring, exponential (needs a power-of-two W), random1, random2,
+    complete, or bandwidth (one-peer matchings that use slow links less, drawn from measured link times)."""
+    seed: int = flag_field(0, flag="gossip-seed", low=0)
+    """Seed shared by all workers: the random matchings are drawn from (seed, round)."""
     # defaults η 0.7, γ 0.6: DiLoCo's tuned outer values, which the quality benchmark (3 seeds at W = 4) and the
     # heterogeneous-link benchmark measured ≈ 0.3 nats better than 1.0 / 0.9 (docs/gasloc.md §8.6)
-    proposal_lr: float = flag_field(0.7, flag="gossip-proposal-lr", low=0.0, low_open=True,
-                                    help="Proposal step η in y = θ0 − η·Δ.")
+    proposal_lr: float = flag_field(0.7, flag="gossip-proposal-lr", low=0.0, low_open=True)
+    """Proposal step η in y = θ0 − η·Δ (DiLoCo's outer lr on the complete graph)."""
     momentum: float = momentum_field(0.6)
+    """Heavy-ball momentum γ on the mixed increment, in [0, 1) (0: none)."""
     mixing_weight: Optional[float] = None
-    compress: bool = flag_field(False, flag="gossip-compress", store_true=True,
-                                help="Send proposals SparseLoCo-compressed (pairwise public copies); enables the "
-                                     "codec flags.")
+    """Edge weight of the mixing matrix; None: the topology's default (ring / random2: 1/3, exponential /
+    random1: 1/2); must be None for complete."""
+    compress: bool = flag_field(False, flag="gossip-compress", store_true=True)
+    """Send proposals SparseLoCo-compressed against CHOCO public copies (pairwise); enables the codec flags."""
     chunk: int = codec_chunk_field(requires=_COMPRESSED)
     k: int = codec_k_field(requires=_COMPRESSED)
     value_bits: int = codec_value_bits_field(VALUE_BITS, requires=_COMPRESSED)
     ef_beta: float = config_field(0.95, low=0.0, high=1.0)
+    """Accepted for parity with SparseLoCo but not used: the residual y − x̂ is the error feedback (β = 1;
+    module docstring)."""
     index_coding: str = codec_index_coding_field(requires=_COMPRESSED)
-    gossip_step: float = flag_field(0.05, flag="gossip-step", low=0.0, high=1.0, low_open=True, requires=_COMPRESSED,
-                                    help="With --sparseloco-gossip-compress: step ξ on the public-copy differences "
-                                         "(1 diverges at k=64/4096, see docs/gasloc.md).")
-
-    rule: str = flag_field("ours", flag="gossip-rule", choices=RULES,
-                           help="Update rule: ours (momentum on the mixed increment), laplacian-momentum "
-                                "(θ ← (I−αΛ)y + γ(y − y_prev)) or mixed-nesterov (θ ← M(y + γ(y − y_prev))); "
-                                "docs/gasloc.md §2.")
-    gossip_rounds: int = flag_field(1, flag="gossip-rounds", low=1,
-                                    help="Mixing steps per outer round, each with the topology's next matching "
-                                         "(R proposals sent per neighbour; not with --sparseloco-gossip-compress). "
-                                         "Exponential with R = log2 W averages exactly (docs/gasloc.md §2.2).")
-    max_copies: int = flag_field(4, flag="gossip-max-copies", low=1, requires=_COMPRESSED,
-                                 help="With --sparseloco-gossip-compress: most peers whose public copies a worker "
-                                      "keeps (LRU; 2 shard-sized fp32 copies per peer on one-peer topologies).")
-    bandwidth_refresh: int = flag_field(8, flag="gossip-bandwidth-refresh", low=1,
-                                        requires={"topology": "bandwidth"},
-                                        help="Topology bandwidth: rounds between agreements on the measured "
-                                             "link-cost table (a W-float point-to-point exchange).")
+    gossip_step: float = flag_field(0.05, flag="gossip-step", low=0.0, high=1.0, low_open=True, requires=_COMPRESSED)
+    """With --sparseloco-gossip-compress: CHOCO's consensus step ξ on the public-copy differences (1, the
+    uncompressed mixing for a lossless codec, diverges at k = 64 of 4096; docs/gasloc.md)."""
+    rule: str = flag_field("ours", flag="gossip-rule", choices=RULES)
+    """Update rule (docs/gasloc.md §2): "ours" (momentum on the mixed increment), "laplacian-momentum"
+    (θ ← (I−αΛ)y + γ(y − y_prev)) or "mixed-nesterov" (θ ← M(y + γ(y − y_prev)))."""
+    gossip_rounds: int = flag_field(1, flag="gossip-rounds", low=1)
+    """Mixing steps R per outer round, each with the topology's next matching (R proposals sent per
+    neighbour; not with --sparseloco-gossip-compress). Exponential with R = log2 W averages exactly
+    (docs/gasloc.md §2.2)."""
+    max_copies: int = flag_field(4, flag="gossip-max-copies", low=1, requires=_COMPRESSED)
+    """With --sparseloco-gossip-compress: most peers whose public copies a worker keeps (LRU; 2 shard-sized
+    fp32 copies per peer on one-peer topologies)."""
+    bandwidth_refresh: int = flag_field(8, flag="gossip-bandwidth-refresh", low=1, requires={"topology": "bandwidth"})
+    """Topology bandwidth: rounds between agreements on the measured link-cost table (a W-float
+    point-to-point exchange)."""
 
     #: the mixed increment d is applied with step 1 (θ ← θ0 + d), heavy ball: the step on Δ is proposal_lr
     implied_flags = {"outer-lr": 1.0, "outer-nesterov": False}

@@ -24,20 +24,20 @@ from megatron_sparseloco.outer.config_fields import ConfigError, flag_field
 def lr_field(default: float):
     """The outer learning rate field (``--sparseloco-outer-lr``), > 0; each config its own default."""
     return flag_field(default, flag="outer-lr", low=0.0, low_open=True,
-                      help="Outer learning rate (gasloc applies its mixed increment with step 1; its step on Δ "
-                           "is --sparseloco-gossip-proposal-lr).")
+                      doc="Outer learning rate on θ_outer (GASLoC's step on Δ is --sparseloco-gossip-proposal-lr).")
 
 
 def momentum_field(default: float):
     """The outer momentum field μ (``--sparseloco-outer-momentum``), in [0, 1)."""
     return flag_field(default, flag="outer-momentum", low=0.0, high=1.0, high_open=True,
-                      help="Outer momentum in [0, 1).")
+                      doc="Outer momentum μ in [0, 1); 0: none (no momentum buffer).")
 
 
 def nesterov_field(default: bool):
     """The Nesterov switch (``--[no-]sparseloco-outer-nesterov``); needs μ > 0 (``check_outer_sgd``)."""
     return flag_field(default, flag="outer-nesterov",
-                      help="Nesterov outer momentum (needs a non-zero outer momentum).")
+                      doc="Nesterov outer momentum (u = Δ̄ + μ·m) or, off, heavy ball (u = m); needs a non-zero "
+                          "outer momentum.")
 
 
 def check_outer_sgd(lr: float, momentum: float, nesterov: bool) -> None:

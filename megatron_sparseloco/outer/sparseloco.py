@@ -130,60 +130,45 @@ def default_outer_lr(num_workers: int, k: int, chunk: int) -> float:
 
 @dataclass
 class SparseLoCoConfig(OuterConfig):
-    """The SparseLoCo outer step's settings (module docstring for the math; docs/codec.md for the wire format)."""
+    """The SparseLoCo outer step's settings (module docstring for the math; docs/codec.md for the wire format).
+
+    ``lr``: 1.5 when the config is built directly; from the Megatron flags, unless given, the rule of the
+    number of workers ``default_outer_lr(W, k, C)`` (``resolve_for_workers``). No outer momentum by
+    default: error feedback plays its role."""
 
     chunk: int = codec_chunk_field()
-    """Chunk size C: Top-k is taken per chunk of C elements (tensor chunking: 2-D weights in √C×√C tiles)."""
     k: int = codec_k_field()
-    """Values kept per chunk (density k/C; the reference's 64 of 4096 = 1.56 %)."""
     value_bits: int = codec_value_bits_field(VALUE_BITS)
-    """Bits per kept value: 2/4/8 quantised to 2**bits bins, 16 raw bf16, 32 raw fp32."""
     index_coding: str = codec_index_coding_field()
-    """Index wire format: "packed" (ceil(log2 C) bits, fixed payload sizes) or "entropy" (Rice-coded gaps)."""
-    chunking: str = flag_field(
-        "tensor", flag="chunking", choices=CHUNKINGS,
-        help="sparseloco only: 'tensor' (default, as the reference) compresses every parameter on its own (own "
-             "quantiser, 64x64 tiles for 2-D weights); 'flat' chunks the shard's flat range across parameters with "
-             "one quantiser per bucket (kept for comparison).")
-    """"tensor": per-tensor segments (reference); "flat": the shard's flat range (module docstring)."""
-    dense_1d: bool = flag_field(
-        True, flag="dense-1d", requires={"chunking": "tensor"},
-        help="sparseloco with --sparseloco-chunking tensor: send 1-D tensors (norms, biases) whole, 2-bit quantised "
-             "(default on, as the reference); off: Top-k like the rest.")
-    """Tensor chunking: 1-D tensors (norms, biases) sent whole (quantised), as the reference does."""
+    chunking: str = flag_field("tensor", flag="chunking", choices=CHUNKINGS)
+    """"tensor" (default, as the reference) compresses every parameter on its own (own quantiser, 64x64 tiles
+    for 2-D weights); "flat" chunks the shard's flat range across parameters with one quantiser per bucket
+    (kept for comparison)."""
+    dense_1d: bool = flag_field(True, flag="dense-1d", requires={"chunking": "tensor"})
+    """With tensor chunking: send 1-D tensors (norms, biases) whole, 2-bit quantised (default on,
+    as the reference); off: Top-k like the rest."""
     quant_group_chunks: int = config_field(0, low=0)
     """Flat chunking: 0 = one quantiser per bucket; g > 0: one per g chunks."""
-    ef_beta: float = flag_field(0.95, flag="ef-decay", low=0.0, high=1.0, high_open=True,
-                                help="Error-feedback decay β in [0, 1).")
-    """Error-feedback decay β: e ← β·e + Δ before compressing."""
-    reduce: str = flag_field("contributors", flag="reduce", choices=REDUCE_MODES,
-                             help="Aggregate: mean over the workers that sent a coordinate (reference) or over all "
-                                  "workers.")
-    """"contributors": S / max(c, 1) (the reference code); "all": S / W (the paper's formula)."""
+    ef_beta: float = flag_field(0.95, flag="ef-decay", low=0.0, high=1.0, high_open=True)
+    """Error-feedback decay β in [0, 1): e ← β·e + Δ before compressing."""
+    reduce: str = flag_field("contributors", flag="reduce", choices=REDUCE_MODES)
+    """How the sparse sum S is averaged: "contributors", over the workers that sent each coordinate,
+    S / max(c, 1) (the reference code); "all", over all W workers, S / W (the paper's formula)."""
     lr: float = lr_field(1.5)
-    """Outer lr: 1.5 when built directly; from the Megatron flags, unless given, ``default_outer_lr(W, k, C)``
-    (module docstring; ``resolve_for_workers``)."""
     momentum: float = momentum_field(0.0)
-    """Outer momentum μ; 0 (default): error feedback plays momentum's role."""
     nesterov: bool = nesterov_field(False)
-    """Nesterov outer momentum (needs μ > 0)."""
     peer_norm_clip: bool = config_field(False)
     """Scale each peer's decoded values to at most the median peer norm (module docstring)."""
-    aggregation: str = flag_field(
-        "allgather", flag="aggregation", choices=AGGREGATIONS,
-        help="sparseloco only: 'allgather' (default) sends every worker's payload to every worker (W-1 payloads "
-             "received); 'reduce-scatter' sends each bucket range's owner only that range, owners re-encode the mean "
-             "and all-gather it (about 2 payloads received; needs --sparseloco-chunking tensor and packed indices; "
-             "docs/scaling.md); 'hierarchical' moves all-gather's payloads by site (site groups: "
-             "--sparseloco-aggregation-groups): one WAN round with the counterpart in each other site, then a gather "
-             "inside the site; bitwise the all-gather result (needs packed indices).")
-    """"allgather", "reduce-scatter" (outer/sparse_reduce_scatter.py) or "hierarchical"
-    (outer/sparse_hierarchical.py)."""
-    aggregation_groups: int = flag_field(
-        0, flag="aggregation-groups", low=0, requires={"aggregation": "hierarchical"},
-        help="sparseloco with --sparseloco-aggregation hierarchical: the number of site groups G (W/G consecutive "
-             "workers each, W divisible by G; list nodes site by site); required with hierarchical.")
-    """Hierarchical aggregation: G site groups of W/G consecutive workers (must be given, W % G == 0)."""
+    aggregation: str = flag_field("allgather", flag="aggregation", choices=AGGREGATIONS)
+    """"allgather" (default) sends every worker's payload to every worker (W-1 payloads
+    received); "reduce-scatter" sends each bucket range's owner only that range, owners re-encode the mean
+    and all-gather it (about 2 payloads received; needs tensor chunking and packed indices;
+    outer/sparse_reduce_scatter.py, docs/scaling.md); "hierarchical" moves all-gather's payloads by site
+    (--sparseloco-aggregation-groups): one WAN round with the counterpart in each other site, then a gather
+    inside the site, bitwise the all-gather result (needs packed indices; outer/sparse_hierarchical.py)."""
+    aggregation_groups: int = flag_field(0, flag="aggregation-groups", low=0, requires={"aggregation": "hierarchical"})
+    """With hierarchical aggregation (required there): the number of site groups G, W/G consecutive
+    workers each (W divisible by G; list the nodes site by site)."""
     owner_k: int = config_field(0, low=0)
     """Reduce-scatter owner codec: values kept per chunk (0: k)."""
     owner_value_bits: int = config_field(0, low=0)
