@@ -67,3 +67,27 @@ def test_demo_help_describes_every_option(monkeypatch):
     assert actions and all(a.help for a in actions), [a.dest for a in actions if not a.help]
     p = subprocess.run([sys.executable, "-m", "megatron_sparseloco.demo", "--help"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and all(a.help.split()[0] in p.stdout for a in actions), p.stdout
+
+
+def test_a_round_over_several_strategies_sums_bytes_and_seconds_and_adds_norms_in_quadrature():
+    from megatron_sparseloco.megatron.rounds import OuterLog
+    from megatron_sparseloco.outer.base import OuterStepStats
+
+    a = OuterStepStats(bytes_sent=100, bytes_received=300, time_compress_s=0.5, time_exposed_s=1.0,
+                       delta_norm=3.0, error_norm=1.0, update_norm=6.0, extra={"time_wait_s": 0.25, "density": 0.1})
+    b = OuterStepStats(bytes_sent=20, bytes_received=60, time_compress_s=0.25, time_apply_s=2.0,
+                       delta_norm=4.0, update_norm=8.0, skipped=True, extra={"time_agree_s": 0.5})
+    log = OuterLog()
+    log.record([a, b], numel=1000)
+    log.record([a], numel=500)
+    assert log.last == {"bytes_sent": 100.0, "bytes_received": 300.0, "time_compress_s": 0.5,
+                        "time_communicate_s": 0.0, "time_apply_s": 0.0, "time_exposed_s": 1.0, "delta_norm": 3.0,
+                        "error_norm": 1.0, "update_norm": 6.0, "skipped": 0.0, "time_wait_s": 0.25,
+                        "time_agree_s": 0.0, "time_owner_s": 0.0}
+    both = OuterStepStats.merged([a, b])
+    assert (both["bytes_sent"], both["bytes_received"], both["time_compress_s"], both["time_apply_s"]) == (
+        120.0, 360.0, 0.75, 2.0)
+    assert (both["delta_norm"], both["update_norm"], both["error_norm"]) == (5.0, 10.0, 1.0)   # √(3²+4²), √(6²+8²)
+    assert both["skipped"] == 1.0 and both["time_wait_s"] == 0.25 and both["time_agree_s"] == 0.5
+    assert "density" not in both                                  # a ratio: not added over strategies
+    assert (log.bytes_sent, log.bytes_received, log.numel) == (220, 660, 500)

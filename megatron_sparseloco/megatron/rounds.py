@@ -39,34 +39,26 @@ from megatron_sparseloco.outer.overlap import CommThread, DelayedOuter, OverlapC
 
 @dataclass
 class OuterLog:
-    """Cumulative counters for logging (per rank): rounds completed, bytes, and the last round's stats."""
+    """Cumulative counters for logging (per rank): rounds completed, bytes, and the last round's figures."""
 
-    #: rounds completed, over all fragments
     outer_steps: int = 0
-    #: bytes this rank handed to the outer collectives, and got from them, summed over the rounds
+    """Rounds completed, over all fragments (saved in checkpoints)."""
     bytes_sent: int = 0
+    """Bytes this rank handed to the outer collectives, summed over the rounds."""
     bytes_received: int = 0
-    #: dense-equivalent elements of one round on this rank (the fragment's share with P > 1)
+    """Bytes this rank got from them, summed over the rounds."""
     numel: float = 0
-    #: the last round's figures: ``OuterStepStats`` summed over the strategies (norms in quadrature)
+    """Dense-equivalent elements of one round on this rank (with P fragments: the whole model's / P, so
+    the dense bytes it is compared with stay per round)."""
     last: Dict[str, float] = field(default_factory=dict)
+    """The last round's figures (``OuterStepStats.merged`` over the strategies that took part)."""
 
     def record(self, stats: Sequence[OuterStepStats], numel: float) -> None:
-        """Add one round's stats (of every strategy that took part); ``numel``: dense-equivalent elements
-        of a round (with fragments: the whole model's / P, so dense bytes stay per round)."""
+        """Add one round's stats, of every strategy that took part; ``numel``: see the field."""
+        self.last = OuterStepStats.merged(stats)
         self.bytes_sent += sum(s.bytes_sent for s in stats)
         self.bytes_received += sum(s.bytes_received for s in stats)
         self.numel = numel
-        merged: Dict[str, float] = {}
-        for key in ("bytes_sent", "bytes_received", "time_compress_s", "time_communicate_s", "time_apply_s",
-                    "time_exposed_s"):
-            merged[key] = float(sum(getattr(s, key) for s in stats))
-        for key in ("delta_norm", "error_norm", "update_norm"):
-            merged[key] = float(sum(getattr(s, key) ** 2 for s in stats) ** 0.5)
-        merged["skipped"] = float(any(s.skipped for s in stats))
-        for key in ("time_wait_s", "time_agree_s", "time_owner_s"):
-            merged[key] = float(sum(s.extra.get(key, 0.0) for s in stats))
-        self.last = merged
 
 
 class RoundHooks(Protocol):

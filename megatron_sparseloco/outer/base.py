@@ -93,33 +93,60 @@ class OuterConfig:
 class OuterStepStats:
     """What one outer step did on this rank."""
 
-    #: the step's number (1 for the first) and the elements of this rank's shard it covered
     step: int = 0
+    """The step's number (1 for the first)."""
     numel: int = 0
-    #: bytes this rank handed to the step's collectives and got from them, and how many it issued
+    """Elements of this rank's shard the step covered."""
     bytes_sent: int = 0
+    """Bytes this rank handed to the step's collectives (the wire bytes, bit-packed payloads)."""
     bytes_received: int = 0
+    """Bytes this rank got from them."""
     collectives: int = 0
-    #: seconds in each phase of the round (``round.PhaseClock``)
+    """Collectives and point-to-point exchanges the step issued."""
     time_compress_s: float = 0.0
+    """Seconds in the compress phase of the round (``round.PhaseClock``): Δ and what to send (error
+    feedback, encoding)."""
     time_communicate_s: float = 0.0
+    """Seconds in the communicate phase (the collectives, waits for the slowest worker included)."""
     time_apply_s: float = 0.0
-    #: wall time the training loop spent in this outer step (blocking: the whole step; delayed
-    #: application, ``outer/overlap.py``: launch + the wait for the collective + apply + merge)
+    """Seconds in the apply phase (decoding, the outer optimizer, writing θ back)."""
     time_exposed_s: float = 0.0
-    #: ‖Δ‖ of this rank, ‖e‖ after the step (error feedback), ‖lr·u‖ of the applied update
+    """Wall time the training loop spent in this outer step: blocking, the whole step; with delayed
+    application (``outer/overlap.py``), launch + the wait for the collective + apply + merge."""
     delta_norm: float = 0.0
+    """‖Δ‖ of this rank's shard."""
     error_norm: float = 0.0
+    """‖e‖ after the step (error feedback; 0 without)."""
     update_norm: float = 0.0
-    #: the round was skipped (a worker's Δ was not finite, policy skip): θ_outer unchanged
+    """‖lr·u‖ of the applied update."""
     skipped: bool = False
-    #: strategy-specific figures (density, waits, bytes per phase ...)
+    """The round was skipped (a worker's Δ was not finite, policy skip): θ_outer unchanged."""
     extra: Dict[str, float] = field(default_factory=dict)
+    """Strategy-specific figures (density, waits, bytes per phase ...)."""
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
         d.update(self.extra)
         return d
+
+    @staticmethod
+    def merged(stats: Sequence["OuterStepStats"]) -> Dict[str, float]:
+        """One round's figures over the strategies that took part in it (one per model chunk or fragment):
+        bytes and seconds add (of the extras, the waits: ``ROUND_EXTRAS``), the norms add in quadrature
+        (‖(a, b)‖² = ‖a‖² + ‖b‖²), and the round was skipped if any strategy skipped it."""
+        out = {key: float(sum(getattr(s, key) for s in stats)) for key in ROUND_SUMS}
+        out.update({key: float(sum(getattr(s, key) ** 2 for s in stats) ** 0.5) for key in ROUND_NORMS})
+        out["skipped"] = float(any(s.skipped for s in stats))
+        out.update({key: float(sum(s.extra.get(key, 0.0) for s in stats)) for key in ROUND_EXTRAS})
+        return out
+
+
+#: the figures of a round (``OuterStepStats.merged``): fields that add over strategies, fields that add in
+#: quadrature, and extras (seconds spent waiting) that add
+ROUND_SUMS = ("bytes_sent", "bytes_received", "time_compress_s", "time_communicate_s", "time_apply_s",
+              "time_exposed_s")
+ROUND_NORMS = ("delta_norm", "error_norm", "update_norm")
+ROUND_EXTRAS = ("time_wait_s", "time_agree_s", "time_owner_s")
 
 
 class FlatShards:
