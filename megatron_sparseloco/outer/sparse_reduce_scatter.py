@@ -59,6 +59,7 @@ from megatron_sparseloco.compress.segments import (
     BUCKET_HEADER_BYTES,
     SEGMENT_ENTRY_BYTES,
     BucketPlan,
+    FlatRange,
     Segment,
     bucket_payload_nbytes,
     decode_bucket,
@@ -90,14 +91,20 @@ class SubSegment:
 
 
 @dataclass(frozen=True)
-class OwnerRange:
+class OwnerRange(FlatRange):
+    """The elements ``[start, end)`` of a bucket (bucket-relative) that worker ``owner`` aggregates."""
+
     owner: int
-    start: int                     # bucket-relative [start, end)
+    start: int
     end: int
     subs: Tuple[SubSegment, ...]
-    plan: Optional[BucketPlan]     # the owner codec's plan of [start, end) (None when empty)
-    piece_nbytes: int              # size of every worker's piece for this owner (0 when empty)
-    aggregate_nbytes: int          # size of Q_j (0 when empty)
+    """The pieces of the bucket's segments that fall in the range."""
+    plan: Optional[BucketPlan]
+    """The owner codec's plan of the range (None when it is empty)."""
+    piece_nbytes: int
+    """Size of every worker's piece for this owner (0 when empty)."""
+    aggregate_nbytes: int
+    """Size of the owner's re-encoded aggregate Q_j (0 when empty)."""
 
 
 def _unit(seg: Segment, codec: CodecConfig) -> int:
@@ -352,7 +359,7 @@ class SparseReduceScatter:
         re-encoding; returns (elements chosen by some worker, the re-encoded aggregate q)."""
         mine = self.ranges[b][self.rank]
         assert mine.plan is not None
-        n = mine.end - mine.start
+        n = mine.numel
         agg, cnt = out[:n], counts[:n]
         agg.zero_()
         cnt.zero_()

@@ -195,14 +195,9 @@ class _CpuCuda:
     def mem_get_info(device: Any = None) -> tuple:
         return (0, 0)
 
-    # RNG: the CPU generator stands in for the device generator -------------------------------
-    @staticmethod
-    def get_rng_state(device: Any = None) -> torch.Tensor:
-        return torch.get_rng_state()
-
-    @staticmethod
-    def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
-        torch.set_rng_state(new_state)
+    # RNG: the CPU generator stands in for the device generator (as in ``random``) ------------
+    get_rng_state = staticmethod(_CpuCudaRandom.get_rng_state)
+    set_rng_state = staticmethod(_CpuCudaRandom.set_rng_state)
 
     @staticmethod
     def manual_seed(seed: int) -> None:
