@@ -268,7 +268,12 @@ def test_a_class_docstring_overrides_a_helpers_doc_and_shared_flags_name_their_o
         """This config's
         own meaning."""
 
+    @dataclass
+    class Again(Own):
+        gain: float = flag_field(0.75, flag="toy-gain", doc="Declared again, with the helper's description.")
+
     plain, own = flagged_fields(Plain)["toy-gain"], flagged_fields(Own)["toy-gain"]
+    assert flagged_fields(Again)["toy-gain"].help == "Declared again, with the helper's description."
     assert plain.help == "The helper's gain description."       # literal marks dropped, one line
     assert own.help == "This config's own meaning."
     assert shared_help({"a": plain, "b": plain}) == plain.help

@@ -134,21 +134,23 @@ def builtins_type(default) -> type:
 
 @functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> Optional[Dict[str, str]]:
-    """name → docstring (the string literal right after the field's annotated assignment) of every field
-    of ``cls`` and its bases, a subclass's overriding its base's; None where a class's source cannot be
-    read (an install without ``.py`` files)."""
+    """name → docstring (the string literal right after the field's annotated assignment) of the fields of
+    ``cls`` and its dataclass bases, from the class that declares the field last (a field declared again
+    without a docstring has none); None where a class's source cannot be read (no ``.py`` files)."""
     docs: Dict[str, str] = {}
-    for klass in reversed(cls.__mro__[:-1]):
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         except (OSError, TypeError):
             return None
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for node, after in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                    and isinstance(after.value.value, str)):
-                docs[node.target.id] = after.value.value
+        for node, after in zip(body, body[1:] + [None]):
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            docs.pop(node.target.id, None)
+            doc = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else None
+            if isinstance(doc, str):
+                docs[node.target.id] = doc
     return docs
 
 
