@@ -90,3 +90,25 @@ def test_a_bridge_without_apply_fn_patches_exactly_its_evidence_modules(monkeypa
     bridge.apply()
     assert mods["_bridge_a"].torch is stand_in and mods["_bridge_b"].torch is stand_in
     assert mods["_bridge_c"].torch is torch
+
+
+def test_a_cuda_methods_bridge_wraps_exactly_its_evidence_functions_and_aliases(monkeypatch):
+    """With cuda_methods the evidence functions (and the aliases) see CUDA tensor methods; the module's
+    torch and its other functions stay as they were."""
+    import sys
+    import types
+
+    mod = types.ModuleType("_bridge_w")
+    mod.torch = torch
+
+    def kind():
+        return torch.zeros(1).type()
+
+    mod.f, mod.g, mod.h, mod.f_alias = kind, kind, kind, kind
+    monkeypatch.setitem(sys.modules, "_bridge_w", mod)
+    bridge = cb.Bridge(name="w", answers="x", why="y", cuda_methods=True, aliases=("_bridge_w:f_alias",),
+                       evidence={"_bridge_w:f": [r"."], "_bridge_w:g": [r"."], "_bridge_w": [r"."]})
+    assert bridge.functions == ("_bridge_w:f", "_bridge_w:g")
+    bridge.apply()
+    assert (mod.f(), mod.g(), mod.f_alias()) == ("torch.cuda.FloatTensor",) * 3
+    assert mod.h() == "torch.FloatTensor" and mod.torch is torch

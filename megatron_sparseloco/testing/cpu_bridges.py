@@ -325,9 +325,11 @@ class Bridge:
     """One CPU workaround for one CUDA assumption in megatron.
 
     ``evidence`` maps a target (``'module'`` or ``'module:Qual.name'``) to regexes that must all
-    match its source for the workaround to still be needed. Without an ``apply_fn`` the workaround
-    is the common one: the global ``torch`` of every module named in the evidence (and no other)
-    is replaced by ``proxy``, so a module is patched only where its source shows the assumption.
+    match its source for the workaround to still be needed. The workaround patches what the
+    evidence names, and nothing else: by default the global ``torch`` of every module in the evidence
+    is replaced by ``proxy``; with ``cuda_methods`` every function in the evidence (and its
+    ``aliases``) runs with ``Tensor.cuda()`` / ``.type()`` answered on CPU; ``apply_fn`` is a
+    workaround of its own.
     """
 
     name: str
@@ -336,6 +338,8 @@ class Bridge:
     evidence: Dict[str, Sequence[str]]
     apply_fn: Optional[Callable[[], None]] = None  # None: ``proxy`` in every evidence module
     proxy: Optional[_CpuTorch] = None  # the CPU stand-in for ``torch`` there (None: _CPU_TORCH)
+    cuda_methods: bool = False  # instead: the evidence functions run with ``_cuda_tensor_methods``
+    aliases: Tuple[str, ...] = ()  # with cuda_methods: other names bound to an evidence function
     extra_check: Optional[Callable[[], List[str]]] = None  # more evidence than source patterns
     packaging: bool = False  # not about CUDA: needed on CUDA machines too
 
@@ -350,10 +354,17 @@ class Bridge:
         """The modules the evidence reads, in its order."""
         return tuple(dict.fromkeys(t.split(":")[0] for t in self.evidence))
 
+    @property
+    def functions(self) -> Tuple[str, ...]:
+        """The functions the evidence reads (its ``'module:Qual.name'`` targets)."""
+        return tuple(t for t in self.evidence if ":" in t)
+
     def apply(self) -> None:
-        """Put the workaround in place: ``apply_fn``, or the CPU stand-in in every evidence module."""
+        """Put the workaround in place (class docstring)."""
         if self.apply_fn is not None:
             self.apply_fn()
+        elif self.cuda_methods:
+            _wrap_functions(*self.functions, *self.aliases)()
         else:
             _proxy_torch(*self.modules, proxy=self.proxy)()
 
@@ -584,12 +595,8 @@ BRIDGES: List[Bridge] = [
             f"{_CORE}.optimizer.clip_grads:clip_grad_by_total_norm_fp32":
                 _CUDA_TYPE_NAME,
         },
-        apply_fn=_wrap_functions(
-            f"{_CORE}.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
-            f"{_CORE}.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__",
-            f"{_CORE}.optimizer.clip_grads:clip_grad_by_total_norm_fp32",
-            f"{_CORE}.optimizer.optimizer:clip_grad_by_total_norm_fp32",  # imported by name there
-        ),
+        cuda_methods=True,
+        aliases=(f"{_CORE}.optimizer.optimizer:clip_grad_by_total_norm_fp32",),  # imported by name there
     ),
     Bridge(
         name="model_comm_buffers_on_cpu",
@@ -719,7 +726,7 @@ BRIDGES: List[Bridge] = [
         why="get_model moves every chunk with Module.cuda() unless --init-model-with-meta-device; "
             "while it runs, Tensor.cuda() leaves tensors on CPU.",
         evidence={"megatron.training.training:get_model": [r"model_module\.cuda\("]},
-        apply_fn=_wrap_functions("megatron.training.training:get_model"),
+        cuda_methods=True,
     ),
     Bridge(
         name="rerun_state_machine_rng",
@@ -780,8 +787,7 @@ BRIDGES: List[Bridge] = [
             "moved to CUDA before the first/last-stage all-reduce that initialises it.",
         evidence={f"{_CORE}.models.common.language_module.language_module:LanguageModule."
                   "setup_embeddings_and_output_layer": [r"weight\.data = weight\.data\.cuda\(\)"]},
-        apply_fn=_wrap_functions(f"{_CORE}.models.common.language_module.language_module:LanguageModule."
-                                 "setup_embeddings_and_output_layer"),
+        cuda_methods=True,
     ),
 ]
 
