@@ -438,9 +438,11 @@ class DefaultGap(NamedTuple):
 def default_gap(doc: Dict, W: int, k: str) -> Optional[DefaultGap]:
     """The default's gap to the chosen point for ``k`` at W; None where nothing was chosen."""
     setting = chosen(doc, W).get(k)
+    if setting is None:
+        return None
     pts = sweep_points(doc, W, k)
-    best = [p for p in pts if setting is not None and _at(p, setting)]
-    if setting is None or not best:
+    best = [p for p in pts if _at(p, setting)]
+    if not best:
         return None
     dflt = default_setting(doc, W, k)
     at_default = [p for p in pts if _at(p, dflt)]
