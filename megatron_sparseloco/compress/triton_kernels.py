@@ -47,6 +47,16 @@ def _chunk_extent(pid, n_chunks, k, k_last, tail, C: tl.constexpr):
 
 
 @triton.jit
+def _payload_slots(pid, n_chunks, k, k_last, tail, C: tl.constexpr, KB: tl.constexpr):
+    """The kept-value slots of chunk ``pid`` in a payload's value / index streams: lanes ``j < KB``, of
+    which ``j < kept`` are in use (mask), at stream position ``i = pid·k + j`` (every chunk before the
+    ragged last one keeps ``k``); also the chunk's ``n_valid`` (an index must lie below it)."""
+    j = tl.arange(0, KB)
+    kc, n_valid = _chunk_extent(pid, n_chunks, k, k_last, tail, C)
+    return j, j < kc, pid.to(tl.int64) * k + j, n_valid
+
+
+@triton.jit
 def select_kernel(
     x_ptr, delta_ptr, vals_ptr, idx_ptr, psum_ptr,
     n_chunks, tail, k, k_last, beta,
@@ -187,10 +197,7 @@ def validate_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     w = tl.program_id(1)
-    j = tl.arange(0, KB)
-    kc, n_valid = _chunk_extent(pid, n_chunks, k, k_last, tail, C)
-    m = j < kc
-    i = pid.to(tl.int64) * k + j
+    j, m, i, n_valid = _payload_slots(pid, n_chunks, k, k_last, tail, C, KB)
     sec = pay_ptr + w.to(tl.int64) * row_stride + index_at
     local = _unpack(sec, i * WI, index_bytes, m, WI, NBI)
     prev = _unpack(sec, (i - 1) * WI, index_bytes, m & (j > 0), WI, NBI)
@@ -206,10 +213,7 @@ def scatter_add_kernel(
     N_BINS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COUNT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    j = tl.arange(0, KB)
-    kc, n_valid = _chunk_extent(pid, n_chunks, k, k_last, tail, C)
-    m_read = j < kc
-    i = pid.to(tl.int64) * k + j
+    _, m_read, i, n_valid = _payload_slots(pid, n_chunks, k, k_last, tail, C, KB)
     for w in range(n_workers):
         row = pay_ptr + (tl.zeros([], dtype=tl.int64) + w) * row_stride
         local = _unpack(row + index_at, i * WI, index_bytes, m_read, WI, NBI)
