@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_sparseloco.comm.collectives import CommCounter
-from megatron_sparseloco.comm.p2p import exchange
+from megatron_sparseloco.comm.p2p import exchange, exchange_per_peer
 from megatron_sparseloco.testing.multirank import run_ranks
 
 
@@ -47,6 +47,11 @@ def _fn(rank: int, world_size: int) -> dict:
         exchange(torch.ones(1), [world_size], None, CommCounter())
     with pytest.raises(ValueError, match="distinct"):
         exchange(torch.ones(1), [1, 1], None, CommCounter())
+    peer = (rank + 1) % world_size
+    with pytest.raises(ValueError, match="non-empty 1-D uint8"):
+        exchange_per_peer({peer: torch.ones(2)}, None, None, CommCounter())
+    with pytest.raises(ValueError, match=rf"lacks the size for peer\(s\) \[{peer}\]"):
+        exchange_per_peer({peer: torch.ones(2, dtype=torch.uint8)}, {}, None, CommCounter())
     return out
 
 

@@ -23,10 +23,14 @@ one call counts as one collective. ``exchange_per_peer`` sends one (possibly dif
 compressed proposals: a different residual per peer). ``exchange_pieces`` is an all-to-all
 of pieces whose sizes both sides know (SparseLoCo's reduce-scatter aggregation), kind
 ``"all_to_all"``: the bytes of the non-empty pieces sent and received.
+
+Arguments are checked before anything is sent, by ``check_peers`` and ``check_payloads``, which the
+elastic implementation (``elastic/comm.py``) calls too: both refuse the same input with the same
+``ValueError``.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,21 +38,41 @@ import torch.distributed as dist
 from megatron_sparseloco.comm.collectives import CommCounter
 
 
-def _check_peers(peers: Sequence[int], group: Optional[dist.ProcessGroup]) -> list:
+def check_peers(peers: Sequence[int], size: int, rank: int) -> List[int]:
+    """``peers`` as ints, once they are checked to be distinct ranks of a group of ``size``, none of
+    them ``rank`` (this rank: its self-weight is applied locally). Every ``OuterComm`` implementation
+    checks its peers here, so they refuse the same lists with the same errors."""
     peers = [int(p) for p in peers]
     if len(set(peers)) != len(peers):
         raise ValueError(f"exchange peers must be distinct, got {peers}")
+    for p in peers:
+        if not 0 <= p < size:
+            raise ValueError(f"peer {p} is not a rank of the group (size {size})")
+        if p == rank:
+            raise ValueError(f"rank {rank} listed itself as a peer; the self-weight is applied locally")
+    return peers
+
+
+def check_payloads(payloads: Dict[int, torch.Tensor], peers: Sequence[int],
+                   recv_nbytes: Optional[Dict[int, int]]) -> None:
+    """The arguments of ``exchange_per_peer``: every peer's payload a non-empty 1-D uint8 tensor, and
+    ``recv_nbytes``, when given, a size for every peer (shared by the ``OuterComm`` implementations)."""
+    for p in peers:
+        if payloads[p].dtype != torch.uint8 or payloads[p].dim() != 1 or payloads[p].numel() == 0:
+            raise ValueError(f"payload for peer {p} must be a non-empty 1-D uint8 tensor")
+    missing = [p for p in peers if recv_nbytes is not None and p not in recv_nbytes]
+    if missing:
+        raise ValueError(f"recv_nbytes lacks the size for peer(s) {missing}")
+
+
+def _check_peers(peers: Sequence[int], group: Optional[dist.ProcessGroup]) -> List[int]:
+    """``check_peers`` against ``group`` (no peers: nothing to check, distributed or not)."""
+    peers = [int(p) for p in peers]
     if not peers:
         return peers
     if not dist.is_initialized():
         raise RuntimeError("exchange with peers needs torch.distributed to be initialised")
-    world, me = dist.get_world_size(group), dist.get_rank(group)
-    for p in peers:
-        if not 0 <= p < world:
-            raise ValueError(f"peer {p} is not a rank of the group (size {world})")
-        if p == me:
-            raise ValueError(f"rank {me} listed itself as a peer; the self-weight is applied locally")
-    return peers
+    return check_peers(peers, dist.get_world_size(group), dist.get_rank(group))
 
 
 def _p2p(tensors_out: Dict[int, torch.Tensor], tensors_in: Dict[int, torch.Tensor],
@@ -98,9 +122,7 @@ def exchange_per_peer(payloads: Dict[int, torch.Tensor], recv_nbytes: Optional[D
     peers = _check_peers(sorted(payloads), group)
     if not peers:
         return {}
-    for p in peers:
-        if payloads[p].dtype != torch.uint8 or payloads[p].dim() != 1 or payloads[p].numel() == 0:
-            raise ValueError(f"payload for peer {p} must be a non-empty 1-D uint8 tensor")
+    check_payloads(payloads, peers, recv_nbytes)
     dev = payloads[peers[0]].device
     if recv_nbytes is None:
         out = {p: torch.tensor([payloads[p].numel()], dtype=torch.int64, device=dev) for p in peers}
@@ -108,9 +130,6 @@ def exchange_per_peer(payloads: Dict[int, torch.Tensor], recv_nbytes: Optional[D
         _p2p(out, sizes, group)
         counter.add("p2p_sizes", 8 * len(peers), 8 * len(peers))
         recv_nbytes = {p: int(sizes[p].item()) for p in peers}
-    missing = [p for p in peers if p not in recv_nbytes]
-    if missing:
-        raise ValueError(f"recv_nbytes lacks the size for peer(s) {missing}")
     received = {p: torch.empty(int(recv_nbytes[p]), dtype=torch.uint8, device=dev) for p in peers}
     _p2p({p: payloads[p].contiguous() for p in peers}, received, group)
     counter.add("p2p", sum(payloads[p].numel() for p in peers), sum(r.numel() for r in received.values()))

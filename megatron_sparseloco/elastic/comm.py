@@ -43,6 +43,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOption
 
 from megatron_sparseloco.comm.collectives import CommCounter
 from megatron_sparseloco.comm.interface import REDUCE_OPS, OuterComm, Pending
+from megatron_sparseloco.comm.p2p import check_payloads, check_peers
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -200,17 +201,6 @@ class TorchFTComm(OuterComm):
         return int(value) if self.error is not None else int(flag.item())
 
     # ------------------------------------------------------------------ point to point
-    def _check_peers(self, peers: Sequence[int]) -> List[int]:
-        peers = [int(p) for p in peers]
-        if len(set(peers)) != len(peers):
-            raise ValueError(f"exchange peers must be distinct, got {peers}")
-        for p in peers:
-            if not 0 <= p < self.size:
-                raise ValueError(f"peer {p} is not a rank of the group (size {self.size})")
-            if p == self.rank:
-                raise ValueError(f"rank {self.rank} listed itself as a peer; the self-weight is applied locally")
-        return peers
-
     def _p2p(self, out: Dict[int, torch.Tensor], into: Dict[int, torch.Tensor], tag: int) -> None:
         """Every receive posted, then every send; empty messages skipped on both sides; wait for all."""
         works = [self.pg.recv([into[p]], p, tag) for p in sorted(into) if into[p].numel() > 0]
@@ -219,7 +209,7 @@ class TorchFTComm(OuterComm):
             self._wait(work)
 
     def exchange(self, tensor: torch.Tensor, peers: Sequence[int], kind: str = "p2p") -> Dict[int, torch.Tensor]:
-        peers = self._check_peers(peers)
+        peers = check_peers(peers, self.size, self.rank)
         if not peers:
             return {}
         send = tensor.contiguous()
@@ -235,14 +225,10 @@ class TorchFTComm(OuterComm):
 
     def exchange_per_peer(self, payloads: Dict[int, torch.Tensor],
                           recv_nbytes: Optional[Dict[int, int]]) -> Dict[int, torch.Tensor]:
-        peers = self._check_peers(sorted(payloads))
+        peers = check_peers(sorted(payloads), self.size, self.rank)
         if not peers:
             return {}
-        for p in peers:
-            if payloads[p].dtype != torch.uint8 or payloads[p].dim() != 1 or payloads[p].numel() == 0:
-                raise ValueError(f"payload for peer {p} must be a non-empty 1-D uint8 tensor")
-        if recv_nbytes is not None and any(p not in recv_nbytes for p in peers):
-            raise ValueError(f"recv_nbytes lacks the size for peer(s) {[p for p in peers if p not in recv_nbytes]}")
+        check_payloads(payloads, peers, recv_nbytes)
         dev = payloads[peers[0]].device
 
         def stand_in() -> Dict[int, torch.Tensor]:
@@ -267,7 +253,7 @@ class TorchFTComm(OuterComm):
 
     def exchange_pieces(self, pieces: Dict[int, torch.Tensor], recv_sizes: Dict[int, int],
                         kind: str = "all_to_all") -> Dict[int, torch.Tensor]:
-        peers = self._check_peers(sorted(set(pieces) | set(recv_sizes)))
+        peers = check_peers(sorted(set(pieces) | set(recv_sizes)), self.size, self.rank)
         if not peers:
             return {}
         device = next(iter(pieces.values())).device if pieces else torch.device("cpu")
