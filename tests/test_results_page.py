@@ -211,6 +211,13 @@ def test_the_readme_says_the_second_size_in_one_sentence_from_its_file(tmp_path)
     large["machine"]["cpu"] = "Other CPU"          # a machine other than the headline's is named
     write(tmp_path, "quality_4x256_w4", large)
     assert "Measured on Other CPU at W = 4." in R.render_readme_block(R.load_results(str(tmp_path)))
+    for W, cpu in ((2, "Other CPU"), (8, "Test CPU")):   # each machine named once, with its W
+        doc = quality_doc(W, sl_losses=(1.90, 1.92, 1.91))
+        doc["config"]["numel"], doc["machine"]["cpu"] = 3_258_112, cpu
+        write(tmp_path, f"quality_4x256_w{W}", doc)
+    block = R.render_readme_block(R.load_results(str(tmp_path)))
+    assert "Measured on Other CPU at W = 2, 4 and Test CPU at W = 8." in block
+    assert "(1.5 vs 2 at W = 2, 1.5 vs 2 at W = 4, 1.5 vs 2 at W = 8; the default costs +0.400, +0.400 and +0.400" in block
 
 
 def test_the_defaults_cost_is_read_from_the_sweep(tmp_path):
