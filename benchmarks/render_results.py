@@ -53,7 +53,7 @@ class Bench:
 
 def _quality(W: int, extra: str = "", name: str = "", methods: str = METHODS) -> Bench:
     name = name or f"quality_w{W}"
-    # on a quiet 2-core machine (runs of 30 / 75 / 180 s at W = 2 / 4 / 8; 4 x 256: about 400 / 1000 s)
+    # on a quiet 2-core machine (runs of 30 / 75 / 180 s at W = 2 / 4 / 8; 4 x 256: about 130 / 450 / 700 s)
     cost = {2: "15 min", 4: "40 min", 8: "2 h"}[W] if not extra else {2: "1 h", 4: "2 h", 8: "5.5 h"}[W]
     timeout = {2: 20000, 4: 30000, 8: 40000}[W] * (1 if not extra else 3)   # seconds, a whole sweep + seeds launch
     return Bench(name, f"python benchmarks/quality.py --sweep --workers {W} --steps 900 --seeds 3 --methods {methods}"
