@@ -60,7 +60,7 @@ def check_payloads(payloads: Dict[int, torch.Tensor], peers: Sequence[int],
     for p in peers:
         if payloads[p].dtype != torch.uint8 or payloads[p].dim() != 1 or payloads[p].numel() == 0:
             raise ValueError(f"payload for peer {p} must be a non-empty 1-D uint8 tensor")
-    missing = [p for p in peers if recv_nbytes is not None and p not in recv_nbytes]
+    missing = [p for p in peers if p not in recv_nbytes] if recv_nbytes is not None else []
     if missing:
         raise ValueError(f"recv_nbytes lacks the size for peer(s) {missing}")
 
