@@ -67,7 +67,8 @@ class WireClock:
     once); ``take()`` returns (seconds, the seconds of each collective in call order) since the last call."""
 
     def __init__(self):
-        from megatron_sparseloco.comm.interface import Pending, ProcessGroupComm
+        from megatron_sparseloco.comm.pending import Pending
+        from megatron_sparseloco.comm.process_group import ProcessGroupComm
         self.calls = []
         for name in ("exchange_pieces", "all_gather_payloads"):
             setattr(ProcessGroupComm, name, self._timed(getattr(ProcessGroupComm, name)))

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparseloco.comm.collectives import CommCounter
-from megatron_sparseloco.comm.interface import ProcessGroupComm
+from megatron_sparseloco.comm.process_group import ProcessGroupComm
 from megatron_sparseloco.elastic.comm import TorchFTComm
 from megatron_sparseloco.testing.elastic_jobs import ensure_job_store
 

@@ -13,13 +13,12 @@ all-gather uneven shapes). Padding is counted: those bytes do cross the wire.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from megatron_sparseloco.comm.interface import Pending
+from megatron_sparseloco.comm.pending import Pending
 
 
 @dataclass
@@ -106,9 +105,8 @@ def all_gather_payloads(payload: torch.Tensor, group: Optional[dist.ProcessGroup
 
 
 def start_all_reduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], counter: CommCounter,
-                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> "Pending[torch.Tensor]":
+                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending[torch.Tensor]:
     """``all_reduce_`` issued asynchronously (c10d ``async_op=True``); ``wait()`` gives ``tensor``."""
-    from megatron_sparseloco.comm.interface import Pending
     if _group_size(group) == 1:
         return Pending.completed(tensor)
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
@@ -122,13 +120,12 @@ def start_all_reduce_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], 
 
 
 def start_all_gather_payloads(payload: torch.Tensor, group: Optional[dist.ProcessGroup], counter: CommCounter,
-                              equal_sizes: bool = False) -> "Pending[List[torch.Tensor]]":
+                              equal_sizes: bool = False) -> Pending[List[torch.Tensor]]:
     """``all_gather_payloads`` with the data all-gather issued asynchronously (c10d ``async_op=True``).
 
     Without ``equal_sizes`` the size exchange runs first and is waited for here: the data
     collective's shape depends on its result, and c10d cannot chain a collective on another's
     completion without a host thread."""
-    from megatron_sparseloco.comm.interface import Pending
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise ValueError(f"all_gather_payloads expects a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
     world = _group_size(group)

@@ -4,8 +4,8 @@ An outer strategy talks to the ranks that hold the same shard position in every 
 (its *outer group*) through this interface only, never through ``torch.distributed`` directly,
 so the same strategy runs over
 
-* ``ProcessGroupComm``: a ``torch.distributed`` (c10d) process group — Megatron's inter-instance
-  group, a copy of it with its own timeout, or a group of one rank (W = 1); and
+* ``ProcessGroupComm`` (``comm/process_group.py``): a ``torch.distributed`` (c10d) process group —
+  Megatron's inter-instance group, a copy of it with its own timeout, or a group of one rank (W = 1); and
 * the elastic implementation over a torchft-managed process group (``megatron_sparseloco.elastic``),
   whose membership changes from round to round and which c10d does not know.
 
@@ -23,7 +23,7 @@ What an implementation provides (group-local ranks everywhere; ``size`` = W of t
     exchange_pieces(...)        an all-to-all of uint8 pieces whose sizes both sides know
     agree_max(value)            the largest integer any rank holds (flags, verdicts)
     start_all_reduce_ / start_all_gather_payloads
-                                the asynchronous forms: return a ``Pending`` whose ``wait()``
+                                the asynchronous forms: return a ``Pending`` (``comm/pending.py``) whose ``wait()``
                                 gives the result; an implementation whose backend cannot run the
                                 operation asynchronously runs it at once and returns it completed
 
@@ -34,44 +34,16 @@ the bytes, so bytes reported are comparable across implementations.
 from __future__ import annotations
 
 import abc
-from typing import Callable, Dict, Generic, List, Optional, Sequence, TypeVar, Union
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.comm import collectives as _c10d
-from megatron_sparseloco.comm import p2p as _p2p
 from megatron_sparseloco.comm.collectives import CommCounter
-
-T = TypeVar("T")
+from megatron_sparseloco.comm.pending import Pending
 
 #: reduction names of ``all_reduce_`` → c10d's
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
-
-class Pending(Generic[T]):
-    """The result of an operation that may still be running: ``wait()`` blocks and returns it (once
-    computed it is kept, so ``wait`` may be called again); ``done()`` polls without blocking."""
-
-    def __init__(self, wait: Callable[[], T], done: Optional[Callable[[], bool]] = None):
-        self._wait, self._done = wait, done
-        self._finished = False
-        self._result: Optional[T] = None
-
-    @classmethod
-    def completed(cls, result: T) -> "Pending[T]":
-        pending: Pending[T] = cls(lambda: result)
-        pending._finished, pending._result = True, result
-        return pending
-
-    def done(self) -> bool:
-        return self._finished or (self._done is not None and self._done())
-
-    def wait(self) -> T:
-        if not self._finished:
-            self._result = self._wait()
-            self._finished = True
-        return self._result  # type: ignore[return-value]
 
 
 class OuterComm(abc.ABC):
@@ -161,53 +133,4 @@ class OuterComm(abc.ABC):
         return Pending.completed(self.all_gather_payloads(payload, equal_sizes))
 
 
-class ProcessGroupComm(OuterComm):
-    """``OuterComm`` over a ``torch.distributed`` process group (None: the default group, or no
-    distributed at all: a group of one). The operations are those of ``comm/collectives.py`` and
-    ``comm/p2p.py``; peers are group ranks, translated with ``group_peer=``."""
-
-    def __init__(self, group: Optional[dist.ProcessGroup], counter: Optional[CommCounter] = None):
-        self.group = group
-        self.counter = counter if counter is not None else CommCounter()
-        self._size = dist.get_world_size(group) if dist.is_initialized() else 1
-        self._rank = dist.get_rank(group) if dist.is_initialized() else 0
-
-    def _find_device(self) -> torch.device:
-        return _c10d.collective_device(self.group)
-
-    def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return _c10d.all_reduce_(tensor, self.group, self.counter, op=REDUCE_OPS[op])
-
-    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        return _c10d.broadcast_(tensor, src, self.group, self.counter)
-
-    def all_gather_payloads(self, payload: torch.Tensor, equal_sizes: bool = False) -> List[torch.Tensor]:
-        return _c10d.all_gather_payloads(payload, self.group, self.counter, equal_sizes=equal_sizes)
-
-    def exchange(self, tensor: torch.Tensor, peers: Sequence[int], kind: str = "p2p") -> Dict[int, torch.Tensor]:
-        return _p2p.exchange(tensor, peers, self.group, self.counter, kind=kind)
-
-    def exchange_per_peer(self, payloads: Dict[int, torch.Tensor],
-                          recv_nbytes: Optional[Dict[int, int]]) -> Dict[int, torch.Tensor]:
-        return _p2p.exchange_per_peer(payloads, recv_nbytes, self.group, self.counter)
-
-    def exchange_pieces(self, pieces: Dict[int, torch.Tensor], recv_sizes: Dict[int, int],
-                        kind: str = "all_to_all") -> Dict[int, torch.Tensor]:
-        return _p2p.exchange_pieces(pieces, recv_sizes, self.group, self.counter, kind=kind)
-
-    def start_all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> Pending[torch.Tensor]:
-        return _c10d.start_all_reduce_(tensor, self.group, self.counter, op=REDUCE_OPS[op])
-
-    def start_all_gather_payloads(self, payload: torch.Tensor,
-                                  equal_sizes: bool = False) -> Pending[List[torch.Tensor]]:
-        return _c10d.start_all_gather_payloads(payload, self.group, self.counter, equal_sizes=equal_sizes)
-
-
-def as_outer_comm(group_or_comm: Union[OuterComm, dist.ProcessGroup, None]) -> OuterComm:
-    """An ``OuterComm`` as given, or a ``ProcessGroupComm`` over a c10d group (None: default / none)."""
-    if isinstance(group_or_comm, OuterComm):
-        return group_or_comm
-    return ProcessGroupComm(group_or_comm)
-
-
-__all__ = ["OuterComm", "Pending", "ProcessGroupComm", "REDUCE_OPS", "as_outer_comm"]
+__all__ = ["OuterComm", "REDUCE_OPS"]

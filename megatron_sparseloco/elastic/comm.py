@@ -42,7 +42,8 @@ import torch
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions
 
 from megatron_sparseloco.comm.collectives import CommCounter
-from megatron_sparseloco.comm.interface import REDUCE_OPS, OuterComm, Pending
+from megatron_sparseloco.comm.interface import REDUCE_OPS, OuterComm
+from megatron_sparseloco.comm.pending import Pending
 from megatron_sparseloco.comm.p2p import check_payloads, check_peers
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.comm.interface import as_outer_comm
+from megatron_sparseloco.comm.process_group import as_outer_comm
 from megatron_sparseloco.outer.base import OuterGroup
 
 _CHUNK = 1 << 22

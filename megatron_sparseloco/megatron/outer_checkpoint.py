@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterator, List
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.comm.interface import as_outer_comm
+from megatron_sparseloco.comm.process_group import as_outer_comm
 from megatron_sparseloco.megatron import checkpointing as ckpt
 
 if TYPE_CHECKING:

@@ -28,7 +28,8 @@ from typing import (Any, ClassVar, Collection, Dict, Generic, Iterator, List, Ma
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.comm.interface import OuterComm, as_outer_comm
+from megatron_sparseloco.comm.interface import OuterComm
+from megatron_sparseloco.comm.process_group import as_outer_comm
 from megatron_sparseloco.compress.segments import TensorSlice
 from megatron_sparseloco.outer.config_fields import ConfigError, check_fields, check_given, config_field, flag_field
 from megatron_sparseloco.outer.round import Capabilities, RoundPlan, WholeStepPlan, clock_of

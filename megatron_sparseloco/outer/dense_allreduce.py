@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Tuple, TypeVar
 
 import torch
 
-from megatron_sparseloco.comm.interface import Pending
+from megatron_sparseloco.comm.pending import Pending
 from megatron_sparseloco.outer.base import OuterConfig, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.config_fields import flag_field
 from megatron_sparseloco.outer.round import Capabilities, RoundPlan

@@ -6,7 +6,7 @@ A strategy describes its outer step as a ``RoundPlan``: three phases per bucket 
     compress(b)          local: Δ_b = θ_outer − θ_local, the strategy's state update that depends on
                          Δ only (SparseLoCo: e ← βe + Δ, payload, e ← e − decode(payload)), the
                          bytes to send; touches nothing another bucket's phases read
-    start_exchange(b)    every collective of bucket b, issued; returns a ``comm.interface.Pending``
+    start_exchange(b)    every collective of bucket b, issued; returns a ``comm.pending.Pending``
                          whose ``wait()`` gives what the others sent (asynchronous where the
                          communication interface allows it; multi-phase exchanges run at once)
     apply(b, received)   θ_outer and the strategy state on bucket b (no write into the params)
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence,
 
 import torch
 
-from megatron_sparseloco.comm.interface import Pending
+from megatron_sparseloco.comm.pending import Pending
 
 if TYPE_CHECKING:
     from megatron_sparseloco.outer.base import OuterStepStats, OuterStrategy

@@ -84,7 +84,7 @@ from typing import Any, ClassVar, Collection, Dict, Iterable, Iterator, List, Ma
 
 import torch
 
-from megatron_sparseloco.comm.interface import Pending
+from megatron_sparseloco.comm.pending import Pending
 from megatron_sparseloco.compress.checks import DeferredChecks, prefixed
 from megatron_sparseloco.compress import (
     CodecConfig,
