@@ -20,6 +20,6 @@ setup(
     },
     entry_points={"console_scripts": [
         "sparseloco-run=megatron_sparseloco.run:main",
-        "sparseloco-layout=megatron_sparseloco.megatron.layout:main",
+        "sparseloco-layout=megatron_sparseloco.worker_layout:main",
     ]},
 )

@@ -62,7 +62,7 @@ def _measure(rank: int, world: int, numel: int, bucket: int, rows):
     import torch
     import torch.distributed as dist
 
-    from megatron_sparseloco.megatron import checkpointing as ckpt
+    from megatron_sparseloco.megatron.checkpoint import outer_state as ckpt
     from megatron_sparseloco.megatron.main_params import MainParamShards
     from megatron_sparseloco.outer import build_outer_strategy
     from megatron_sparseloco.outer.overlap import DelayedOuter, OverlapConfig

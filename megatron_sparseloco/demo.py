@@ -308,7 +308,7 @@ def main(argv=None) -> int:
     with open(summary_path, "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
 
-    from megatron_sparseloco.megatron.outer_logging import format_mb as fmt_bytes   # same unit as the log line
+    from megatron_sparseloco.megatron.metrics import format_mb as fmt_bytes   # same unit as the log line
 
     ratio = summary["compression_ratio_vs_fp32"]
     print("\n=== SparseLoCo demo summary ===")

@@ -4,21 +4,20 @@
 
     python -m megatron_sparseloco.run --sparseloco-help     # the --sparseloco-* flag reference
 
-Installs the plugin (``megatron_sparseloco.megatron.plugin.install``) and executes the script as
-``__main__``. On a machine without CUDA (tests, the CPU demo) it first applies the CPU bridges for
-megatron-core (``testing/cpu_bridges.py``); with CUDA they are never imported.
+Installs the plugin and executes the script as ``__main__`` (``megatron.plugin.run_pretrain_script``).
+On a machine without CUDA (tests, the CPU demo) it first applies the CPU bridges for megatron-core
+(``testing/cpu_bridges.py``); with CUDA they are never imported.
 """
 from __future__ import annotations
 
 import os
-import runpy
 import sys
 
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--sparseloco-help" in argv:
-        from megatron_sparseloco.megatron.flag_help import help_text
+        from megatron_sparseloco.megatron.args.help import help_text
         print(help_text())
         sys.exit(0)
     if not argv or argv[0] in ("-h", "--help"):
@@ -33,11 +32,8 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         from megatron_sparseloco.testing.cpu_bridges import apply_cpu_bridges
         apply_cpu_bridges()
-    from megatron_sparseloco.megatron.plugin import install
-    install()
-    sys.argv = [script] + rest
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    from megatron_sparseloco.megatron.plugin import run_pretrain_script
+    run_pretrain_script(script, rest)
 
 
 if __name__ == "__main__":

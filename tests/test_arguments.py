@@ -2,16 +2,31 @@
 import sys
 
 import pytest
+import torch
 
 from megatron.training.arguments import parse_args
 
-from megatron_sparseloco.megatron.arguments import (
+from megatron_sparseloco.megatron.args import (
     SparseLoCoArgumentError,
     add_sparseloco_args,
     validate_sparseloco_args,
 )
 
+from megatron_sparseloco.outer.config_fields import flagged_fields
+from megatron_sparseloco.outer.registry import strategy_factory
+
 BASE = ["--use-distributed-optimizer"]
+
+
+def resolved(config, flag):
+    """The value ``config`` runs ``flag`` with: its field's, or the value its algorithm implies."""
+    specs = flagged_fields(config)
+    return getattr(config, specs[flag].name) if flag in specs else type(config).implied_flags[flag]
+
+
+def strategy_from_args(args):
+    """The strategy factory the plugin builds from validated args: the algorithm on its config object."""
+    return strategy_factory(args.sparseloco_algorithm, args.sparseloco_outer_config)
 
 
 def parse(argv, monkeypatch):
@@ -25,9 +40,10 @@ def parse(argv, monkeypatch):
 def test_algorithm_defaults_resolved(algo, lr, mom, nesterov, monkeypatch):
     args = parse(BASE + ["--sparseloco-algorithm", algo, "--sparseloco-workers", "2"], monkeypatch)
     validate_sparseloco_args(args, world_size=4)
-    assert (args.sparseloco_outer_lr, args.sparseloco_outer_momentum, args.sparseloco_outer_nesterov) == (lr, mom, nesterov)
+    config = args.sparseloco_outer_config
+    assert tuple(resolved(config, f) for f in ("outer-lr", "outer-momentum", "outer-nesterov")) == (lr, mom, nesterov)
     if algo == "gasloc":  # its step on Δ is the proposal lr η (defaults η 0.7, γ 0.6: docs/gasloc.md §8.6)
-        assert args.sparseloco_gossip_proposal_lr == 0.7
+        assert config.proposal_lr == 0.7
     assert args.num_distributed_optimizer_instances == 2
 
 
@@ -43,9 +59,9 @@ def test_sparseloco_default_outer_lr_follows_workers_and_topk(W, extra, lr, monk
     momentum, it is the flag's value or 1.5; the resolved value is what the strategy gets."""
     args = parse(BASE + ["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", str(W), *extra], monkeypatch)
     validate_sparseloco_args(args, world_size=W)
-    assert args.sparseloco_outer_lr == lr
-    from megatron_sparseloco.megatron.strategy_from_args import outer_config_fields
-    assert outer_config_fields(args)["lr"] == lr
+    assert args.sparseloco_outer_config.lr == lr
+    assert args.sparseloco_outer_lr == (float(extra[1]) if "--sparseloco-outer-lr" in extra else None)  # as given
+    assert strategy_from_args(args)([torch.zeros(8192)], None, ["w"]).config.lr == lr
 
 
 def test_default_outer_lr_rule():
@@ -73,9 +89,11 @@ def test_per_worker_steps_parsed(monkeypatch):
     args = parse(BASE + ["--sparseloco-algorithm", "gasloc", "--sparseloco-workers", "4",
                          "--sparseloco-inner-steps-per-worker", "30,30,15,30"], monkeypatch)
     validate_sparseloco_args(args, world_size=4)
-    assert args.sparseloco_inner_steps_per_worker == [30, 30, 15, 30]
-    assert args.sparseloco_inner_steps == 30  # the round length
-    assert args.sparseloco_gossip_topology == "ring"
+    loop = args.sparseloco_loop_config
+    assert loop.inner_steps_per_worker == [30, 30, 15, 30]
+    assert loop.inner_steps == 30  # the round length
+    assert [loop.inner_steps_for(w) for w in range(4)] == [30, 30, 15, 30]
+    assert args.sparseloco_outer_config.topology == "ring"
 
 
 # (argv, world size, the flag the error must name)
@@ -145,37 +163,34 @@ def test_every_algorithm_builds_its_strategy_from_flags(monkeypatch):
     """The flag → strategy-config mapping names only fields the strategy accepts."""
     import torch
 
-    from megatron_sparseloco.megatron.strategy_from_args import strategy_factory_from_args
     cases = [["--sparseloco-algorithm", a] for a in ("sparseloco", "diloco", "average")]
     cases.append(["--sparseloco-algorithm", "gasloc", "--sparseloco-gossip-compress", "--sparseloco-topk", "32"])
     cases.append(["--sparseloco-algorithm", "gasloc"])
     for argv in cases:
         args = parse(BASE + argv + ["--sparseloco-workers", "2"], monkeypatch)
         validate_sparseloco_args(args, world_size=4)
-        strategy = strategy_factory_from_args(args)([torch.zeros(8192)], None, ["w"])
+        strategy = strategy_from_args(args)([torch.zeros(8192)], None, ["w"])
         assert strategy.name == args.sparseloco_algorithm
 
 
 def test_aggregation_flag_reaches_the_strategy(monkeypatch):
     import torch
 
-    from megatron_sparseloco.megatron.strategy_from_args import strategy_factory_from_args
     args = parse(BASE + ["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "2",
                          "--sparseloco-aggregation", "reduce-scatter"], monkeypatch)
     validate_sparseloco_args(args, world_size=4)
-    strategy = strategy_factory_from_args(args)([torch.zeros(8192)], None, ["w"])
+    strategy = strategy_from_args(args)([torch.zeros(8192)], None, ["w"])
     assert strategy.config.aggregation == "reduce-scatter" and strategy.reduce_scatter is not None
 
 
 def test_hierarchical_aggregation_flags_reach_the_strategy_and_are_checked_against_w(monkeypatch):
     import torch
 
-    from megatron_sparseloco.megatron.strategy_from_args import strategy_factory_from_args
     flags = BASE + ["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "4",
                     "--sparseloco-aggregation", "hierarchical"]
     args = parse(flags + ["--sparseloco-aggregation-groups", "2"], monkeypatch)
     validate_sparseloco_args(args, world_size=4)
-    strategy = strategy_factory_from_args(args)([torch.zeros(8192)], None, ["w"])
+    strategy = strategy_from_args(args)([torch.zeros(8192)], None, ["w"])
     assert strategy.config.aggregation_groups == 2 and strategy.site_groups is not None
     for extra, why in ((["--sparseloco-aggregation-groups", "3"], "site groups do not divide the 4 workers"),
                        ([], "number of site groups")):
@@ -201,7 +216,7 @@ def test_reduce_scatter_needs_tensor_chunking_and_packed_indices(extra, monkeypa
     (["--sparseloco-outer-lr", "1.06"], 1.06),
 ])
 def test_startup_block_says_when_the_outer_lr_came_from_the_rule(extra, shown, monkeypatch):
-    from megatron_sparseloco.megatron.startup import resolved_settings
+    from megatron_sparseloco.megatron.args.startup_report import resolved_settings
     args = parse(BASE + ["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "8", *extra], monkeypatch)
     validate_sparseloco_args(args, world_size=8)
     assert resolved_settings(args)["outer-lr"] == shown

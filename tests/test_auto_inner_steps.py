@@ -72,20 +72,20 @@ def _parse(argv, monkeypatch):
 
     from megatron.training.arguments import parse_args
 
-    from megatron_sparseloco.megatron.arguments import add_sparseloco_args
+    from megatron_sparseloco.megatron.args import add_sparseloco_args
     monkeypatch.setattr(sys, "argv", ["x", "--use-distributed-optimizer", "--sparseloco-algorithm", "gasloc",
                                       "--sparseloco-workers", "2"] + argv)
     return parse_args(add_sparseloco_args)
 
 
 def test_auto_flag_parsed_and_h_kept(monkeypatch):
-    from megatron_sparseloco.megatron.arguments import validate_sparseloco_args
-    from megatron_sparseloco.megatron.strategy_from_args import inner_steps_for_worker
+    from megatron_sparseloco.megatron.args import validate_sparseloco_args
 
     args = _parse(["--sparseloco-inner-steps", "20", "--sparseloco-inner-steps-per-worker", "auto"], monkeypatch)
     validate_sparseloco_args(args, world_size=4)
-    assert args.sparseloco_inner_steps_per_worker == "auto" and args.sparseloco_inner_steps == 20
-    assert inner_steps_for_worker(args, 1) == 20
+    loop = args.sparseloco_loop_config
+    assert loop.inner_steps_per_worker == "auto" and loop.inner_steps == 20
+    assert loop.auto_inner_steps and loop.inner_steps_for(1) == 20   # measured at run time, H until then
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -93,7 +93,7 @@ def test_auto_flag_parsed_and_h_kept(monkeypatch):
     (["--sparseloco-inner-steps-per-worker", "aut"], "--sparseloco-inner-steps-per-worker"),
 ])
 def test_auto_flag_errors_name_the_flag(argv, flag, monkeypatch):
-    from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError, validate_sparseloco_args
+    from megatron_sparseloco.megatron.args import SparseLoCoArgumentError, validate_sparseloco_args
 
     args = _parse(argv, monkeypatch)
     with pytest.raises(SparseLoCoArgumentError) as err:

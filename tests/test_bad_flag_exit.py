@@ -8,7 +8,7 @@ import pytest
 
 from megatron.training.arguments import parse_args
 
-from megatron_sparseloco.megatron.arguments import add_sparseloco_args
+from megatron_sparseloco.megatron.args import add_sparseloco_args
 from megatron_sparseloco.megatron import plugin
 from megatron_sparseloco.megatron.plugin import check_sparseloco_args_or_exit
 from test_arguments import BAD, BASE

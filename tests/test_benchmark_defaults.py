@@ -98,7 +98,7 @@ def test_a_recipe_without_outer_settings_resolves_to_the_plugins_defaults(name, 
     """Every outer-config flag a recipe ends up with (after Megatron's parser and our validation) is the
     plugin's default for its W, except the inner steps H (a loop flag, not a config field)."""
     import test_recipes as tr
-    from megatron_sparseloco.megatron.arguments import dest_of
+    from megatron_sparseloco.megatron.args import resolved_flag_values
     from megatron_sparseloco.outer.config_fields import flagged_fields
 
     p = tr._recipe(name, "1", ALGO=algo)
@@ -109,8 +109,9 @@ def test_a_recipe_without_outer_settings_resolves_to_the_plugins_defaults(name, 
     args = tr._megatron_parse(argv, world, monkeypatch)
     W = args.sparseloco_workers
     default = plugin_default(algo, W)
+    resolved = resolved_flag_values(args)
     for flag, spec in flagged_fields(default).items():
-        assert getattr(args, dest_of(flag)) == getattr(default, spec.name), (name, algo, flag)
+        assert resolved[flag] == getattr(default, spec.name), (name, algo, flag)
 
 
 def test_a_recipes_outer_lr_override_reaches_the_flags(monkeypatch):

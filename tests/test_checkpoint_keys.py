@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_sparseloco.megatron import checkpointing as ckpt
+from megatron_sparseloco.megatron.checkpoint import outer_state as ckpt
 from megatron_sparseloco.megatron.main_params import MainParamShards
 from megatron_sparseloco.outer import DiLoCo, DiLoCoConfig
 

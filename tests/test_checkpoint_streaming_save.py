@@ -80,7 +80,7 @@ def _member(rank, group_in_worker, cross_group, worker):
 
 
 def _snapshot(shards, strategy):
-    from megatron_sparseloco.megatron import checkpointing as ckpt
+    from megatron_sparseloco.megatron.checkpoint import outer_state as ckpt
     return {k: [t.detach().clone() for t in v] for k, v in ckpt.elementwise_state(shards, strategy).items()}
 
 
@@ -89,7 +89,7 @@ def _rank(rank, world, ckpt_dir):
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
 
-    from megatron_sparseloco.megatron import checkpointing as ckpt
+    from megatron_sparseloco.megatron.checkpoint import outer_state as ckpt
     from megatron_sparseloco.testing.cpu_bridges import apply_cpu_bridges
     from megatron_sparseloco.testing.tensor_accounting import TensorAccounting
 

@@ -16,13 +16,12 @@ from typing import List
 import pytest
 import torch
 
-from megatron_sparseloco.megatron.arguments import (LOOP, LoopFlags, SparseLoCoArgumentError, add_sparseloco_args,
+from megatron_sparseloco.megatron.args import (LOOP, LoopFlags, SparseLoCoArgumentError, add_sparseloco_args,
                                                     dest_of, flag_table, option, shared_help, takers,
-                                                    validate_sparseloco_args)
-from megatron_sparseloco.megatron.strategy_from_args import strategy_factory_from_args
+                                                    resolved_flag_values, validate_sparseloco_args)
 from megatron_sparseloco.outer.base import OuterConfig, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.config_fields import FieldSpec, field_specs, flag_field, flagged_fields
-from megatron_sparseloco.outer.registry import (outer_strategy_classes, register_outer_strategy,
+from megatron_sparseloco.outer.registry import (outer_strategy_classes, register_outer_strategy, strategy_factory,
                                                 unregister_outer_strategy)
 
 WORLD = 4
@@ -85,7 +84,7 @@ def test_toy_algorithm_flag_appears_validates_and_reaches_the_strategy(toy):
     assert "toy" in next(a for a in parser._actions if a.dest == "sparseloco_algorithm").choices
 
     args = validate_sparseloco_args(_args(["--sparseloco-algorithm", "toy", "--sparseloco-toy-gain", "0.25"]), WORLD)
-    strategy = strategy_factory_from_args(args)([torch.full((8,), 2.0)], None, ["w"])
+    strategy = strategy_factory("toy", args.sparseloco_outer_config)([torch.full((8,), 2.0)], None, ["w"])
     assert isinstance(strategy, Toy) and strategy.config.gain == 0.25
     strategy.params.tensors[0].fill_(1.0)        # Δ = 2 − 1 = 1
     strategy.step()
@@ -97,7 +96,7 @@ def test_toy_algorithm_flag_appears_validates_and_reaches_the_strategy(toy):
     assert "toy" in msg                          # names the algorithm that takes it
     # its default is the config's
     args = validate_sparseloco_args(_args(["--sparseloco-algorithm", "toy"]), WORLD)
-    assert args.sparseloco_toy_gain == ToyConfig().gain
+    assert args.sparseloco_outer_config.gain == ToyConfig().gain and args.sparseloco_toy_gain is None
 
 
 def test_toy_flag_gone_once_unregistered(toy):
@@ -227,17 +226,20 @@ def test_defaults_resolved_per_algorithm_are_the_config_defaults(algo):
     args = validate_sparseloco_args(_args(["--sparseloco-algorithm", algo, *BASE]), WORLD)
     default = cls()
     default.resolve_for_workers(args.sparseloco_workers, ())   # defaults that depend on W (sparseloco: lr)
+    resolved = resolved_flag_values(args)
     for flag, spec in flagged_fields(cls).items():
-        assert getattr(args, dest_of(flag)) == getattr(default, spec.name), flag
+        assert resolved[flag] == getattr(default, spec.name), flag
     for flag, value in cls.implied_flags.items():
-        assert getattr(args, dest_of(flag)) == value, flag
+        assert resolved[flag] == value, flag
     for flag, spec in flagged_fields(LoopFlags).items():
         if flag != "workers":
-            assert getattr(args, dest_of(flag)) == spec.default, flag
-    for flag, owners in flag_table().items():   # flags the algorithm neither has nor implies stay unset
+            assert resolved[flag] == spec.default, flag
+    for flag, owners in flag_table().items():   # flags the algorithm neither has nor implies: not part of the run
         if algo not in owners and LOOP not in owners and flag not in cls.implied_flags:
-            assert getattr(args, dest_of(flag)) is None, flag
-    strategy = strategy_factory_from_args(args)([torch.zeros(8192)], None, ["w"])
+            assert flag not in resolved, flag
+    for flag in set(flag_table()) - {"workers"}:   # the flags on args stay as given: only --sparseloco-workers
+        assert getattr(args, dest_of(flag)) is None, flag
+    strategy = strategy_factory(algo, args.sparseloco_outer_config)([torch.zeros(8192)], None, ["w"])
     assert strategy.config == default
 
 

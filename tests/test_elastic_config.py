@@ -5,7 +5,7 @@ import os
 import pytest
 
 from megatron_sparseloco.elastic.config import ElasticConfig, add_elastic_args, elastic_flags, validate_elastic_args
-from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError, dest_of
+from megatron_sparseloco.megatron.args import SparseLoCoArgumentError, dest_of
 
 
 def parse(argv, **extra):

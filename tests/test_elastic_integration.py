@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from megatron.training.arguments import parse_args
 
-from megatron_sparseloco.megatron.arguments import (SparseLoCoArgumentError, add_sparseloco_args, elastic_job_batch,
+from megatron_sparseloco.megatron.args import (SparseLoCoArgumentError, add_sparseloco_args, elastic_job_batch,
                                                     validate_sparseloco_args)
 
 
@@ -77,7 +77,7 @@ def test_after_failed_round_takes_keep_or_discard(token, monkeypatch):
 
 
 def test_elastic_flags_reach_the_flag_reference():
-    from megatron_sparseloco.megatron import flag_help
+    from megatron_sparseloco.megatron.args import help as flag_help
     text = flag_help.help_text()
     assert flag_help.ELASTIC_TITLE in text
     for flag in ("--sparseloco-lighthouse", "--sparseloco-worker-index", "--sparseloco-elastic-after-failed-round"):
@@ -111,7 +111,7 @@ def test_worker_i_reads_slot_i_of_the_runs_data(consumed, monkeypatch):
     import megatron.training.global_vars as gv
     from megatron.training.datasets import data_samplers
 
-    from megatron_sparseloco.megatron.elastic_data import wrap_data_loader, wrap_num_samples
+    from megatron_sparseloco.megatron.elastic.data_slots import wrap_data_loader, wrap_num_samples
 
     W, d, mbs = 3, 2, 2
     dataset = list(range(1000))
@@ -146,8 +146,10 @@ def test_heal_state_never_carries_error_feedback_and_restarts_it_at_zero():
     θ_outer in place, zeroes the error feedback and sets θ_local ← θ_outer."""
     import torch
 
-    from megatron_sparseloco.megatron.elastic_state import HealState
-    from megatron_sparseloco.megatron.rounds import OuterLog
+    from megatron_sparseloco.megatron.elastic.heal_state import HealState
+    from megatron_sparseloco.megatron.rounds import OuterRounds
+    from megatron_sparseloco.megatron.schedule import RoundSchedule
+    from megatron_sparseloco.outer.overlap import OverlapConfig
     from megatron_sparseloco.outer.sparseloco import SparseLoCo, SparseLoCoConfig
 
     def job(seed):
@@ -156,9 +158,11 @@ def test_heal_state_never_carries_error_feedback_and_restarts_it_at_zero():
         s = SparseLoCo(params, None, SparseLoCoConfig(chunk=1024, k=32, lr=1.0))
         s.error_feedback.normal_(generator=g)
         s.outer_steps = seed
+        rounds = OuterRounds([[s]], RoundSchedule(10), OverlapConfig(), 0, True, hooks=None)  # type: ignore[arg-type]
+        rounds.restore_counters(seed, [seed], 10 * seed)
+        s.outer_steps = seed
         opt = SimpleNamespace(strategies=[s], shards=[], members=[], inner_calls=10 * seed, outer_steps=seed,
-                              rounds=SimpleNamespace(log=OuterLog(outer_steps=seed), fragment_syncs=[seed]),
-                              _anchor_at_first_step=True)
+                              rounds=rounds, _anchor_at_first_step=True)
         return s, opt, HealState(opt, lambda: None)
 
     peer, _, peer_heal = job(3)

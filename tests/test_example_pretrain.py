@@ -111,7 +111,7 @@ def test_example_pretrain_runs_unmodified_with_outer_loop(tmp_path, monkeypatch)
     block = "\n".join(lines[start[0]:first_iter])
     assert f"algorithm: {algorithm}" in block and f"inner steps H: {H}" in block and "workers W: 2" in block
     assert re.search(r"worker 0: ranks 0-1\b", block) and re.search(r"worker 1: ranks 2-3\b", block), block
-    from megatron_sparseloco.megatron.outer_logging import format_mb
+    from megatron_sparseloco.megatron.metrics import format_mb
     m = re.search(r"per outer step per worker: (\d+) parameters, expected to send ([0-9.]+ MB)", block)
     assert m and int(m.group(1)) == s["numel_per_worker"], block
     assert m.group(2) == format_mb(s["bytes_sent_per_step_per_worker"]), (m.group(2), s["bytes_sent_per_step_per_worker"])

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_sparseloco.megatron import flag_help
-from megatron_sparseloco.megatron.arguments import add_sparseloco_args
+from megatron_sparseloco.megatron.args import help as flag_help
+from megatron_sparseloco.megatron.args import add_sparseloco_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,7 @@ def test_write_readme_regenerates_a_stale_table(tmp_path):
 def test_stated_defaults_are_what_validation_resolves(algo, monkeypatch):
     """Every default the reference states is the value an unset flag gets for an algorithm that uses it."""
     from megatron.training.arguments import parse_args
-    from megatron_sparseloco.megatron.arguments import validate_sparseloco_args
+    from megatron_sparseloco.megatron.args import validate_sparseloco_args
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--use-distributed-optimizer", "--sparseloco-algorithm", algo,
                                       "--sparseloco-workers", "2"])
     args = validate_sparseloco_args(parse_args(add_sparseloco_args), world_size=4)

@@ -180,17 +180,17 @@ BASE = ["--use-distributed-optimizer", "--sparseloco-workers", "2", "--sparseloc
 def _args(argv, monkeypatch):
     from megatron.training.arguments import parse_args
 
-    from megatron_sparseloco.megatron.arguments import add_sparseloco_args, validate_sparseloco_args
+    from megatron_sparseloco.megatron.args import add_sparseloco_args, validate_sparseloco_args
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *argv])
     return validate_sparseloco_args(parse_args(add_sparseloco_args), world_size=4)
 
 
 def test_fragment_flag_default_and_valid(monkeypatch):
-    assert _args(["--sparseloco-algorithm", "diloco"], monkeypatch).sparseloco_fragments == 1
+    assert _args(["--sparseloco-algorithm", "diloco"], monkeypatch).sparseloco_loop_config.fragments == 1
     a = _args(["--sparseloco-algorithm", "sparseloco", "--sparseloco-fragments", "3", "--sparseloco-overlap-steps",
                "3"], monkeypatch)
-    assert (a.sparseloco_fragments, a.sparseloco_overlap_steps) == (3, 3)
-    assert _args(["--sparseloco-algorithm", "gasloc", "--sparseloco-fragments", "1"], monkeypatch).sparseloco_fragments == 1
+    assert (a.sparseloco_loop_config.fragments, a.sparseloco_loop_config.overlap_steps) == (3, 3)
+    assert _args(["--sparseloco-algorithm", "gasloc", "--sparseloco-fragments", "1"], monkeypatch).sparseloco_loop_config.fragments == 1
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -201,7 +201,7 @@ def test_fragment_flag_default_and_valid(monkeypatch):
      ["--sparseloco-fragments", "--sparseloco-overlap-steps τ=4", "H/P = 12/3"]),
 ])
 def test_fragment_flag_refusals(argv, words, monkeypatch):
-    from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError
+    from megatron_sparseloco.megatron.args import SparseLoCoArgumentError
     with pytest.raises(SparseLoCoArgumentError) as info:
         _args(argv, monkeypatch)
     for w in words:
@@ -209,8 +209,8 @@ def test_fragment_flag_refusals(argv, words, monkeypatch):
 
 
 def test_fragment_checkpoint_fact_refuses_other_P():
-    from megatron_sparseloco.megatron.checkpointing import OuterStateLayoutError, check_saved_metadata
-    from megatron_sparseloco.megatron.checkpointing import FORMAT_VERSION
+    from megatron_sparseloco.megatron.checkpoint.outer_state import OuterStateLayoutError, check_saved_metadata
+    from megatron_sparseloco.megatron.checkpoint.outer_state import FORMAT_VERSION
     saved = {"format": FORMAT_VERSION, "num_workers": 2, "algorithms": ["diloco"], "facts": {}}
     facts = {"fragments": {"value": 2, "flag": "--sparseloco-fragments"}}
     with pytest.raises(OuterStateLayoutError, match="--sparseloco-fragments 1"):

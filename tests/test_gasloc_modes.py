@@ -345,7 +345,7 @@ def test_bad_flags_are_refused_before_training(argv, flag, monkeypatch):
 
     from megatron.training.arguments import parse_args
 
-    from megatron_sparseloco.megatron.arguments import (SparseLoCoArgumentError, add_sparseloco_args,
+    from megatron_sparseloco.megatron.args import (SparseLoCoArgumentError, add_sparseloco_args,
                                                         validate_sparseloco_args)
     monkeypatch.setattr(sys, "argv", ["x"] + BASE_ARGS + argv)
     try:
@@ -363,14 +363,14 @@ def test_new_flags_reach_the_config(monkeypatch):
 
     from megatron.training.arguments import parse_args
 
-    from megatron_sparseloco.megatron.arguments import add_sparseloco_args, validate_sparseloco_args
-    from megatron_sparseloco.megatron.strategy_from_args import outer_config_fields
+    from megatron_sparseloco.megatron.args import add_sparseloco_args, validate_sparseloco_args
     monkeypatch.setattr(sys, "argv", ["x"] + BASE_ARGS + [
         "--sparseloco-gossip-topology", "bandwidth", "--sparseloco-gossip-rule", "laplacian-momentum",
         "--sparseloco-gossip-bandwidth-refresh", "5", "--sparseloco-gossip-compress", "--sparseloco-gossip-max-copies", "2"])
     args = parse_args(add_sparseloco_args)
     validate_sparseloco_args(args, world_size=4)
-    cfg = GASLoCConfig(**outer_config_fields(args)).validate()
+    cfg = args.sparseloco_outer_config
+    assert isinstance(cfg, GASLoCConfig)
     assert (cfg.topology, cfg.rule, cfg.bandwidth_refresh, cfg.compress, cfg.max_copies) == (
         "bandwidth", "laplacian-momentum", 5, True, 2)
     monkeypatch.setattr(sys, "argv", ["x"] + BASE_ARGS + [
@@ -378,5 +378,6 @@ def test_new_flags_reach_the_config(monkeypatch):
         "--sparseloco-gossip-rounds", "2"])
     args = parse_args(add_sparseloco_args)
     validate_sparseloco_args(args, world_size=4)
-    cfg = GASLoCConfig(**outer_config_fields(args)).validate()
+    cfg = args.sparseloco_outer_config
+    assert isinstance(cfg, GASLoCConfig)
     assert (cfg.topology, cfg.rule, cfg.gossip_rounds) == ("exponential", "mixed-nesterov", 2)

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from megatron_sparseloco.megatron.layout import (DEFAULT_ORDER, TP_PP_DP_ORDER, LayoutError, compute_layout,
-                                                 expand_nodelist, main, orthogonal_groups)
+from megatron_sparseloco.megatron.placement.rank_layout import (DEFAULT_ORDER, TP_PP_DP_ORDER, LayoutError,
+                                                                compute_layout, expand_nodelist, orthogonal_groups)
+from megatron_sparseloco.worker_layout import main
 from megatron_sparseloco.testing.multirank import run_ranks
 
 
@@ -137,7 +138,7 @@ def test_cli_json_and_errors(capsys):
     err = capsys.readouterr().err
     assert "--sparseloco-workers 3" in err and "choose W among" in err
     # The console-script entry point in a fresh interpreter (what the sbatch script calls).
-    p = subprocess.run([sys.executable, "-m", "megatron_sparseloco.megatron.layout", "--nodes", "4",
+    p = subprocess.run([sys.executable, "-m", "megatron_sparseloco.worker_layout", "--nodes", "4",
                         "--gpus-per-node", "2", "--workers", "2", "--sites", "0,0,1,1"],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr
@@ -147,7 +148,7 @@ def test_cli_json_and_errors(capsys):
 
 def test_elastic_job_is_one_worker():
     """In elastic mode (--sparseloco-lighthouse) the arguments are one job's: one worker, whatever W."""
-    from megatron_sparseloco.megatron.layout import sizes_from_megatron_args
+    from megatron_sparseloco.worker_layout import sizes_from_megatron_args
     argv = ["--tensor-model-parallel-size", "2", "--sparseloco-workers", "4"]
     assert sizes_from_megatron_args(argv)["workers"] == 4
     assert sizes_from_megatron_args(argv + ["--sparseloco-lighthouse", "http://lh:29510"])["workers"] == 1

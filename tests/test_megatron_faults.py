@@ -34,7 +34,7 @@ def _build(W, H, algorithm="diloco", timeout_s=None, check_interval=0, **fields)
 
 
 def _dead_worker_rank(rank, world, H, timeout_s):
-    from megatron_sparseloco.megatron.outer_group import WorkerLostError
+    from megatron_sparseloco.megatron.placement.outer_group import WorkerLostError
     from megatron_sparseloco.testing.megatron_harness import train_step
     ddp, outer, batches = _build(2, H, timeout_s=timeout_s)
     if rank == 1:
@@ -117,7 +117,7 @@ def _arrival_barrier_rank(rank, world, timeout_s):
     wait); step 4: rank 3 (worker 1, position 1) never does."""
     import torch.distributed as dist
 
-    from megatron_sparseloco.megatron.outer_group import OuterStepWatch, WorkerLostError
+    from megatron_sparseloco.megatron.placement.outer_group import OuterStepWatch, WorkerLostError
     from megatron_sparseloco.testing.collective_spy import CollectiveSpy
     group, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
     watch = OuterStepWatch(group, rank // 2, timeout_s)
@@ -180,7 +180,7 @@ def _second_loop_rank(rank, world, timeout_s):
     1 and 2; in the second, rank 1 arrives at step 1 only. Returns rank 0's error at step 2, if any."""
     import torch.distributed as dist
 
-    from megatron_sparseloco.megatron.outer_group import OuterStepWatch, WorkerLostError
+    from megatron_sparseloco.megatron.placement.outer_group import OuterStepWatch, WorkerLostError
     group = dist.new_group([0, 1])
     first = OuterStepWatch(group, 0, timeout_s)
     for step in (1, 2):

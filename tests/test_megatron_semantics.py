@@ -180,7 +180,7 @@ def test_precision_aware_optimizer_and_cpu_offload_refused_by_flag_validation(fl
 
     from megatron.training.arguments import parse_args
 
-    from megatron_sparseloco.megatron.arguments import (SparseLoCoArgumentError, add_sparseloco_args,
+    from megatron_sparseloco.megatron.args import (SparseLoCoArgumentError, add_sparseloco_args,
                                                         validate_sparseloco_args)
     argv = ["--use-distributed-optimizer", "--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "2"] + flags
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])

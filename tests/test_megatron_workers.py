@@ -43,7 +43,7 @@ def _wrap(opt, ddp, algorithm, H, **fields):
 
 
 def _layout_rank(rank, world, tp, pp, ep, moe, W, rounds, H):
-    from megatron_sparseloco.megatron.worker_isolation import cross_worker_group
+    from megatron_sparseloco.megatron.placement.gradient_isolation import cross_worker_group
     from megatron_sparseloco.testing.collective_spy import CollectiveSpy
     from megatron_sparseloco.testing.megatron_harness import params_fingerprint, train_step
 

@@ -1,4 +1,4 @@
-"""megatron/model_space.py: a flat range as boxes of the parameter (tiling it exactly, each a
+"""megatron/checkpoint/model_space.py: a flat range as boxes of the parameter (tiling it exactly, each a
 contiguous run); on 3 gloo ranks the owners (holders of the first element) of params split over
 uneven per-rank ranges (a param on one rank only, a rank holding nothing); ranges that do not tile
 are refused."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_sparseloco.megatron.main_params import MainParamShards
-from megatron_sparseloco.megatron.model_space import flat_range_boxes, owned_piece, piece_table
+from megatron_sparseloco.megatron.checkpoint.model_space import flat_range_boxes, owned_piece, piece_table
 from megatron_sparseloco.testing.multirank import run_ranks
 
 SHAPES = [(4, 5), (7,), (3, 2)]
@@ -79,7 +79,7 @@ def test_owned_piece_is_the_range():
     ({"format": 2, "num_workers": 2, "algorithms": ["diloco"]}, "--sparseloco-algorithm diloco"),
 ])
 def test_checkpoint_metadata_mismatch_names_the_flag(saved, match):
-    from megatron_sparseloco.megatron.checkpointing import OuterStateLayoutError, check_saved_metadata
+    from megatron_sparseloco.megatron.checkpoint.outer_state import OuterStateLayoutError, check_saved_metadata
     with pytest.raises(OuterStateLayoutError, match=match):
         check_saved_metadata(saved, num_workers=2, algorithms=["sparseloco"])
     check_saved_metadata({"format": 2, "num_workers": 2, "algorithms": ["sparseloco"]}, 2, ["sparseloco"])
@@ -93,7 +93,7 @@ TENSOR = {"chunking": {"value": "tensor", "flag": "--sparseloco-chunking"}}
     (None, "--sparseloco-chunking flat"),  # written before chunking was recorded: those chunked flat
 ])
 def test_checkpoint_chunking_mismatch_names_the_flag(saved_facts, match):
-    from megatron_sparseloco.megatron.checkpointing import OuterStateLayoutError, check_saved_metadata
+    from megatron_sparseloco.megatron.checkpoint.outer_state import OuterStateLayoutError, check_saved_metadata
     saved = {"format": 2, "num_workers": 2, "algorithms": ["sparseloco"]}
     if saved_facts is not None:
         saved["facts"] = saved_facts
@@ -116,7 +116,7 @@ AGG = {"aggregation": {"value": "allgather", "flag": "--sparseloco-aggregation"}
 def test_checkpoint_aggregation_mismatch_names_the_flag(saved, match):
     """An all-gather resume of a reduce-scatter checkpoint would silently drop the owners' error
     feedback (and the other way round find none): refused, naming the flag and the way out."""
-    from megatron_sparseloco.megatron.checkpointing import OuterStateLayoutError, check_saved_metadata
+    from megatron_sparseloco.megatron.checkpoint.outer_state import OuterStateLayoutError, check_saved_metadata
     base = {"format": 2, "num_workers": 2, "algorithms": ["sparseloco"], **saved}
     with pytest.raises(OuterStateLayoutError, match=match) as err:
         check_saved_metadata(base, 2, ["sparseloco"], AGG)

@@ -113,7 +113,7 @@ def test_anchor_on_cpu_refused_by_gasloc_naming_the_flag(monkeypatch):
 
     from megatron.training.arguments import parse_args
 
-    from megatron_sparseloco.megatron.arguments import (SparseLoCoArgumentError, add_sparseloco_args,
+    from megatron_sparseloco.megatron.args import (SparseLoCoArgumentError, add_sparseloco_args,
                                                         validate_sparseloco_args)
     from megatron_sparseloco.outer import build_outer_strategy
     from megatron_sparseloco.outer.config_fields import ConfigError

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from megatron_sparseloco.megatron.arguments import ALGORITHMS
-from megatron_sparseloco.megatron.outer_logging import ERROR_FEEDBACK_ALGORITHMS, MB, format_log_line, format_mb
+from megatron_sparseloco.megatron.args import ALGORITHMS
+from megatron_sparseloco.megatron.metrics import ERROR_FEEDBACK_ALGORITHMS, MB, format_log_line, format_mb
 
 
 def _totals(outer_steps, sent_per_step=12345.0, numel=1_000_000):

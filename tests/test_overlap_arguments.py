@@ -6,8 +6,8 @@ import pytest
 
 from megatron.training.arguments import parse_args
 
-from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError, add_sparseloco_args, validate_sparseloco_args
-from megatron_sparseloco.megatron.outer_logging import format_log_line
+from megatron_sparseloco.megatron.args import SparseLoCoArgumentError, add_sparseloco_args, validate_sparseloco_args
+from megatron_sparseloco.megatron.metrics import format_log_line
 
 BASE = ["--use-distributed-optimizer", "--sparseloco-workers", "2", "--sparseloco-inner-steps", "8"]
 
@@ -20,14 +20,16 @@ def _args(argv, monkeypatch):
 
 def test_defaults_blocking(monkeypatch):
     a = _args(["--sparseloco-algorithm", "diloco"], monkeypatch)
-    assert (a.sparseloco_overlap_steps, a.sparseloco_overlap_merge, a.sparseloco_overlap_alpha) == (0, "replay", 0.5)
+    assert (a.sparseloco_loop_config.overlap_steps, a.sparseloco_loop_config.overlap_merge,
+            a.sparseloco_loop_config.overlap_alpha) == (0, "replay", 0.5)
 
 
 @pytest.mark.parametrize("algo", ["sparseloco", "diloco", "average"])
 def test_valid_overlap(algo, monkeypatch):
     a = _args(["--sparseloco-algorithm", algo, "--sparseloco-overlap-steps", "7", "--sparseloco-overlap-merge", "lerp",
                "--sparseloco-overlap-alpha", "0.25"], monkeypatch)
-    assert (a.sparseloco_overlap_steps, a.sparseloco_overlap_merge, a.sparseloco_overlap_alpha) == (7, "lerp", 0.25)
+    assert (a.sparseloco_loop_config.overlap_steps, a.sparseloco_loop_config.overlap_merge,
+            a.sparseloco_loop_config.overlap_alpha) == (7, "lerp", 0.25)
 
 
 @pytest.mark.parametrize("argv,flag,words", [

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_sparseloco.megatron.args import resolved_flag_values
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "examples" / "recipes"
 MODELS = ["llama_1b", "llama_8b", "mixtral_8x7b", "cpu_tiny_dense", "cpu_tiny_moe"]
@@ -33,7 +35,7 @@ def _world_size(name, **env):
 
 def _megatron_parse(argv, world_size, monkeypatch):
     from megatron.training.arguments import parse_args
-    from megatron_sparseloco.megatron.arguments import add_sparseloco_args, validate_sparseloco_args
+    from megatron_sparseloco.megatron.args import add_sparseloco_args, validate_sparseloco_args
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"] + argv)
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")
@@ -44,7 +46,8 @@ def _megatron_parse(argv, world_size, monkeypatch):
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("name", MODELS)
 def test_recipe_args_parse_and_validate(name, algo, monkeypatch):
-    from megatron_sparseloco.megatron.layout import compute_layout, sizes_from_megatron_args
+    from megatron_sparseloco.megatron.placement.rank_layout import compute_layout
+    from megatron_sparseloco.worker_layout import sizes_from_megatron_args
     p = _recipe(name, "1", ALGO=algo)
     assert p.returncode == 0, p.stderr
     argv = p.stdout.splitlines()
@@ -68,16 +71,17 @@ def test_recipe_args_parse_and_validate(name, algo, monkeypatch):
         assert world // W % (args.expert_model_parallel_size * (args.expert_tensor_parallel_size or 1)) == 0
     # Paper defaults (docs/design.md §1.2).
     assert args.clip_grad == 1.0 and args.weight_decay == 0.1 and args.lr_decay_style == "cosine"
-    assert args.sparseloco_inner_steps in (5, 15)
+    flags = resolved_flag_values(args)   # what the run uses, from the configs the validation built
+    assert flags['inner-steps'] in (5, 15)
     if algo == "sparseloco":
-        assert (args.sparseloco_topk, args.sparseloco_chunk_size, args.sparseloco_value_bits) == (64, 4096, 2)
-        assert args.sparseloco_ef_decay == 0.95 and "--sparseloco-outer-lr" not in argv   # the plugin's rule
-        assert args.sparseloco_outer_momentum == 0.0
+        assert (flags['topk'], flags['chunk-size'], flags['value-bits']) == (64, 4096, 2)
+        assert flags['ef-decay'] == 0.95 and "--sparseloco-outer-lr" not in argv   # the plugin's rule
+        assert flags['outer-momentum'] == 0.0
         if not name.startswith("cpu_"):
-            assert args.lr == 1e-3 and args.sparseloco_inner_steps == 15
+            assert args.lr == 1e-3 and flags['inner-steps'] == 15
     else:
-        assert args.sparseloco_outer_nesterov and args.sparseloco_outer_momentum == 0.9
-        assert args.sparseloco_outer_lr == 0.7
+        assert flags['outer-nesterov'] and flags['outer-momentum'] == 0.9
+        assert flags['outer-lr'] == 0.7
         if not name.startswith("cpu_"):
             assert args.lr == 8e-4
 
@@ -106,7 +110,7 @@ def test_recipe_overrides_and_errors(monkeypatch):
     p = _recipe("llama_1b", "1", ALGO="bogus")
     assert p.returncode != 0 and "ALGO=sparseloco" in p.stderr
     # A recipe asked for a worker count the data-parallel size cannot hold is refused by our validation.
-    from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError
+    from megatron_sparseloco.megatron.args import SparseLoCoArgumentError
     argv = _recipe("llama_8b", "1", WORKERS="3").stdout.splitlines()
     with pytest.raises(SparseLoCoArgumentError, match="--sparseloco-workers"):
         _megatron_parse(argv, 64, monkeypatch)
@@ -198,7 +202,8 @@ def _without(argv, flags):
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("name", MODELS)
 def test_elastic_recipe_is_one_worker_per_job(name, algo, token, monkeypatch):
-    from megatron_sparseloco.megatron.layout import compute_layout, sizes_from_megatron_args
+    from megatron_sparseloco.megatron.placement.rank_layout import compute_layout
+    from megatron_sparseloco.worker_layout import sizes_from_megatron_args
     env = dict(ELASTIC="1", LIGHTHOUSE=LIGHTHOUSE, WORKER_INDEX="1", TOKEN_FILE=token, ALGO=algo)
     single = _recipe(name, "1", ALGO=algo).stdout.splitlines()
     world_all, _ = _world_size(name, ALGO=algo)

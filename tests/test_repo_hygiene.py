@@ -174,3 +174,30 @@ def test_layer_checker_catches_an_upward_import_and_a_cycle(tmp_path):
     c = _imports(f"{PACKAGE}.megatron.c", str(pkg / "megatron" / "c.py"), known)
     assert a == [(1, f"{PACKAGE}.megatron.b")] and b == [(2, f"{PACKAGE}.comm.a")] and c == []
     assert _floor(_unit(f"{PACKAGE}.megatron.b")) > _floor(_unit(f"{PACKAGE}.comm.a"))
+
+
+def test_layer_megatron_top_is_small_and_the_loop_core_names_nothing_elastic():
+    """At most 12 modules directly in ``megatron/`` (the rest in its wings), and the optimizer wrapper, the
+    rounds and the checkpoint code use no elastic identifier: elastic mode sits behind the rounds factory."""
+    import ast
+    import glob
+    top = os.path.join(ROOT, PACKAGE, "megatron")
+    modules = sorted(os.path.basename(p) for p in glob.glob(os.path.join(top, "*.py")))
+    assert len(modules) <= 12, f"{len(modules)} modules directly in megatron/: {modules}"
+    bad = []
+    paths = [os.path.join(top, "optimizer.py"), os.path.join(top, "rounds.py")]
+    paths += glob.glob(os.path.join(top, "checkpoint", "*.py"))
+    for path in paths:
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            names = []
+            if isinstance(node, ast.Name):
+                names = [node.id]
+            elif isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.arg)):
+                names = [getattr(node, "name", None) or getattr(node, "arg", "")]
+            bad += [f"{os.path.relpath(path, ROOT)}:{node.lineno} {n}" for n in names
+                    if any(w in n.lower() for w in ("session", "heal", "elastic"))]
+    assert not bad, "elastic identifiers outside the elastic wing:\n" + "\n".join(bad)

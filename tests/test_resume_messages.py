@@ -3,9 +3,9 @@ import argparse
 
 import pytest
 
-from megatron_sparseloco.megatron.checkpointing import FORMAT_VERSION, OuterStateLayoutError, check_saved_metadata
+from megatron_sparseloco.megatron.checkpoint.outer_state import FORMAT_VERSION, OuterStateLayoutError, check_saved_metadata
 from megatron_sparseloco.megatron.plugin import explain_resume_error
-from megatron_sparseloco.megatron.startup import outer_state_skip_warning
+from megatron_sparseloco.megatron.args.startup_report import outer_state_skip_warning
 
 SAVED = {"format": FORMAT_VERSION, "num_workers": 2, "algorithms": ["sparseloco"]}
 

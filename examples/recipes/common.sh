@@ -217,7 +217,7 @@ sparseloco_launch() {
         exit 2
     fi
     # Refuse a layout where a worker spans two sites, W does not divide DP, ... before starting.
-    "$PYTHON" -m megatron_sparseloco.megatron.layout --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
+    "$PYTHON" -m megatron_sparseloco.worker_layout --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
         ${SITES:+--sites "$SITES"} --quiet --megatron-args "${ARGS[@]}" || exit 2
     exec "${launch[@]}" "${ARGS[@]}"
 }

@@ -41,8 +41,9 @@ class CommCounter:
         self.by_kind = {}
 
 
-def collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
-    """The device a tensor must live on for a collective over ``group``: CUDA for NCCL, else CPU.
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """The device a tensor must live on for a collective over ``group`` (None: the default group): CUDA for
+    NCCL, else CPU.
 
     NCCL refuses CPU tensors ("No backend type associated with device type cpu"); gloo takes CPU
     tensors (and, for most ops, CUDA ones through a host copy), so small host-side bookkeeping

@@ -20,8 +20,9 @@ from urllib.parse import urlsplit
 
 from megatron_sparseloco.comm.topology import TOPOLOGIES
 from megatron_sparseloco.elastic.auth import TokenError, read_token
-from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError, argparse_help, dest_of, option
-from megatron_sparseloco.outer.config_fields import ConfigError, FieldSpec, check_fields, flagged_fields, flag_field
+from megatron_sparseloco.outer.config_fields import ConfigError, FieldSpec, check_fields, flag_field, flagged_fields
+from megatron_sparseloco.outer.flags import (SparseLoCoArgumentError, argparse_help, argument_error, dest_of,
+                                            flag_error, given_flags, option)
 
 #: ``--sparseloco-elastic-after-failed-round``: keep or discard the local progress of a round that did not commit
 AFTER_FAILED_ROUND = ("keep", "discard")
@@ -111,24 +112,13 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-def _given(args: argparse.Namespace) -> Set[str]:
-    return {flag for flag in elastic_flags() if getattr(args, dest_of(flag), None) is not None}
-
-
-def _fail(flag: str, problem: str, fix: str) -> SparseLoCoArgumentError:
-    return SparseLoCoArgumentError(f"{option(flag)}: {problem}. Fix: {fix}")
-
-
 def _config_from_args(args: argparse.Namespace, given: Set[str]) -> ElasticConfig:
     specs = elastic_flags()
     config = ElasticConfig(**{specs[f].name: getattr(args, dest_of(f)) for f in given})
     try:
         return config.validate()
     except ConfigError as exc:
-        flag = next(f for f, s in specs.items() if s.name == exc.field)
-        fix = (exc.fix or "change the value").replace(", another value", "").replace(f"`{exc.field}=",
-                                                                                     f"`{option(flag)} ")
-        raise _fail(flag, exc.problem.replace(f"{exc.field} ", "", 1), fix.replace("`", "")) from None
+        raise argument_error(exc, ElasticConfig, "--sparseloco-lighthouse") from None
 
 
 def _check_lighthouse_url(url: str) -> None:
@@ -138,7 +128,7 @@ def _check_lighthouse_url(url: str) -> None:
     except ValueError:
         port = None
     if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.path not in ("", "/"):
-        raise _fail("lighthouse", f"{url!r} is not a lighthouse URL", "give http://HOST:PORT, the address "
+        raise flag_error("lighthouse", f"{url!r} is not a lighthouse URL", "give http://HOST:PORT, the address "
                     "`torchft_lighthouse --bind` listens on as the jobs reach it, e.g. http://lighthouse-host:29510")
 
 
@@ -146,18 +136,18 @@ def _check_slots(args: argparse.Namespace, config: ElasticConfig) -> None:
     """W given, 0 <= I < W, M <= W, one distributed-optimizer instance per job."""
     W = getattr(args, "sparseloco_workers", None)
     if W is None:
-        raise _fail("workers", "is required in elastic mode (the number of worker slots W)",
+        raise flag_error("workers", "is required in elastic mode (the number of worker slots W)",
                     "give --sparseloco-workers W, the most workers the run has")
     if W < 1:
-        raise _fail("workers", f"must be >= 1, got {W}", "use the number of worker slots, at least 1")
+        raise flag_error("workers", f"must be >= 1, got {W}", "use the number of worker slots, at least 1")
     if config.worker_index is None:
-        raise _fail("worker-index", "is required in elastic mode (this job's worker slot)",
+        raise flag_error("worker-index", "is required in elastic mode (this job's worker slot)",
                     f"give --sparseloco-worker-index I with 0 <= I < {W}, a different I for each job")
     if config.worker_index >= W:
-        raise _fail("worker-index", f"{config.worker_index} is not a slot of --sparseloco-workers {W}",
+        raise flag_error("worker-index", f"{config.worker_index} is not a slot of --sparseloco-workers {W}",
                     f"use 0 <= I <= {W - 1}, or raise --sparseloco-workers")
     if config.min_workers > W:
-        raise _fail("min-workers", f"{config.min_workers} is more than --sparseloco-workers {W}",
+        raise flag_error("min-workers", f"{config.min_workers} is more than --sparseloco-workers {W}",
                     f"use 1 <= M <= {W}")
     instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
     if instances != 1:
@@ -174,7 +164,7 @@ def _check_refused_modes(args: argparse.Namespace) -> None:
             fix = f"use {option(flag)} {shown} or leave it unset" if accepted is not None else f"drop {option(flag)}"
             if accepted == (False,):
                 fix = f"drop {option(flag)}"
-            raise _fail(flag, f"{value} is not supported in elastic mode ({why})",
+            raise flag_error(flag, f"{value} is not supported in elastic mode ({why})",
                         f"{fix}, or run without --sparseloco-lighthouse")
 
 
@@ -182,7 +172,7 @@ def validate_elastic_args(args: argparse.Namespace) -> Optional[ElasticConfig]:
     """The validated ``ElasticConfig`` (also set as ``args.sparseloco_elastic``), or None when
     ``--sparseloco-lighthouse`` is not given (then no other elastic flag may be, and ``args`` is
     left unchanged)."""
-    given = _given(args)
+    given = given_flags(args, elastic_flags())
     if "lighthouse" not in given:
         if given:
             flags = ", ".join(option(f) for f in sorted(given, key=list(elastic_flags()).index))
@@ -191,18 +181,18 @@ def validate_elastic_args(args: argparse.Namespace) -> Optional[ElasticConfig]:
                                           f"Fix: add --sparseloco-lighthouse URL or drop {'it' if one else 'them'}")
         return None
     if getattr(args, "sparseloco_algorithm", None) is None:
-        raise _fail("lighthouse", "elastic mode needs an outer algorithm", "add --sparseloco-algorithm")
+        raise flag_error("lighthouse", "elastic mode needs an outer algorithm", "add --sparseloco-algorithm")
     config = _config_from_args(args, given)
     _check_lighthouse_url(args.sparseloco_lighthouse)
     _check_slots(args, config)
     if config.token_file is None:
-        raise _fail("elastic-token-file", "is required in elastic mode (the run's shared secret)",
+        raise flag_error("elastic-token-file", "is required in elastic mode (the run's shared secret)",
                     "give the same token file to every job, e.g. created with "
                     "`python -c 'import secrets; print(secrets.token_hex(32))' > FILE && chmod 600 FILE`")
     try:
         read_token(config.token_file)
     except TokenError as exc:
-        raise _fail("elastic-token-file", exc.problem, exc.fix) from None
+        raise flag_error("elastic-token-file", exc.problem, exc.fix) from None
     _check_refused_modes(args)
     args.sparseloco_elastic = config
     return config

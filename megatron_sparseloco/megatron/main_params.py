@@ -15,7 +15,7 @@ identical), which is what makes a shard-wise outer step correct.
 Each shard also records its model parameter and the flat element range ``[start, end)`` of that
 parameter it holds, and the optimizer records every model parameter it shards and the group it
 shards them over: checkpoints use these to store the state in model space (whole parameters),
-which does not depend on how many ranks the worker has (``megatron.model_space``).
+which does not depend on how many ranks the worker has (``megatron/checkpoint/model_space.py``).
 """
 from __future__ import annotations
 

@@ -15,15 +15,15 @@ rounds the schedule puts after this inner step (``megatron/rounds.py``):
 The inner optimizer state (Adam moments) is kept across outer steps, as in DiLoCo. On
 construction it makes inner steps worker-local (``placement.WorkerPlacement``) and asserts that
 all workers start from identical parameters (θ_outer is initialised from them). ``close()`` waits
-for a round in flight and ends the comm thread; the plugin calls it at Megatron's exit. In elastic
-mode (``elastic``) the job is one worker whose rounds run over the session (``elastic_rounds``; the
-θ_outer fingerprint in each round's signed header replaces the identical-start check).
+for a round in flight and ends the comm thread; the plugin calls it at Megatron's exit. The rounds
+object comes from a ``rounds.RoundsFactory`` (default: a single job's ``OuterRounds``; the plugin
+passes the one of the job's mode), which chooses the comm the strategies are built on (``build_strategies``).
 
 The members Megatron's loop, checkpointing and logging use (``zero_grad``, ``scale_loss``,
 ``get_loss_scale``, ``param_groups`` ...; ``FORWARDED_METHODS`` / ``FORWARDED_ATTRIBUTES``) are
 forwarded to the wrapped optimizer by name; any other member raises ``AttributeError`` naming it
 and where to add it. ``state_dict`` / ``sharded_state_dict`` / ``load_state_dict`` add the outer
-state (``megatron/outer_checkpoint.py``).
+state (``megatron/checkpoint/save_load.py``).
 """
 from __future__ import annotations
 
@@ -33,22 +33,22 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.megatron import outer_checkpoint
+from megatron_sparseloco.comm.collectives import collective_device
+from megatron_sparseloco.comm.interface import OuterComm
+from megatron_sparseloco.megatron.args.loop_config import OuterLoopConfig
 from megatron_sparseloco.megatron.auto_steps import AutoInnerSteps
-from megatron_sparseloco.elastic.config import ElasticConfig
+from megatron_sparseloco.megatron.checkpoint import save_load
 from megatron_sparseloco.megatron.consistency import DivergenceError, check_identical_across_workers, check_outer
-from megatron_sparseloco.megatron.elastic_rounds import ElasticRounds, open_session
 from megatron_sparseloco.megatron.forwarding import FORWARDED_ATTRIBUTES, FORWARDED_METHODS, ForwardingOptimizer
 from megatron_sparseloco.megatron.fragments import build_member_strategies
-from megatron_sparseloco.megatron.loop_config import OuterLoopConfig
 from megatron_sparseloco.megatron.main_params import main_param_shards, member_optimizers
-from megatron_sparseloco.megatron.outer_group import WorkerLostError
-from megatron_sparseloco.megatron.placement import WorkerPlacement
-from megatron_sparseloco.megatron.rounds import OuterLog, OuterRounds, lost_worker_named
+from megatron_sparseloco.megatron.placement.gradient_isolation import (any_in_worker, intra_worker_group,
+                                                                       start_param_sync_all)
+from megatron_sparseloco.megatron.placement.outer_group import WorkerLostError
+from megatron_sparseloco.megatron.placement.worker_placement import WorkerPlacement
+from megatron_sparseloco.megatron.rounds import OuterLog, Rounds, RoundsFactory, lost_worker_named, single_job_rounds
 from megatron_sparseloco.megatron.schedule import RoundSchedule
 from megatron_sparseloco.megatron.tied import TiedParamSync
-from megatron_sparseloco.megatron.worker_isolation import (any_in_worker, collective_device, intra_worker_group,
-                                                           start_param_sync_all)
 from megatron_sparseloco.outer.base import OuterStepStats, OuterStrategy
 
 #: (params, group, names, slices) -> OuterStrategy; ``slices`` (``compress.segments.TensorSlice``,
@@ -61,7 +61,7 @@ class OuterLoopOptimizer(ForwardingOptimizer):
 
     def __init__(self, optimizer, model_chunks: Sequence, strategy_factory: StrategyFactory,
                  config: OuterLoopConfig, group: Optional[dist.ProcessGroup] = None,
-                 elastic: Optional[ElasticConfig] = None):
+                 rounds_factory: RoundsFactory = single_job_rounds):
         self.optimizer = optimizer
         self.model_chunks = list(model_chunks)
         self.config = config.validate()
@@ -76,26 +76,15 @@ class OuterLoopOptimizer(ForwardingOptimizer):
                                        collective_device())
         self.members = [m for m in member_optimizers(optimizer) if not getattr(m, "is_stub_optimizer", False)]
         self.shards = [main_param_shards(m) for m in self.members]
-        # elastic mode: this job is one worker; the outer group is the session's (``elastic_rounds``)
-        self.heal, self.session = open_session(self, elastic, config.outer_timeout_s)
         if config.check_identical_start and self.num_workers > 1:
             for shards in self.shards:
                 check_identical_across_workers(shards.tensors, self.group, what="initial parameters",
                                                fix="initialise every worker from the same seed / checkpoint")
-        self.strategy_of, self.fragment_strategies = build_member_strategies(
-            self.shards, self.model_chunks, strategy_factory, self.session.comm if self.session else self.group,
-            config.fragments)
-        self.strategies: List[OuterStrategy] = [s for ss in self.fragment_strategies for s in ss]
-        identical = config.identical_across_workers
-        if identical is None:
-            identical = all(s.capabilities.identical_across_workers for s in self.strategies)
-        self.identical_across_workers = identical
-        schedule = RoundSchedule(config.inner_steps, config.overlap_steps, config.fragments)
-        self.fragment_offsets = schedule.offsets
-        self.rounds = (ElasticRounds(self.strategies, schedule, self, self.session, elastic, self.heal, identical)
-                       if self.session and elastic and self.heal else OuterRounds(
-                           self.fragment_strategies, schedule, config.overlap(), config.consistency_check_interval,
-                           identical, hooks=self))
+        self._strategy_factory = strategy_factory
+        self.schedule = RoundSchedule(config.inner_steps, config.overlap_steps, config.fragments)
+        self.fragment_offsets = self.schedule.offsets
+        # the rounds object builds the strategies on the comm of its mode (``build_strategies``)
+        self.rounds: Rounds = rounds_factory(self)
         # Params Megatron ties across pipeline stages (embedding / output layer): copied from the
         # first stage after every outer step, so the copies stay bitwise identical.
         self.tied = TiedParamSync(self.shards, self.strategy_of)
@@ -105,8 +94,19 @@ class OuterLoopOptimizer(ForwardingOptimizer):
         self._anchor_at_first_step = True
         self._param_keys: Dict[int, str] = {}   # id(model param) -> checkpoint key, set by sharded_state_dict
         #: per member, while a checkpoint save has put θ_outer in the params: the live tensors that hold
-        #: θ_outer and θ_local then (``checkpointing.build_save_state``'s ``overrides``)
+        #: θ_outer and θ_local then (``checkpoint.outer_state.build_save_state``'s ``overrides``)
         self._save_overrides: Optional[List[Dict[str, List[torch.Tensor]]]] = None
+
+    def build_strategies(self, comm: Optional[OuterComm | dist.ProcessGroup]) -> List[List[OuterStrategy]]:
+        """Every fragment's strategies on ``comm`` (``rounds.RoundsHost``; called once, by the rounds factory)."""
+        self.strategy_of, self.fragment_strategies = build_member_strategies(
+            self.shards, self.model_chunks, self._strategy_factory, comm, self.config.fragments)
+        self.strategies: List[OuterStrategy] = [s for ss in self.fragment_strategies for s in ss]
+        identical = self.config.identical_across_workers
+        if identical is None:
+            identical = all(s.capabilities.identical_across_workers for s in self.strategies)
+        self.identical_across_workers = identical
+        return self.fragment_strategies
 
     # ------------------------------------------------------------------ placement and counters
     num_workers = property(lambda self: self.placement.num_workers, doc="W, the workers of the job.")
@@ -122,6 +122,11 @@ class OuterLoopOptimizer(ForwardingOptimizer):
     fragment_syncs = property(lambda self: self.rounds.fragment_syncs,
                               doc="Rounds begun per fragment, the same on every rank.")
     algorithms = property(lambda self: sorted({s.name for s in self.strategies}), doc="The strategies' names.")
+    overlap = property(lambda self: self.config.overlap(), doc="Delayed application (τ, merge rule).")
+    consistency_check_interval = property(lambda self: self.config.consistency_check_interval,
+                                          doc="Outer steps between θ_outer comparisons (0: off).")
+    outer_timeout_s = property(lambda self: self.config.outer_timeout_s,
+                               doc="--sparseloco-outer-timeout (None: unset).")
 
     # ------------------------------------------------------------------ the loop
     def is_inner_step_active(self) -> bool:
@@ -214,16 +219,16 @@ class OuterLoopOptimizer(ForwardingOptimizer):
         """Raise ``DivergenceError`` when θ_outer differs between workers (``consistency.check_outer``)."""
         check_outer(self.strategies, self.group, self.outer_steps, self.num_workers)
 
-    # ------------------------------------------------------------------ checkpoints (``outer_checkpoint``)
+    # ------------------------------------------------------------------ checkpoints (``checkpoint/save_load.py``)
     def model_holds_outer_params(self):
-        """Inside the block the model holds θ_outer (``outer_checkpoint.save_with_outer_params``)."""
-        return outer_checkpoint.save_with_outer_params(self)
+        """Inside the block the model holds θ_outer (``save_load.save_with_outer_params``)."""
+        return save_load.save_with_outer_params(self)
 
     def checkpoint_metadata(self) -> dict:
-        return outer_checkpoint.metadata(self)
+        return save_load.metadata(self)
 
     def checkpoint_facts(self) -> dict:
-        return outer_checkpoint.facts(self)
+        return save_load.facts(self)
 
     def state_dict(self):
         raise RuntimeError(
@@ -232,10 +237,10 @@ class OuterLoopOptimizer(ForwardingOptimizer):
             "Fix: use --ckpt-format torch_dist")
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        return outer_checkpoint.sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
+        return save_load.sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
 
     def load_state_dict(self, state_dict) -> None:
-        outer_checkpoint.load_state_dict(self, state_dict)
+        save_load.load_state_dict(self, state_dict)
 
 __all__ = ["OuterLoopOptimizer", "OuterLoopConfig", "OuterLog", "DivergenceError", "WorkerLostError",
            "FORWARDED_METHODS", "FORWARDED_ATTRIBUTES"]

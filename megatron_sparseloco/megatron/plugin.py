@@ -15,13 +15,13 @@
 - ``megatron.training.training.save_checkpoint`` (and ``megatron.training.checkpointing``'s): the
   save runs with θ_outer in the model, so the checkpoint's model part is the synced model and not
   a mixture of the workers' mid-round params (``OuterLoopOptimizer.model_holds_outer_params``);
-- elastic mode (``--sparseloco-lighthouse``; ``megatron/elastic_rounds.py``): ``setup_model_and_optimizer``
-  is followed by the job's first round (join, heal a (re)started job, set the iteration / consumed
-  samples / LR schedule) before the data iterators are built; ``build_pretraining_data_loader`` and
-  ``get_train_valid_test_num_samples`` read worker I's slot of the run's data (``elastic_data``);
+- ``setup_model_and_optimizer`` is followed by the rounds' ``setup`` before the data iterators are
+  built (elastic mode, ``megatron/elastic/rounds.py``: the job's first round, which joins, heals a
+  (re)started job and sets the iteration / consumed samples / LR schedule); ``build_pretraining_data_loader``
+  and ``get_train_valid_test_num_samples`` read worker I's slot of the run's data (``elastic/data_slots.py``);
 - ``megatron.training.training.train_step``: with W > 1 its loss all-reduce runs over the worker's
   data-parallel group; the optimizer wrap also scopes Megatron's timer barriers and rerun-machine
-  flags to the worker (``worker_local``), so inner steps issue no cross-worker collective; and an
+  flags to the worker (``placement/training_reductions.py``), so inner steps issue no cross-worker collective; and an
   iteration a worker leaves inactive (``--sparseloco-inner-steps-per-worker``) runs no
   forward/backward (``auto_steps.skip_inactive_iterations``).
 
@@ -34,6 +34,7 @@ import logging
 import os
 import sys
 import time
+from typing import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def check_sparseloco_args_or_exit(args) -> None:
     ``NONZERO_RANK_EXIT_GRACE_S`` before exiting, so that rank 0 is the first to exit and its message
     is never lost to the launcher's tear-down.
     """
-    from megatron_sparseloco.megatron.arguments import SparseLoCoArgumentError, validate_sparseloco_args
+    from megatron_sparseloco.megatron.args import SparseLoCoArgumentError, validate_sparseloco_args
     try:
         validate_sparseloco_args(args)
     except SparseLoCoArgumentError as exc:
@@ -87,32 +88,49 @@ def explain_resume_error(exc: BaseException):
 
 
 def wrap_optimizer_from_args(optimizer, model_chunks, args):
-    """The OuterLoopOptimizer for validated ``args`` (or ``optimizer`` itself when the plugin is off)."""
+    """The OuterLoopOptimizer for validated ``args`` (or ``optimizer`` itself when the plugin is off): the
+    loop and outer configs ``validate_sparseloco_args`` built, this worker's H_w, and the rounds of the
+    job's mode (``rounds_factory_from_args``)."""
     if getattr(args, "sparseloco_algorithm", None) is None:
         _open_plugin_checkpoints_without_plugin(optimizer)
         return optimizer
+    import dataclasses
+
     import torch.distributed as dist
 
     from megatron_sparseloco.megatron.optimizer import OuterLoopOptimizer
-    from megatron_sparseloco.megatron.strategy_from_args import loop_config_from_args, strategy_factory_from_args
-    from megatron_sparseloco.megatron.worker_isolation import cross_worker_group
+    from megatron_sparseloco.megatron.placement.gradient_isolation import cross_worker_group
+    from megatron_sparseloco.outer.registry import strategy_factory
 
     group = cross_worker_group(model_chunks)
-    elastic = getattr(args, "sparseloco_elastic", None)
-    config = loop_config_from_args(args, dist.get_rank(group) if group is not None else 0)
+    config = dataclasses.replace(args.sparseloco_loop_config)
+    if not config.auto_inner_steps:   # ("auto": H_w measured and agreed at run time)
+        config.active_inner_steps = config.inner_steps_for(dist.get_rank(group) if group is not None else 0)
     global ACTIVE
-    ACTIVE = OuterLoopOptimizer(optimizer, model_chunks, strategy_factory_from_args(args), config, group=group,
-                                elastic=elastic)
+    ACTIVE = OuterLoopOptimizer(optimizer, model_chunks, strategy_factory(args.sparseloco_algorithm,
+                                                                          args.sparseloco_outer_config),
+                                config, group=group, rounds_factory=rounds_factory_from_args(args))
     import atexit
     atexit.register(ACTIVE.close)
-    from megatron_sparseloco.megatron.startup import log_startup, warn_if_outer_state_not_loaded
+    from megatron_sparseloco.megatron.args.startup_report import log_startup, warn_if_outer_state_not_loaded
     log_startup(ACTIVE, args)               # rank 0: resolved settings, worker map, expected bytes
     warn_if_outer_state_not_loaded(args)
     from megatron.training.global_vars import get_timers
 
-    from megatron_sparseloco.megatron.worker_local import make_training_reductions_worker_local
+    from megatron_sparseloco.megatron.placement.training_reductions import make_training_reductions_worker_local
     make_training_reductions_worker_local(ACTIVE.num_workers, get_timers())
     return ACTIVE
+
+
+def rounds_factory_from_args(args):
+    """The one place a job's mode picks its rounds: elastic mode's (``--sparseloco-lighthouse``: the
+    session, the heal, rounds through torchft) or a single job's."""
+    elastic = getattr(args, "sparseloco_elastic", None)
+    if elastic is None:
+        from megatron_sparseloco.megatron.rounds import single_job_rounds
+        return single_job_rounds
+    from megatron_sparseloco.megatron.elastic.rounds import elastic_rounds
+    return elastic_rounds(elastic)
 
 
 def plain_load_message(saved: dict) -> str:
@@ -131,7 +149,7 @@ def _open_plugin_checkpoints_without_plugin(optimizer) -> None:
 
     megatron-core 0.19.2 without Apex/TE cannot load any checkpoint into a fresh distributed
     optimizer (``assert len(steps) == 1``: torch creates Adam's ``step`` only at the first step);
-    the same placeholders the outer loop adds before a load (``checkpointing.ensure_adam_step_state``)
+    the same placeholders the outer loop adds before a load (``checkpoint.outer_state.ensure_adam_step_state``)
     are added here, on load only. Nothing else changes.
     """
     if not hasattr(optimizer, "sharded_state_dict") or getattr(optimizer, "_sparseloco_plain_loader", False):
@@ -141,7 +159,7 @@ def _open_plugin_checkpoints_without_plugin(optimizer) -> None:
     @functools.wraps(orig)
     def sharded_state_dict(model_sharded_state_dict, is_loading: bool = False, **kwargs):
         if is_loading:
-            from megatron_sparseloco.megatron import checkpointing as ckpt
+            from megatron_sparseloco.megatron.checkpoint import outer_state as ckpt
             from megatron_sparseloco.megatron.main_params import member_optimizers
             metadata = kwargs.get("metadata")
             saved = metadata.get(ckpt.METADATA_KEY) if isinstance(metadata, dict) else None
@@ -183,7 +201,7 @@ def log_outer_metrics(iteration: int) -> None:
     from megatron.training.global_vars import get_args, get_tensorboard_writer, get_wandb_writer
     from megatron.training.utils import print_rank_last
 
-    from megatron_sparseloco.megatron.outer_logging import format_log_line, worker_totals, write_scalars
+    from megatron_sparseloco.megatron.metrics import format_log_line, worker_totals, write_scalars
 
     args = get_args()
     if not args.log_interval or iteration % args.log_interval != 0:
@@ -197,11 +215,11 @@ def _with_sparseloco_args(orig_add):
     @functools.wraps(orig_add)
     def add_megatron_arguments(parser):
         parser = orig_add(parser)
-        from megatron_sparseloco.megatron.arguments import add_sparseloco_args
+        from megatron_sparseloco.megatron.args import add_sparseloco_args
         if not any(a.dest == "sparseloco_algorithm" for a in parser._actions):
             parser = add_sparseloco_args(parser)
         if "-h" in sys.argv or "--help" in sys.argv:
-            from megatron_sparseloco.megatron.flag_help import repair_help_strings
+            from megatron_sparseloco.megatron.args.help import repair_help_strings
             repair_help_strings(parser)   # megatron-core 0.19.2's --help trips over a stray '%'
         return parser
     return add_megatron_arguments
@@ -224,27 +242,13 @@ def _wrapping_the_optimizer(orig_get_opt):
     return get_megatron_optimizer
 
 
-def start_elastic_job(scheduler, args) -> None:
-    """Elastic mode, right after Megatron built the model, the optimizer and the LR scheduler (and
-    loaded a checkpoint), before the data iterators: the job's first round (``ElasticRounds.startup``),
-    which heals a (re)started job and sets ``args.iteration`` / consumed samples / the schedule."""
-    if ACTIVE is None or ACTIVE.session is None or ACTIVE.heal is None:
-        return
-    from megatron_sparseloco.megatron.elastic_rounds import ElasticRounds
-    rounds = ACTIVE.rounds
-    assert isinstance(rounds, ElasticRounds), "an elastic job's rounds are ElasticRounds"
-    ACTIVE.heal.scheduler = scheduler
-    rounds.samples_per_round = ACTIVE.config.inner_steps * int(args.global_batch_size)
-    rounds.tokens_per_round = rounds.samples_per_round * int(getattr(args, "seq_length", 0) or 0)
-    rounds.startup()
-
-
-def _starting_the_elastic_job(orig_setup):
+def _setting_up_the_rounds(orig_setup):
     @functools.wraps(orig_setup)
     def setup_model_and_optimizer(*a, **kw):
         model, optimizer, scheduler = orig_setup(*a, **kw)
-        from megatron.training.global_vars import get_args
-        start_elastic_job(scheduler, get_args())
+        if ACTIVE is not None:   # elastic mode: the job's first round (join, heal) before the data iterators
+            from megatron.training.global_vars import get_args
+            ACTIVE.rounds.setup(scheduler, get_args())
         return model, optimizer, scheduler
     return setup_model_and_optimizer
 
@@ -292,7 +296,7 @@ def install() -> None:
     import megatron.training.training as mtrain
 
     from megatron_sparseloco.megatron.auto_steps import skip_inactive_iterations
-    from megatron_sparseloco.megatron.worker_local import wrap_train_step
+    from megatron_sparseloco.megatron.placement.training_reductions import wrap_train_step
 
     margs.add_megatron_arguments = _with_sparseloco_args(margs.add_megatron_arguments)
     margs.validate_args = _checking_sparseloco_args_first(margs.validate_args)
@@ -303,8 +307,17 @@ def install() -> None:
     mtrain.train_step = skip_inactive_iterations(wrap_train_step(mtrain.train_step, _active_workers))
     from megatron.training.global_vars import get_args
 
-    from megatron_sparseloco.megatron.elastic_data import wrap_data_loader, wrap_num_samples
-    mtrain.setup_model_and_optimizer = _starting_the_elastic_job(mtrain.setup_model_and_optimizer)
+    from megatron_sparseloco.megatron.elastic.data_slots import wrap_data_loader, wrap_num_samples
+    mtrain.setup_model_and_optimizer = _setting_up_the_rounds(mtrain.setup_model_and_optimizer)
     mtrain.build_pretraining_data_loader = wrap_data_loader(mtrain.build_pretraining_data_loader, get_args)
     mtrain.get_train_valid_test_num_samples = wrap_num_samples(mtrain.get_train_valid_test_num_samples, get_args)
     _INSTALLED = True
+
+
+def run_pretrain_script(script: str, argv: Sequence[str]) -> None:
+    """Install the plugin and execute the pretrain ``script`` as ``__main__`` with Megatron's ``argv``."""
+    import runpy
+    install()
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")

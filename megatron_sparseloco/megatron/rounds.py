@@ -1,5 +1,11 @@
 """The outer rounds of one rank: per fragment, begin → communicate → commit | rollback → close.
 
+``OuterLoopOptimizer`` builds its rounds object through a ``RoundsFactory`` (``single_job_rounds`` here;
+elastic mode's in ``megatron/elastic/rounds.py``): the factory decides which comm the strategies are
+built on (``RoundsHost.build_strategies``) and owns whatever else its mode needs, so the optimizer and
+the checkpoint code only see the ``Rounds`` interface (the loop's events, ``state_dict`` /
+``load_state_dict`` for checkpoints, ``setup`` before the data iterators, ``close``).
+
 ``OuterRounds`` is what ``OuterLoopOptimizer.step`` hands the inner-step counter to. It asks the
 ``RoundSchedule`` what runs after this step and drives, per fragment p, its ``FragmentRound``:
 the strategies of every member optimizer holding parameters of p on this rank, each running its
@@ -10,7 +16,7 @@ the strategies of every member optimizer holding parameters of p on this rank, e
     delayed (τ ≥ 1)    begin at the launch (local check, compress), communicate on the comm
                        thread, commit (apply) and merge τ inner steps later (``outer/overlap.py``)
 
-Whatever the schedule, a round that committed ends in one place, ``OuterRounds._committed``:
+Whatever the schedule, a round that committed ends in one place, ``OuterRounds.finish_committed``:
 the round's stats are recorded (bytes, times, norms: ``OuterLog``), the tied parameters are
 copied from the first pipeline stage (fragment 0 holds them), the fp32 main params are published
 to the model (main → model copy and the in-worker param all-gather), Megatron's
@@ -27,11 +33,13 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence
 
 import torch.distributed as dist
 
-from megatron_sparseloco.megatron.outer_group import WorkerLostError
+from megatron_sparseloco.comm.interface import OuterComm
+
+from megatron_sparseloco.megatron.placement.outer_group import WorkerLostError
 from megatron_sparseloco.megatron.schedule import RoundSchedule
 from megatron_sparseloco.outer.base import NonFiniteError, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.overlap import CommThread, DelayedOuter, OverlapConfig
@@ -71,6 +79,48 @@ class RoundHooks(Protocol):
     def megatron_timer(self): ...
     def lost_worker_named(self, step_no: int, begin: Optional[str] = None) -> contextlib.AbstractContextManager: ...
     def wait_all(self, step_no: int) -> None: ...
+
+
+class RoundsHost(RoundHooks, Protocol):
+    """What a ``RoundsFactory`` reads from the optimizer wrapper it builds the rounds of."""
+
+    schedule: RoundSchedule
+    overlap: OverlapConfig
+    consistency_check_interval: int
+    group: Optional[dist.ProcessGroup]
+    outer_timeout_s: Optional[float]
+
+    def build_strategies(self, comm: Optional[OuterComm | dist.ProcessGroup]) -> List[List[OuterStrategy]]:
+        """Every fragment's strategies, built on ``comm`` (the outer group they exchange over)."""
+        ...
+
+    @property
+    def identical_across_workers(self) -> bool: ...
+
+
+class Rounds(Protocol):
+    """What the optimizer wrapper and the checkpoint code use of a rounds object (``OuterRounds``, or
+    elastic mode's, which runs each round through its session)."""
+
+    log: OuterLog
+    fragments: List[FragmentRound]
+    fragment_syncs: List[int]
+
+    @property
+    def delayed(self) -> List[DelayedOuter]: ...
+    def after_inner_step(self, calls: int, run_step: Callable[[int], None]) -> None: ...
+    def step(self, fragment: int) -> List[OuterStepStats]: ...
+    def wait(self, fragment: int) -> None: ...
+    def wait_all(self) -> None: ...
+    def restore_counters(self, outer_steps: int, fragment_syncs: List[int], inner_calls: int) -> None: ...
+    def state_dict(self) -> Dict[str, Any]: ...
+    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+    def setup(self, scheduler: Any, args: Any) -> None: ...
+    def close(self) -> None: ...
+
+
+#: builds the rounds of an optimizer wrapper (and, through ``host.build_strategies``, its strategies)
+RoundsFactory = Callable[[RoundsHost], Rounds]
 
 
 class FragmentRound:
@@ -150,17 +200,17 @@ class OuterRounds:
         self.fragment_syncs[fragment] += 1
 
     def step(self, fragment: int) -> List[OuterStepStats]:
-        """The blocking round of ``fragment``; ends in ``_committed``."""
-        t0 = self._start_timer()
+        """The blocking round of ``fragment``; ends in ``finish_committed``."""
+        t0 = self.start_timer()
         step_no = self.log.outer_steps + 1
         with self.hooks.lost_worker_named(step_no, begin="barrier"):
             stats = self.fragments[fragment].step()
-        self._committed(fragment, stats, t0, time.perf_counter)
+        self.finish_committed(fragment, stats, t0, time.perf_counter)
         return stats
 
     def launch(self, fragment: int) -> None:
         """End of a round with τ ≥ 1: every strategy's launch; publishes the params where a launch reset them."""
-        t0 = self._start_timer()
+        t0 = self.start_timer()
         self._launched_step = self.log.outer_steps + 1
         with self.hooks.lost_worker_named(self._launched_step, begin="arrive"):
             reset = self.fragments[fragment].launch()
@@ -189,20 +239,21 @@ class OuterRounds:
             self.wait(p)
 
     def complete(self, fragment: int) -> None:
-        """τ inner steps after the launch: wait, commit, merge; then ``_committed``."""
-        t0 = self._start_timer()
+        """τ inner steps after the launch: wait, commit, merge; then ``finish_committed``."""
+        t0 = self.start_timer()
         waited = self.fragments[fragment].in_flight
         self.wait(fragment)
         self.fragments[fragment].merge()
-        self._committed(fragment, None, t0, time.perf_counter, launch_s=self._exposed_at_launch if waited else None)
+        self.finish_committed(fragment, None, t0, time.perf_counter,
+                              launch_s=self._exposed_at_launch if waited else None)
 
-    def _start_timer(self) -> float:
+    def start_timer(self) -> float:
         timer = self.hooks.megatron_timer()
         if timer is not None:
             timer.start()
         return time.perf_counter()
 
-    def _committed(self, fragment: int, stats: Optional[List[OuterStepStats]], t0: float,
+    def finish_committed(self, fragment: int, stats: Optional[List[OuterStepStats]], t0: float,
                    clock: Callable[[], float], launch_s: Optional[float] = None) -> None:
         """The one place a round ends (module docstring): record (blocking), tied params, publish, timer,
         exposed time, consistency check."""
@@ -239,15 +290,32 @@ class OuterRounds:
 
     def _wait_all(self) -> None:
         """On the comm thread, before a launched round's first collective: every rank arrived at it
-        (``outer_group.OuterStepWatch``: a missing worker is named before any collective is issued)."""
+        (``placement.outer_group.OuterStepWatch``: a missing worker is named before any collective is issued)."""
         self.hooks.wait_all(self._launched_step)
 
-    def merge_due_from_counter(self, calls: int) -> None:
-        """After a checkpoint load: each driver's merge is due iff its fragment launched in the last τ steps."""
+    def restore_counters(self, outer_steps: int, fragment_syncs: List[int], inner_calls: int) -> None:
+        """After a checkpoint load or a heal: the rounds completed and begun, each strategy's round number
+        (P = 1: the rounds completed; P > 1: its fragment's rounds begun), and each driver's merge due iff
+        its fragment launched in the last τ of ``inner_calls`` steps."""
+        self.log.outer_steps = outer_steps
+        self.fragment_syncs = list(fragment_syncs)
         for p, frag in enumerate(self.fragments):
-            due = self.schedule.merge_due(calls, p)
+            for s in frag.strategies:
+                s.outer_steps = outer_steps if len(self.fragments) == 1 else self.fragment_syncs[p]
+            due = self.schedule.merge_due(inner_calls, p)
             for d in frag.delayed:
                 d.merge_due = due
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What this mode adds to the checkpoint's outer-loop facts (a single job: nothing)."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Read back what ``state_dict`` added (``state``: the checkpoint's outer-loop facts)."""
+
+    def setup(self, scheduler: Any, args: Any) -> None:
+        """After Megatron built the model, the optimizer and the LR scheduler, before the data iterators
+        (a single job: nothing to do)."""
 
     def close(self) -> None:
         """Wait for every round in flight and end the comm thread (idempotent)."""
@@ -256,6 +324,13 @@ class OuterRounds:
         if self.comm is not None:
             self.comm.shutdown()
             self.comm = None
+
+
+def single_job_rounds(host: RoundsHost) -> OuterRounds:
+    """The ``RoundsFactory`` of a single job: the strategies on the placement's outer group."""
+    fragment_strategies = host.build_strategies(host.group)
+    return OuterRounds(fragment_strategies, host.schedule, host.overlap, host.consistency_check_interval,
+                       host.identical_across_workers, hooks=host)
 
 
 @contextlib.contextmanager
@@ -278,4 +353,5 @@ def lost_worker_named(num_workers: int, watch, timeout_s: float, step_no: int, b
         raise
 
 
-__all__ = ["FragmentRound", "OuterLog", "OuterRounds", "RoundHooks", "lost_worker_named"]
+__all__ = ["FragmentRound", "OuterLog", "OuterRounds", "RoundHooks", "Rounds", "RoundsFactory", "RoundsHost",
+           "lost_worker_named", "single_job_rounds"]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparseloco.megatron.fragments import per_tensor_state
-from megatron_sparseloco.megatron.worker_isolation import collective_device
+from megatron_sparseloco.comm.collectives import collective_device
 
 
 def is_tied_across_stages(param: torch.Tensor) -> bool:

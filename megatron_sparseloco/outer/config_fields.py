@@ -17,7 +17,7 @@ and everything else reads it from there:
 * ``check_given(config, given)`` refuses a field that was set explicitly although the config
   ignores it in its current mode (``requires={"compress": True}``: the field only applies when
   ``compress`` is True);
-* the Megatron integration (``megatron_sparseloco.megatron.arguments``) builds one
+* the Megatron integration (``megatron_sparseloco.megatron.args.flags``) builds one
   ``--sparseloco-<flag>`` argument per distinct ``flag`` over all registered configs, and reads a
   config back from parsed arguments through the same metadata.
 

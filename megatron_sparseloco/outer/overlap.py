@@ -92,7 +92,7 @@ class OverlapConfig:
 
     def validate(self, inner_steps: Optional[int] = None) -> "OverlapConfig":
         """τ an integer >= 0 and < H (one round in flight at a time), a known merge rule, α in [0, 1]. The
-        errors name the outer loop's fields (``megatron.loop_config.OuterLoopConfig``), whose checks these are."""
+        errors name the outer loop's fields (``megatron.args.loop_config.OuterLoopConfig``), whose checks these are."""
         if not isinstance(self.steps, int) or self.steps < 0:
             raise ConfigError(f"overlap steps must be an integer >= 0, got {self.steps!r}", "overlap_steps")
         if inner_steps is not None and self.steps >= inner_steps > 0 and self.steps > 0:

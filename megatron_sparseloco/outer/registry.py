@@ -94,6 +94,21 @@ def build_outer_config(name: str, **config_fields) -> OuterConfig:
     return cls.config_class(**config_fields).validate()
 
 
+def strategy_factory(name: str, config: OuterConfig):
+    """``(params, group, names, slices) -> strategy``: strategy ``name`` on ``config``, an already validated
+    config object built once (the Megatron integration's, from the flags) and shared by every strategy it
+    builds (one per member optimizer and fragment)."""
+    cls = outer_strategy_class(name)
+    if not isinstance(config, cls.config_class):
+        raise TypeError(f"outer strategy {name!r} takes a {cls.config_class.__name__}, got {type(config).__name__}")
+
+    def build(params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
+              names: Optional[Sequence[str]] = None, slices=None) -> OuterStrategy:
+        return cls(params, group, config, names=names, slices=slices)
+
+    return build
+
+
 def build_outer_strategy(name: str, params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
                          names: Optional[Sequence[str]] = None, slices=None, **config_fields) -> OuterStrategy:
     """Construct strategy ``name`` on ``params`` with ``config_class(**config_fields)``.

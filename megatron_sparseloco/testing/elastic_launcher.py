@@ -1,4 +1,4 @@
-"""Launcher for elastic jobs under test or benchmark: ``megatron_sparseloco.run`` plus round records and fault hooks.
+"""Launcher for elastic jobs under test or benchmark: a pretrain script with the plugin, round records, fault hooks.
 
     torchrun ... -m megatron_sparseloco.testing.elastic_launcher <pretrain script> <args>
     (environment: ELASTIC_OUT, the records' folder; ELASTIC_TAG, the job's name in them)
@@ -28,7 +28,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.run import main
 
 OUT, TAG = os.environ["ELASTIC_OUT"], os.environ.get("ELASTIC_TAG", "job")
 
@@ -128,7 +127,7 @@ def _recorded_train(orig):
                 for k, suffix in (("embedding", "embedding.word_embeddings.weight"), ("output", "output_layer.weight"))
                 if any(n.endswith(suffix) for n, _ in named)}
         _write({"final": True, "sha": _sha([s.anchor for s in opt.strategies]), "params": _sha([p for _, p in named]),
-                "tied": tied, "step": opt.session.step if opt.session is not None else opt.outer_steps,
+                "tied": tied, "step": opt.rounds.session.step if hasattr(opt.rounds, "session") else opt.outer_steps,
                 "iteration": out[0] if isinstance(out, tuple) else None})
         return out
     return train
@@ -139,7 +138,7 @@ def _install() -> None:
     this process) and of megatron.training's ``train``."""
     import megatron.training.training as mtrain
 
-    from megatron_sparseloco.megatron.elastic_rounds import ElasticRounds
+    from megatron_sparseloco.megatron.elastic.rounds import ElasticRounds
 
     hooks = (("startup", _barrier_then_startup(ElasticRounds.startup)),
              ("_round", _held_round(ElasticRounds._round, os.environ.get("ELASTIC_HOLD"))),
@@ -153,5 +152,9 @@ def _install() -> None:
 if __name__ == "__main__":
     import sys
     os.makedirs(OUT, exist_ok=True)
+    if not torch.cuda.is_available():   # as ``megatron_sparseloco.run`` does on a machine without CUDA
+        from megatron_sparseloco.testing.cpu_bridges import apply_cpu_bridges
+        apply_cpu_bridges()
     _install()
-    main(sys.argv[1:])
+    from megatron_sparseloco.megatron.plugin import run_pretrain_script
+    run_pretrain_script(sys.argv[1], sys.argv[2:])

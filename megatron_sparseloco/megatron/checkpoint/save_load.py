@@ -1,7 +1,7 @@
 """The outer loop's part of Megatron's checkpoint, for ``OuterLoopOptimizer``'s checkpoint methods.
 
 ``save_with_outer_params``: the model part of a checkpoint is θ_outer (module docstring of
-``megatron/checkpointing.py`` for the layout); ``sharded_state_dict`` / ``load_state_dict`` add and
+``megatron/checkpoint/outer_state.py`` for the layout); ``sharded_state_dict`` / ``load_state_dict`` add and
 read the outer state; ``metadata`` / ``facts``: the job-wide facts stored in Megatron's content
 metadata and checked on resume.
 """
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparseloco.comm.process_group import as_outer_comm
-from megatron_sparseloco.megatron import checkpointing as ckpt
+from megatron_sparseloco.megatron.checkpoint import outer_state as ckpt
 
 if TYPE_CHECKING:
     from megatron_sparseloco.megatron.optimizer import OuterLoopOptimizer
@@ -110,8 +110,8 @@ def metadata(opt: "OuterLoopOptimizer") -> dict:
             "fragment_syncs": list(opt.fragment_syncs),
             "facts": facts(opt),
             "inner_steps": opt.config.inner_steps,
-            # elastic mode: the run's committed step as this job knows it (torchft's), restored on resume
-            **({"elastic": opt.session.state_dict()} if opt.session is not None else {})}
+            # what the rounds' mode keeps across a resume (``Rounds.state_dict``)
+            **opt.rounds.state_dict()}
 
 
 def facts(opt: "OuterLoopOptimizer") -> dict:
@@ -196,21 +196,16 @@ def load_state_dict(opt: "OuterLoopOptimizer", state_dict) -> None:
         return
     scalars = outer["scalars"]
     opt.inner_calls = int(scalars["inner_calls"])
-    rounds = opt.rounds
-    rounds.log.outer_steps = int(scalars["outer_steps"])
-    rounds.fragment_syncs = [int(n) for n in scalars.get("fragment_syncs", [rounds.log.outer_steps])]
-    for p, frag in enumerate(rounds.fragments):
-        for s in frag.strategies:
-            s.outer_steps = rounds.log.outer_steps if opt.config.fragments == 1 else rounds.fragment_syncs[p]
+    outer_steps = int(scalars["outer_steps"])
+    opt.rounds.restore_counters(outer_steps, [int(n) for n in scalars.get("fragment_syncs", [outer_steps])],
+                                opt.inner_calls)
     # Megatron loaded worker 0's params / moments into every worker: put each worker's back,
     # sliced for this rank's ranges (which may differ from the saving run's).
     ckpt.restore_state(opt.strategy_of, opt.shards, outer["tensors"], opt._param_keys)
     ckpt.restore_scalars(opt.shards, opt.worker_index, opt.worker_rank, opt.worker_size, opt.log,
                          outer["ranks"], opt._param_keys)
     opt._anchor_at_first_step = False
-    rounds.merge_due_from_counter(opt.inner_calls)
-    if opt.session is not None and isinstance(scalars.get("elastic"), dict):
-        opt.session.load_state_dict(scalars["elastic"])
+    opt.rounds.load_state_dict(scalars)
     opt.publish()
 
 

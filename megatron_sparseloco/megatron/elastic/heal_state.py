@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 
-from megatron_sparseloco.megatron.checkpointing import _inner_optimizer, ensure_adam_step_state
+from megatron_sparseloco.megatron.checkpoint.outer_state import _inner_optimizer, ensure_adam_step_state
 
 if TYPE_CHECKING:
     from megatron_sparseloco.megatron.optimizer import OuterLoopOptimizer
@@ -149,6 +149,8 @@ class HealState:
     def load(self, state: Dict[str, Any]) -> None:
         """Apply a received state (validated against ``template``); θ_local ← θ_outer. No collective."""
         opt = self.opt
+        outer_steps = int(state["loop"]["outer_steps"])
+        opt.rounds.restore_counters(outer_steps, [outer_steps], int(state["loop"]["inner_calls"]))
         for s, got in zip(opt.strategies, state["outer"]):
             live = s.elementwise_state()
             for k, v in got.items():
@@ -161,8 +163,6 @@ class HealState:
             s.reset_to_anchor()
         for m, got in enumerate(state["inner"]):
             self._load_inner(m, got)
-        opt.rounds.log.outer_steps = int(state["loop"]["outer_steps"])
-        opt.rounds.fragment_syncs = [opt.rounds.log.outer_steps]
         counters = Counters.from_extra(state["train"]) or Counters()
         counters.apply(opt, self.args_fn(), self.scheduler)
         opt.inner_calls = int(state["loop"]["inner_calls"])

@@ -10,37 +10,33 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional
 
-from megatron_sparseloco.megatron.outer_logging import format_mb
+from megatron_sparseloco.megatron.metrics import format_mb
 
 
 def resolved_settings(args) -> Dict[str, object]:
-    """The settings the outer loop runs with: the loop's, then every flag of the algorithm's config
-    (from the field → flag metadata) that applies in its mode (a field with ``requires`` unmet is left out)."""
-    from megatron_sparseloco.megatron.arguments import dest_of
+    """The settings the outer loop runs with, read from the configs ``validate_sparseloco_args`` built: the
+    loop's, then every flagged field of the algorithm's config that applies in its mode (a field with
+    ``requires`` unmet is left out); a default set from a rule of W says so, with the rule."""
     from megatron_sparseloco.outer.config_fields import flagged_fields
-    from megatron_sparseloco.outer.registry import outer_strategy_class
 
-    algo = args.sparseloco_algorithm
-    out: Dict[str, object] = {"algorithm": algo, "workers W": args.sparseloco_workers}
-    per_worker = getattr(args, "sparseloco_inner_steps_per_worker", None)
-    out["inner steps H"] = (f"{args.sparseloco_inner_steps} (per worker {per_worker})" if per_worker
-                            else args.sparseloco_inner_steps)
-    specs = flagged_fields(outer_strategy_class(algo).config_class)
-    values = {spec.name: getattr(args, dest_of(flag), None) for flag, spec in specs.items()}
-    for flag, spec in specs.items():
-        if any(values.get(other) != needed for other, needed in spec.requires.items()):
+    loop, config = args.sparseloco_loop_config, args.sparseloco_outer_config
+    W = args.sparseloco_workers
+    out: Dict[str, object] = {"algorithm": args.sparseloco_algorithm, "workers W": W}
+    per_worker = loop.inner_steps_per_worker
+    out["inner steps H"] = f"{loop.inner_steps} (per worker {per_worker})" if per_worker else loop.inner_steps
+    for flag, spec in flagged_fields(config).items():
+        if any(getattr(config, other) != needed for other, needed in spec.requires.items()):
             continue
-        value = values[spec.name]
+        value = getattr(config, spec.name)
         out[flag] = ("on" if value else "off") if isinstance(value, bool) else value
-        rule = (getattr(args, "sparseloco_defaults_by_rule", None) or {}).get(spec.name)
-        if rule:   # a default that follows the job's W (and k): say so, with the rule
-            out[flag] = f"{value} (default for W = {args.sparseloco_workers}: {rule})"
-    k, chunk = values.get("k"), values.get("chunk")
+        if spec.name in config.rule_fields:   # a default that follows the job's W (and k)
+            out[flag] = f"{value} (default for W = {W}: {type(config).default_rules[spec.name][0]})"
+    k, chunk = getattr(config, "k", None), getattr(config, "chunk", None)
     if k is not None and chunk and "topk" in out and out.get("chunk-size"):
         out["topk"] = f"{k} of {chunk} ({100.0 * k / chunk:.2f} % density)"
-    out["consistency check"] = (f"every {args.sparseloco_consistency_check_interval} outer steps"
-                                if args.sparseloco_consistency_check_interval else "off")
-    timeout = args.sparseloco_outer_timeout
+    interval = loop.consistency_check_interval
+    out["consistency check"] = f"every {interval} outer steps" if interval else "off"
+    timeout = loop.outer_timeout_s
     out["outer timeout"] = (f"{timeout:g} s" if timeout is not None else
                             f"{getattr(args, 'distributed_timeout_minutes', 10):g} min "
                             "(Megatron's --distributed-timeout-minutes)")
@@ -48,17 +44,16 @@ def resolved_settings(args) -> Dict[str, object]:
     if elastic is not None:
         from megatron_sparseloco.elastic.config import DEFAULT_OUTER_TIMEOUT_S
         out["outer timeout"] = f"{timeout if timeout is not None else DEFAULT_OUTER_TIMEOUT_S:g} s"
-        out["elastic"] = (f"worker slot {elastic.worker_index} of W = {args.sparseloco_workers}, lighthouse "
+        out["elastic"] = (f"worker slot {elastic.worker_index} of W = {W}, lighthouse "
                           f"{elastic.lighthouse}, a round commits with >= {elastic.min_workers} contributors, "
                           f"after a round that did not commit: {elastic.after_failed_round} the local progress")
         run = getattr(args, "sparseloco_run_global_batch_size", None)
         if run is not None:
             out["batch"] = f"the run's --global-batch-size {run}, this job's {args.global_batch_size} (1/W)"
-    if getattr(args, "sparseloco_anchor_on_cpu", False):
+    if getattr(config, "anchor_on_cpu", False):
         out["θ_outer"] = "in pinned host memory (--sparseloco-anchor-on-cpu)"
-    P = getattr(args, "sparseloco_fragments", None) or 1
+    P, H = loop.fragments, loop.inner_steps
     if P > 1:  # (the per-outer-step numbers below are per round: the sum of the P fragment syncs)
-        H = args.sparseloco_inner_steps
         out["fragments P"] = f"{P}, synced at inner steps ≡ {[p * H // P for p in range(P)]} (mod {H})"
     return out
 
@@ -66,7 +61,7 @@ def resolved_settings(args) -> Dict[str, object]:
 def worker_map_lines(args, world_size: int, gpus_per_node: Optional[int] = None,
                      sites: Optional[str] = None) -> List[str]:
     """``worker w: ranks ..., nodes ...`` from the layout helper (no process group needed)."""
-    from megatron_sparseloco.megatron.layout import LayoutError, _ranges, compute_layout
+    from megatron_sparseloco.megatron.placement.rank_layout import LayoutError, _ranges, compute_layout
     gpn = gpus_per_node or world_size
     try:
         lay = compute_layout(max(world_size // gpn, 1), gpn, tp=args.tensor_model_parallel_size,
@@ -145,7 +140,7 @@ def log_startup(wrapper, args) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     # entropy-coded indices: the expected bytes are a bound (a strategy whose bytes depend on the round says None)
-    entropy = getattr(args, "sparseloco_index_coding", None) == "entropy"
+    entropy = getattr(args.sparseloco_outer_config, "index_coding", None) == "entropy"
     elastic = getattr(args, "sparseloco_elastic", None)
     workers = ([f"  this job (ranks 0-{world - 1}): worker slot {elastic.worker_index} of {args.sparseloco_workers}; "
                 "the other workers are jobs of their own"] if elastic is not None else

@@ -2,7 +2,7 @@
 
 Each field is declared with ``outer.config_fields.flag_field`` (a ``--sparseloco-<flag>``) or
 ``config_field`` (set by the integration at run time, no flag). The command line
-(``megatron/arguments.py``), the Python API (``OuterLoopOptimizer``), the recipes and the
+(``megatron/args/flags.py``), the Python API (``OuterLoopOptimizer``), the recipes and the
 benchmarks are derived from these declarations; ``validate`` is the one place the loop's
 cross-field rules live:
 
@@ -74,6 +74,12 @@ class OuterLoopConfig:
     def auto_inner_steps(self) -> bool:
         """H_w measured at run time (``inner_steps_per_worker="auto"``)."""
         return self.inner_steps_per_worker == AUTO
+
+    def inner_steps_for(self, worker_index: int) -> int:
+        """Worker ``worker_index``'s H_w: its entry of the per-worker list, else H (with "auto": H until the
+        first agreement of the measured step counts)."""
+        per_worker = self.inner_steps_per_worker
+        return per_worker[worker_index] if isinstance(per_worker, list) else self.inner_steps
 
     def overlap(self) -> OverlapConfig:
         return OverlapConfig(steps=self.overlap_steps, merge=self.overlap_merge, alpha=self.overlap_alpha)

@@ -26,6 +26,8 @@ from typing import Sequence
 
 import torch
 
+from megatron_sparseloco.comm.collectives import collective_device
+
 
 def _unwrap_ddp(chunk):
     """The megatron-core DistributedDataParallel inside a model chunk (Float16Module etc. unwrapped)."""
@@ -78,12 +80,6 @@ def cross_worker_group(model_chunks: Sequence):
     return ddp.inter_dist_opt_group
 
 
-def collective_device() -> torch.device:
-    """Where this rank's small control tensors (flags, tables) live for a collective: the current
-    CUDA device (NCCL) when there is one, else the CPU (gloo)."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def intra_worker_group():
     """All ranks of this rank's worker (Megatron's intra distributed-optimizer-instance group)."""
     from megatron.core import parallel_state
@@ -94,8 +90,9 @@ def any_in_worker(flag: bool, group=None) -> bool:
     """True when ``flag`` holds on any rank of the worker (default: Megatron's intra-instance group), for
     decisions every rank of the worker must share (one all-reduce MAX; its ranks run in lockstep)."""
     import torch.distributed as dist
-    t = torch.tensor([1.0 if flag else 0.0], device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=intra_worker_group() if group is None else group)
+    group = intra_worker_group() if group is None else group
+    t = torch.tensor([1.0 if flag else 0.0], device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
 
 

@@ -2,9 +2,11 @@
 
 In elastic mode (``--sparseloco-lighthouse``) each worker is its own Megatron job; group rank g
 (this rank's ``torch.distributed`` rank in its job) of every live job forms the outer group of
-shard position g, which torchft rebuilds at every quorum. ``OuterLoopOptimizer`` builds its
-strategies on ``session.comm`` and hands its blocking rounds (τ = 0, one fragment: what
-``elastic.config`` accepts) to ``ElasticRounds.step``:
+shard position g, which torchft rebuilds at every quorum. The plugin hands ``OuterLoopOptimizer``
+the factory ``elastic_rounds(config)``: it opens the session, builds the strategies on ``session.comm``
+(``RoundsHost.build_strategies``) and returns the ``ElasticRounds`` that owns the session and the heal
+state; the optimizer's blocking rounds (τ = 0, one fragment: what ``elastic.config`` accepts) go to
+``ElasticRounds.step``:
 
     finite = every rank of the job finite              (one in-job all-reduce MAX)
     rnd = session.begin_round(contributes, finite, samples, tokens, fingerprint(θ_outer), counters)
@@ -18,7 +20,7 @@ strategies on ``session.comm`` and hands its blocking rounds (τ = 0, one fragme
                 spans both rounds) or ← θ_outer (``discard``, as torchft's DiLoCo;
                 ``--sparseloco-elastic-after-failed-round``); a non-finite job always discards
 
-``startup()`` is the job's first round, run by the plugin before the data iterators exist: it
+``setup(scheduler, args)`` runs the job's first round (``startup``), before the data iterators exist: it
 contributes nothing; a (re)started job behind the run heals there (θ_outer, outer momentum, inner
 Adam state, iteration, consumed samples, LR schedule) and a job at the run's step takes the run's
 counters from the headers, so its data slot continues where the run is. A job that falls behind
@@ -35,18 +37,17 @@ differ by design, gossip, send none).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megatron_sparseloco.comm.collectives import collective_device
 from megatron_sparseloco.elastic.config import DEFAULT_OUTER_TIMEOUT_S, ElasticConfig
 from megatron_sparseloco.elastic.session import ElasticExit, ElasticSession, Round
 from megatron_sparseloco.megatron.consistency import fingerprint
-from megatron_sparseloco.megatron.elastic_state import Counters, HealState, heal_summary, megatron_args
-from megatron_sparseloco.megatron.rounds import OuterRounds, RoundHooks
-from megatron_sparseloco.megatron.schedule import RoundSchedule
-from megatron_sparseloco.megatron.worker_isolation import collective_device
+from megatron_sparseloco.megatron.elastic.heal_state import Counters, HealState, heal_summary, megatron_args
+from megatron_sparseloco.megatron.rounds import OuterRounds, RoundsFactory, RoundsHost
 from megatron_sparseloco.outer.base import NonFiniteError, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.overlap import OverlapConfig
 from megatron_sparseloco.outer.round import RoundPlan
@@ -62,14 +63,12 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def open_session(opt: "OuterLoopOptimizer", config: Optional[ElasticConfig], outer_timeout_s: Optional[float]
-                 ) -> Tuple[Optional[HealState], Optional[ElasticSession]]:
-    """This rank's heal state and session (None, None outside elastic mode): group rank = its rank in
-    the job, the job's store (MASTER_ADDR / MASTER_PORT, torchrun's), every operation bounded by
-    ``outer_timeout_s`` (``--sparseloco-outer-timeout``; unset: ``DEFAULT_OUTER_TIMEOUT_S``)."""
+def open_session(opt: "OuterLoopOptimizer", config: ElasticConfig, outer_timeout_s: Optional[float]
+                 ) -> Tuple[HealState, ElasticSession]:
+    """This rank's heal state and session: group rank = its rank in the job, the job's store (MASTER_ADDR /
+    MASTER_PORT, torchrun's), every operation bounded by ``outer_timeout_s`` (``--sparseloco-outer-timeout``;
+    unset: ``DEFAULT_OUTER_TIMEOUT_S``)."""
     import os
-    if config is None:
-        return None, None
     heal = HealState(opt, megatron_args)
     world = dist.get_world_size() if dist.is_initialized() else 1
     session = ElasticSession(config, group_rank=_rank(), group_world_size=world,
@@ -80,27 +79,75 @@ def open_session(opt: "OuterLoopOptimizer", config: Optional[ElasticConfig], out
     return heal, session
 
 
-class ElasticRounds(OuterRounds):
-    """Blocking rounds over the elastic session (module docstring); the rest as ``OuterRounds``."""
+def elastic_rounds(config: ElasticConfig) -> RoundsFactory:
+    """The ``RoundsFactory`` of an elastic job: open the session, build the strategies on its comm."""
 
-    def __init__(self, strategies: List[OuterStrategy], schedule: RoundSchedule, hooks: RoundHooks,
-                 session: ElasticSession, config: ElasticConfig, heal: HealState, identical: bool):
-        super().__init__([strategies], schedule, OverlapConfig(), 0, identical, hooks)
-        self.strategies, self.session, self.config, self.heal = strategies, session, config, heal
-        self.identical = identical
-        #: samples and tokens a contributing round of this job carries (set by the plugin from Megatron's args)
+    def build(host: RoundsHost) -> "ElasticRounds":
+        heal, session = open_session(host, config, host.outer_timeout_s)   # type: ignore[arg-type]
+        (strategies,) = host.build_strategies(session.comm)    # one fragment (``elastic.config``)
+        return ElasticRounds(strategies, host, session, config, heal)
+
+    return build
+
+
+class ElasticRounds:
+    """Blocking rounds over the elastic session (module docstring). A committed round ends as a single
+    job's does (``OuterRounds.finish_committed`` of ``core``, which also keeps the counters)."""
+
+    def __init__(self, strategies: List[OuterStrategy], host: RoundsHost, session: ElasticSession,
+                 config: ElasticConfig, heal: HealState):
+        self.core = OuterRounds([strategies], host.schedule, OverlapConfig(), 0, host.identical_across_workers,
+                                hooks=host)
+        self.strategies, self.hooks, self.session, self.config, self.heal = strategies, host, session, config, heal
+        self.identical = host.identical_across_workers
+        #: samples and tokens a contributing round of this job carries (``setup``, from Megatron's args)
         self.samples_per_round = 0
         self.tokens_per_round = 0
         #: the last round (for logs and tests) and whether it committed
         self.last: Optional[Round] = None
         self.last_committed = False
 
+    # ------------------------------------------------------------------ the ``Rounds`` interface
+    log = property(lambda self: self.core.log, doc="Counters for logging (``OuterLog``).")
+    fragments = property(lambda self: self.core.fragments, doc="The one fragment's strategies.")
+    fragment_syncs = property(lambda self: self.core.fragment_syncs, doc="Rounds begun (one fragment).")
+    delayed = property(lambda self: self.core.delayed, doc="None: elastic rounds are blocking.")
+
+    def after_inner_step(self, calls: int, run_step: Callable[[int], None]) -> None:
+        self.core.after_inner_step(calls, run_step)
+
+    def wait(self, fragment: int) -> None:
+        """Nothing in flight (blocking rounds)."""
+
+    def wait_all(self) -> None:
+        """Nothing in flight (blocking rounds)."""
+
+    def restore_counters(self, outer_steps: int, fragment_syncs: List[int], inner_calls: int) -> None:
+        self.core.restore_counters(outer_steps, fragment_syncs, inner_calls)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The run's committed step as this job knows it (torchft's), kept in the checkpoint's facts."""
+        return {"elastic": self.session.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if isinstance(state.get("elastic"), dict):
+            self.session.load_state_dict(state["elastic"])
+
+    def setup(self, scheduler: Any, args: Any) -> None:
+        """After Megatron built the model, the optimizer and the LR scheduler (and loaded a checkpoint),
+        before the data iterators: the job's first round (``startup``), which heals a (re)started job and
+        sets ``args.iteration`` / consumed samples / the LR schedule."""
+        self.heal.scheduler = scheduler
+        self.samples_per_round = self.core.schedule.inner_steps * int(args.global_batch_size)
+        self.tokens_per_round = self.samples_per_round * int(getattr(args, "seq_length", 0) or 0)
+        self.startup()
+
     # ------------------------------------------------------------------ rounds
     @torch.no_grad()
     def startup(self) -> None:
         """The job's first round (module docstring); before the data iterators are built."""
         self.heal.in_iteration = False
-        t0 = self._start_timer()
+        t0 = self.core.start_timer()
         step, start = self.session.step, self.heal.counters()
         committed, stats, rnd = self._round(contributes=False)
         if rnd.healed:
@@ -119,7 +166,7 @@ class ElasticRounds(OuterRounds):
     def step(self, fragment: int) -> List[OuterStepStats]:
         """The blocking round after H inner steps; a job healed here exits after the round."""
         self.heal.in_iteration = True
-        t0 = self._start_timer()
+        t0 = self.core.start_timer()
         committed, stats, rnd = self._round(contributes=True)
         self._end(committed, stats, rnd, t0)
         if rnd.healed:
@@ -196,7 +243,7 @@ class ElasticRounds(OuterRounds):
     def _end(self, committed: bool, stats: List[OuterStepStats], rnd: Round, t0: float) -> None:
         """A committed round ends in ``_committed``; otherwise the local progress is kept or discarded."""
         if committed:
-            self._committed(0, stats, t0, time.perf_counter)
+            self.core.finish_committed(0, stats, t0, time.perf_counter)
         else:
             if rnd.healed or self.config.after_failed_round == "discard":
                 self._discard()
@@ -238,8 +285,8 @@ class ElasticRounds(OuterRounds):
         self._say(line)
 
     def close(self) -> None:
-        super().close()
+        self.core.close()
         self.session.close()
 
 
-__all__ = ["ElasticRounds", "ElasticSession", "HealState", "open_session"]
+__all__ = ["ElasticRounds", "elastic_rounds", "open_session"]

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from megatron_sparseloco.megatron.fragments import per_tensor_state, state_numel
 from megatron_sparseloco.megatron.main_params import MainParamShards
-from megatron_sparseloco.megatron.model_space import flat_range_boxes, owned_piece, piece_table
+from megatron_sparseloco.megatron.checkpoint.model_space import flat_range_boxes, owned_piece, piece_table
 
 OUTER_KEY = "sparseloco"            # in the optimizer's (sharded) state dict
 METADATA_KEY = "sparseloco"         # in Megatron's checkpoint content metadata

@@ -22,8 +22,9 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_sparseloco.megatron.outer_group import (OuterStepWatch, build_outer_group, single_rank_group)
-from megatron_sparseloco.megatron.worker_isolation import cross_worker_group, intra_worker_group, isolate_workers
+from megatron_sparseloco.megatron.placement.outer_group import (OuterStepWatch, build_outer_group, single_rank_group)
+from megatron_sparseloco.megatron.placement.gradient_isolation import (cross_worker_group, intra_worker_group,
+                                                                       isolate_workers)
 
 
 @dataclass

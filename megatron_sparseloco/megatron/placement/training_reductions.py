@@ -40,7 +40,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_sparseloco.megatron.worker_isolation import collective_device, intra_worker_group
+from megatron_sparseloco.comm.collectives import collective_device
+from megatron_sparseloco.megatron.placement.gradient_isolation import intra_worker_group
 
 
 def worker_dp_cp_group():

@@ -1,201 +1,45 @@
-"""The ``--sparseloco-*`` flags: built from the strategies' config dataclasses, and validated by them.
+"""Validate the ``--sparseloco-*`` flags and build the configs from them, once.
 
-Usage with megatron.training (what ``python -m megatron_sparseloco.run`` does for an unmodified
-pretrain script)::
+``validate_sparseloco_args(args)`` runs before any model is built (the plugin calls it before Megatron's
+own ``validate_args``):
 
-    args = parse_args(extra_args_provider=add_sparseloco_args)
-    validate_sparseloco_args(args)           # before Megatron's validate_args (world size from the launcher)
+    elastic flags          ``elastic.config.validate_elastic_args`` → ``args.sparseloco_elastic``
+    workers and layout     ``--sparseloco-workers W`` onto ``--num-distributed-optimizer-instances W`` (a
+                           DiLoCo worker *is* a distributed-optimizer instance), world size, data-parallel
+                           divisibility, expert-parallel groups, Megatron options we cannot combine with,
+                           checkpoint format
+    the loop config        ``OuterLoopConfig`` from the loop flags given, its ``validate`` (the loop's
+                           cross-field rules), then what depends on the algorithm → ``args.sparseloco_loop_config``
+    the outer config       the algorithm's config from its flags given, its ``validate_given``, the defaults
+                           that depend on W (``resolve_for_workers``), ``check_workers``
+                           → ``args.sparseloco_outer_config``
 
-One source per setting: every field of a registered strategy's config declared with
-``outer.config_fields.flag_field`` is the flag ``--sparseloco-<flag>`` (its type and choices from the
-field, its help from the field's docstring); several algorithms may share a flag, each with its own
-default (``--sparseloco-outer-lr``: DiLoCo 0.7, SparseLoCo a rule of W and k). The loop-level flags
-(workers, inner steps, timeout, consistency checks, overlap, fragments) are the flagged fields of
-``loop_config.OuterLoopConfig``, whose ``validate`` holds the loop's cross-field rules. Every flag is
-None on the parser, so a flag given can be told from one left unset.
-
-``validate_sparseloco_args`` runs before any model is built (the plugin calls it before Megatron's
-own ``validate_args``): the Megatron-layout checks (world size, data-parallel divisibility, Megatron
-options we cannot combine with, checkpoint format),
-then the selected algorithm's config is built from the flags given and runs its own
-``validate_given``; a ``ConfigError`` becomes a ``SparseLoCoArgumentError`` that names the flag
-and the fix. A flag the algorithm's config has no field for is refused, naming the algorithms
-that take it. Finally every flag the algorithm uses is set in place to its resolved value, and
-``--sparseloco-workers W`` is mapped onto Megatron's ``--num-distributed-optimizer-instances W``:
-a DiLoCo worker *is* a distributed-optimizer instance (see ``megatron_sparseloco.megatron.optimizer``).
+Every config is built here once and handed on as an object (the optimizer wrapper, the strategies, the
+start-up report read it); the flags on ``args`` stay as the user gave them. A ``ConfigError`` becomes a
+``SparseLoCoArgumentError`` naming the flag and the fix (``outer.flags.argument_error``); a flag the
+algorithm's config has no field for is refused, naming the algorithms that take it.
 """
 from __future__ import annotations
 
 import argparse
-from typing import Collection, Dict, List, Mapping, Optional, Set, Type
+from typing import Any, Collection, Dict, List, NoReturn, Optional, Type
 
-from megatron_sparseloco.megatron.loop_config import AUTO, OuterLoopConfig
+from megatron_sparseloco.elastic.config import validate_elastic_args
+from megatron_sparseloco.megatron.args.flags import algorithms, flag_table, takers
+from megatron_sparseloco.megatron.args.flags import given as flags_given
+from megatron_sparseloco.megatron.args.loop_config import AUTO, OuterLoopConfig
 from megatron_sparseloco.outer.base import OuterConfig, OuterStrategy
-from megatron_sparseloco.outer.config_fields import (ConfigError, FieldSpec, field_specs, flagged_fields,
-                                                     render_refs)
-from megatron_sparseloco.outer.registry import available_outer_strategies, outer_strategy_class, outer_strategy_classes
-
-#: owner of the loop-level flags in ``flag_table`` (the other owners are algorithm names)
-LOOP = "loop"
+from megatron_sparseloco.outer.config_fields import ConfigError, flagged_fields
+from megatron_sparseloco.outer.flags import SparseLoCoArgumentError, argument_error, dest_of, flag_error, option
+from megatron_sparseloco.outer.registry import available_outer_strategies, outer_strategy_class
 
 
-#: the loop-level flags are the flagged fields of the outer loop's one config (``loop_config``)
-LoopFlags = OuterLoopConfig
-
-
-class SparseLoCoArgumentError(ValueError):
-    """A bad ``--sparseloco-*`` value or combination; the message names the flag and the fix."""
-
-
-def algorithms() -> List[str]:
-    """The registered algorithm names, in registration order."""
-    return list(outer_strategy_classes())
-
-
-ALGORITHMS = tuple(algorithms())
-
-
-# ---------------------------------------------------------------------- flag names and the table
-def option(flag: str) -> str:
-    return "--sparseloco-" + flag
-
-
-def dest_of(flag: str) -> str:
-    return "sparseloco_" + flag.replace("-", "_")
-
-
-def _loop_specs() -> Dict[str, FieldSpec]:
-    return flagged_fields(OuterLoopConfig)
-
-
-def flag_table() -> Dict[str, Dict[str, FieldSpec]]:
-    """flag → {owner: its field spec}; owners: ``LOOP``, then each registered algorithm in order."""
-    table: Dict[str, Dict[str, FieldSpec]] = {}
-    for flag, spec in _loop_specs().items():
-        table.setdefault(flag, {})[LOOP] = spec
-    for name, cls in outer_strategy_classes().items():
-        for flag, spec in flagged_fields(cls.config_class).items():
-            table.setdefault(flag, {})[name] = spec
-    return table
-
-
-#: loop flags that only some strategies take: flag → the ``Capabilities`` field that allows it
-LOOP_FLAG_NEEDS = {"inner-steps-per-worker": "per_worker_inner_steps",
-                   "consistency-check-interval": "identical_across_workers",
-                   "overlap-steps": "supports_overlap", "overlap-merge": "supports_overlap",
-                   "overlap-alpha": "supports_overlap",
-                   # fragments sync parts of one shared θ_outer; gossip's workers hold their own
-                   "fragments": "identical_across_workers"}
-
-
-def takers(flag: str, table: Optional[Dict[str, Dict[str, FieldSpec]]] = None) -> List[str]:
-    """The algorithms with a config field for ``flag`` (for a loop flag: those whose strategy allows it)."""
-    owners = (table or flag_table()).get(flag, {})
-    if LOOP in owners:
-        needs = LOOP_FLAG_NEEDS.get(flag)
-        return [a for a, c in outer_strategy_classes().items() if needs is None or getattr(c.capabilities, needs)]
-    return list(owners)
-
-
-def shared_help(owners: Mapping[str, FieldSpec]) -> str:
-    """A flag's help: its field's docstring; where the algorithms that share the flag describe it differently,
-    each description after the algorithms it belongs to ("diloco/sparseloco: ... gasloc: ...")."""
-    owners_of: Dict[str, List[str]] = {}
-    for owner, spec in owners.items():
-        owners_of.setdefault(spec.help, []).append(owner)
-    if len(owners_of) == 1:
-        return next(iter(owners_of))
-    return " ".join(f"{'/'.join(names)}: {text}" for text, names in owners_of.items())
-
-
-def argparse_help(text: str) -> str:
-    """``text`` as an argparse help string (argparse reads ``%`` as a format: ``1.56 %`` must be ``%%``)."""
-    return text.replace("%", "%%")
-
-
-def _argparse_kwargs(flag: str, owners: Mapping[str, FieldSpec]) -> dict:
-    specs = list(owners.values())
-    first = specs[0]
-    for s in specs[1:]:
-        if (s.type, s.store_true) != (first.type, first.store_true):
-            raise TypeError(f"{option(flag)}: config fields {first.name} and {s.name} declare it with different "
-                            f"types ({first.type.__name__}, {s.type.__name__}) or kinds of flag")
-    help_text = argparse_help(shared_help(owners))
-    if first.type is bool:
-        action = "store_true" if first.store_true else argparse.BooleanOptionalAction
-        return dict(action=action, default=None, help=help_text)
-    choices: List = []
-    for s in specs:
-        choices += [c for c in (s.choices or ()) if c not in choices]
-    kw: Dict[str, object] = dict(type=first.type, default=None, help=help_text)
-    if choices and all(s.choices for s in specs):
-        kw["choices"] = sorted(choices) if first.type in (int, float) else choices
-    return kw
-
-
-def add_sparseloco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--sparseloco-*`` group and the elastic flags (``elastic.config``) to a Megatron
-    argument parser (an ``extra_args_provider``).
-
-    The flags are the union of ``OuterLoopConfig``'s and every registered config's flagged fields, read
-    when called (a strategy registered later shows up on the next parser). Idempotent: a parser
-    that already has the group (the installed plugin adds it) is returned as is.
-    """
-    if any(a.dest == "sparseloco_algorithm" for a in parser._actions):
-        return parser
-    g = parser.add_argument_group(title="sparseloco",
-                                  description="DiLoCo / SparseLoCo / GASLoC outer steps across data-parallel workers")
-    g.add_argument("--sparseloco-algorithm", choices=algorithms(), default=None,
-                   help="Outer algorithm. Unset: the plugin is off and Megatron trains as usual.")
-    for flag, owners in flag_table().items():
-        g.add_argument(option(flag), dest=dest_of(flag), **_argparse_kwargs(flag, owners))
-    from megatron_sparseloco.elastic.config import add_elastic_args  # (it imports this module)
-    return add_elastic_args(parser)
-
-
-# ---------------------------------------------------------------------- errors
-def _fail(flag: str, problem: str, fix: str) -> None:
-    raise SparseLoCoArgumentError(f"{option(flag)}: {problem}. Fix: {fix}")
-
-
-def _render(field_to_flag: Dict[str, FieldSpec]):
-    """``config_fields.render_refs`` callback: a backticked field (``name=value``) as its flag."""
-
-    def render(name: str, value: Optional[str]) -> Optional[str]:
-        spec = field_to_flag.get(name)
-        if spec is None:
-            return None
-        assert spec.flag is not None, f"{name}: field_to_flag holds flagged fields only"
-        opt = option(spec.flag)
-        if value is None:
-            return opt
-        value = value.strip("'\"")
-        if spec.type is bool:
-            on = value == "True"
-            return opt if on or spec.store_true else "--no-" + opt[2:]
-        return f"{opt} {value}"
-
-    return render
-
-
-def argument_error(exc: ConfigError, config_class: type, algo: str) -> SparseLoCoArgumentError:
-    """A config's ``ConfigError`` in flag terms: the flag of the offending field, the fix with flags."""
-    by_field = {s.name: s for s in field_specs(config_class) if s.flag is not None}
-    render = _render(by_field)
-    spec = by_field.get(exc.field) if exc.field else None
-    where = option(spec.flag) if spec is not None and spec.flag is not None else f"--sparseloco-algorithm {algo}"
-    fix = render_refs(exc.fix, render) if exc.fix else "change the value"
-    return SparseLoCoArgumentError(f"{where}: {render_refs(exc.problem, render)}. Fix: {fix}")
-
-
-# ---------------------------------------------------------------------- given flags
-def _given(args: argparse.Namespace) -> Set[str]:
-    """The flags the user gave (every ``--sparseloco-*`` flag is None on the parser when unset)."""
-    return {flag for flag in flag_table() if getattr(args, dest_of(flag), None) is not None}
+def _fail(flag: str, problem: str, fix: str) -> NoReturn:
+    raise flag_error(flag, problem, fix)
 
 
 def _refuse_flags_without_algorithm(args: argparse.Namespace) -> None:
-    stray = sorted(_given(args), key=list(flag_table()).index)
+    stray = flags_given(args)
     if stray:
         raise SparseLoCoArgumentError(
             f"{', '.join(option(f) for f in stray)} given without --sparseloco-algorithm, so it would be ignored. "
@@ -348,7 +192,7 @@ def loop_flags_from_args(args: argparse.Namespace, given: Collection[str],
     try:
         loop.validate()
     except ConfigError as exc:
-        raise argument_error(exc, OuterLoopConfig, algo) from None
+        raise argument_error(exc, OuterLoopConfig, f"--sparseloco-algorithm {algo}") from None
     if loop.consistency_check_interval > 0 and algo not in takers("consistency-check-interval"):
         _fail("consistency-check-interval", f"{algo} workers legitimately differ between rounds, "
               "so θ_outer hashes never agree", f"use 0 with {algo}")
@@ -420,40 +264,28 @@ def outer_config_from_args(args: argparse.Namespace, algo: str, given: Optional[
     strategy = outer_strategy_class(algo)
     cls = strategy.config_class
     table = flag_table()
-    given = _given(args) if given is None else set(given)
-    loop_flags = set(_loop_specs())
+    given = set(flags_given(args)) if given is None else set(given)
+    loop_flags = set(flagged_fields(OuterLoopConfig))
     for flag in sorted(given - loop_flags - set(flagged_fields(cls)), key=list(table).index):
         _refuse_flag_not_taken(flag, getattr(args, dest_of(flag)), algo, cls, table)
     fields = _from_args(args, cls, given)
     try:
         config = cls(**fields).validate_given(fields)
-        ruled = config.resolve_for_workers(args.sparseloco_workers, fields)
+        config.resolve_for_workers(args.sparseloco_workers, fields)
         config.check_workers(args.sparseloco_workers)
     except ConfigError as exc:
-        raise argument_error(exc, cls, algo) from None
-    #: config field → the rule its default came from (shown in the start-up block)
-    args.sparseloco_defaults_by_rule = {name: cls.default_rules[name][0] for name in ruled}
+        raise argument_error(exc, cls, f"--sparseloco-algorithm {algo}") from None
     return config
 
 
-def _store_resolved(args: argparse.Namespace, loop: OuterLoopConfig, config) -> None:
-    """Every flag the algorithm uses set to its resolved value (implied ones too); the others stay None."""
-    for flag, spec in _loop_specs().items():
-        setattr(args, dest_of(flag), getattr(loop, spec.name))
-    for flag, value in type(config).implied_flags.items():
-        setattr(args, dest_of(flag), value)
-    for flag, spec in flagged_fields(config).items():
-        setattr(args, dest_of(flag), getattr(config, spec.name))
-
-
 def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
-    """Check every ``--sparseloco-*`` value and combination; resolve defaults in place.
+    """Check every ``--sparseloco-*`` value and combination, and build the configs (module docstring).
 
     ``world_size`` defaults to ``args.world_size`` (set by Megatron's ``validate_args``). The elastic
-    flags are checked first (``elastic.config.validate_elastic_args``); in elastic mode the job is one
-    worker of ``--sparseloco-workers`` slots and its batch is the run's divided by W (``elastic_job_batch``).
+    flags are checked first; in elastic mode the job is one worker of ``--sparseloco-workers`` slots and
+    its batch is the run's divided by W (``elastic_job_batch``). Sets ``args.sparseloco_loop_config`` and
+    ``args.sparseloco_outer_config`` (with the plugin off ``args`` is left unchanged); idempotent.
     """
-    from megatron_sparseloco.elastic.config import validate_elastic_args  # (it imports this module)
     elastic = validate_elastic_args(args)   # first: in elastic mode W counts slots, not instances
     algo = getattr(args, "sparseloco_algorithm", None)
     if algo is None:
@@ -467,11 +299,25 @@ def validate_sparseloco_args(args: argparse.Namespace, world_size: Optional[int]
         resolve_workers(args)
     else:
         elastic_job_batch(args)
-    given = _given(args)
+    given = set(flags_given(args))
     _check_world_layout(args, world_size if world_size is not None else getattr(args, "world_size", None), strategy,
                         elastic=elastic is not None)
     _check_megatron_options(args)
-    loop = loop_flags_from_args(args, given, strategy)
-    config = outer_config_from_args(args, algo, given)
-    _store_resolved(args, loop, config)
+    args.sparseloco_loop_config = loop_flags_from_args(args, given, strategy)
+    args.sparseloco_outer_config = outer_config_from_args(args, algo, given)
     return args
+
+
+def resolved_flag_values(args: argparse.Namespace) -> Dict[str, Any]:
+    """flag → the value the run uses, read from the validated configs: every loop flag, every flag of the
+    algorithm's config, and the flags its algorithm implies (model averaging: ``outer-lr`` 1.0 ...)."""
+    loop, config = args.sparseloco_loop_config, args.sparseloco_outer_config
+    out: Dict[str, Any] = {flag: getattr(loop, spec.name) for flag, spec in flagged_fields(loop).items()}
+    out.update(type(config).implied_flags)
+    out.update({flag: getattr(config, spec.name) for flag, spec in flagged_fields(config).items()})
+    return out
+
+
+__all__ = ["INCOMPATIBLE_MEGATRON_OPTIONS", "SparseLoCoArgumentError", "elastic_job_batch", "loop_flags_from_args",
+           "outer_config_from_args", "parse_per_worker_steps", "resolve_workers", "resolved_flag_values",
+           "validate_sparseloco_args"]
