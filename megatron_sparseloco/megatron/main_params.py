@@ -42,6 +42,12 @@ class MainParamShards:
         """What each tensor is a piece of: its model parameter's shape and the range held."""
         return [TensorSlice(tuple(p.shape), s, e) for p, (s, e) in zip(self.model_params, self.ranges)]
 
+    def inner_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The torch optimizer (Adam) that steps these tensors, whose ``state[t]`` holds their moments; None
+        when the megatron-core optimizer wraps none."""
+        inner = getattr(self.optimizer, "optimizer", None)
+        return inner if isinstance(inner, torch.optim.Optimizer) else None
+
 
 def _param_names(optimizer) -> dict:
     names = {}

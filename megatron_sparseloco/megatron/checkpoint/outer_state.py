@@ -94,14 +94,9 @@ def ensure_adam_step_state(members) -> int:
     return added
 
 
-def _inner_optimizer(shards: MainParamShards) -> Optional[torch.optim.Optimizer]:
-    inner = getattr(shards.optimizer, "optimizer", None)
-    return inner if isinstance(inner, torch.optim.Optimizer) else None
-
-
 def _inner_elementwise_names(shards: MainParamShards) -> List[str]:
     """Names of the inner optimizer's per-element states (Adam: exp_avg, exp_avg_sq)."""
-    inner = _inner_optimizer(shards)
+    inner = shards.inner_optimizer()
     if inner is None:
         return []
     names: Optional[List[str]] = None
@@ -134,7 +129,7 @@ def elementwise_state(shards: MainParamShards, strategy) -> Dict[str, List[torch
         for k, v in per_tensor_state(strategy).items():
             out[f"outer.{k}"] = v
     out["inner.main_param"] = list(shards.tensors)
-    inner = _inner_optimizer(shards)
+    inner = shards.inner_optimizer()
     for k in _inner_elementwise_names(shards):
         assert inner is not None  # the names come from it
         out[f"inner.{k}"] = [inner.state[t][k] for t in shards.tensors]
@@ -142,7 +137,7 @@ def elementwise_state(shards: MainParamShards, strategy) -> Dict[str, List[torch
 
 
 def _adam_steps(shards: MainParamShards, keys: Dict[int, str]) -> Dict[str, float]:
-    inner = _inner_optimizer(shards)
+    inner = shards.inner_optimizer()
     out: Dict[str, float] = {}
     if inner is None:
         return out
@@ -419,7 +414,7 @@ def restore_state(strategies_by_member, shards_list, loaded: Dict[str, dict], ke
     for key, shards, strategy in zip(member_keys(shards_list), shards_list, strategies_by_member):
         live = elementwise_state(shards, strategy)
         member = loaded[key]
-        inner = _inner_optimizer(shards)
+        inner = shards.inner_optimizer()
         with torch.no_grad():
             for name, tensors in live.items():
                 for i, ((start, end), t) in enumerate(zip(shards.ranges, tensors)):
@@ -480,7 +475,7 @@ def restore_scalars(shards_list, worker: int, worker_rank: int, worker_size: int
         log.bytes_sent, log.bytes_received = totals if worker_rank == 0 else (0, 0)
     steps = entry["adam_step"]
     for sh in shards_list:
-        inner = _inner_optimizer(sh)
+        inner = sh.inner_optimizer()
         if inner is None:
             continue
         for t, p in zip(sh.tensors, sh.model_params):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 
-from megatron_sparseloco.megatron.checkpoint.outer_state import _inner_optimizer, ensure_adam_step_state
+from megatron_sparseloco.megatron.checkpoint.outer_state import ensure_adam_step_state
 
 if TYPE_CHECKING:
     from megatron_sparseloco.megatron.optimizer import OuterLoopOptimizer
@@ -99,7 +99,7 @@ def _scalar(v: Any) -> Any:
 
 def _inner_state(opt: "OuterLoopOptimizer", member: int) -> Dict[str, Any]:
     """Member ``member``'s inner optimizer state on this rank: per shard tensor its state tensors."""
-    inner = _inner_optimizer(opt.shards[member])
+    inner = opt.shards[member].inner_optimizer()
     if inner is None:
         return {"params": [], "group_steps": []}
     params = [{k: v for k, v in sorted(inner.state.get(t, {}).items()) if torch.is_tensor(v)}
@@ -169,7 +169,7 @@ class HealState:
         opt._anchor_at_first_step = False
 
     def _load_inner(self, member: int, got: Dict[str, Any]) -> None:
-        inner = _inner_optimizer(self.opt.shards[member])
+        inner = self.opt.shards[member].inner_optimizer()
         if inner is None:
             return
         for t, values in zip(self.opt.shards[member].tensors, got["params"]):
