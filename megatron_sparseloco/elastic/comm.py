@@ -31,10 +31,24 @@ The operation that failed returns the same stand-in, except ``all_reduce_``, who
 hold a partial reduction (gloo reduces in place). Stand-ins are finite and decode like real
 payloads, so the strategy completes its communicate phase without raising; nothing it computed
 in that round is committed.
+
+Payload authentication (``authenticate(key, context)``, set by the session every round): every
+payload ``all_gather_payloads`` moves carries a tag
+
+    tag_r = mac(key, "payload", context ‖ r ‖ payload_r)        (32 bytes, appended; counted as sent)
+
+where ``context`` binds the round (the session's round challenge) and r is the sender's position
+in the gather. A contributor's payload whose tag does not verify (a bit flipped or a message cut
+on the WAN, a peer without the run's secret, a payload replayed from another round or position)
+fails the operation like a lost member: ``PayloadAuthError`` is reported and the stand-in is
+returned, so nothing received is decoded. Payloads of participants that do not contribute are
+not checked (nobody decodes them). Dense all-reduces cannot carry a tag (the sum is formed on the
+wire); their aggregate is checked for finiteness before the commit vote instead (``RoundPlan``).
 """
 from __future__ import annotations
 
 import logging
+import struct
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
@@ -45,12 +59,39 @@ from megatron_sparseloco.comm.collectives import CommCounter
 from megatron_sparseloco.comm.interface import REDUCE_OPS, OuterComm
 from megatron_sparseloco.comm.pending import Pending
 from megatron_sparseloco.comm.p2p import check_payloads, check_peers
+from megatron_sparseloco.elastic.auth import mac, mac_ok
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: send / recv tags of the outer exchanges (the heal stream uses its own, ``elastic.heal``)
 TAG_SIZES, TAG_DATA = 1, 2
+#: bytes of a payload's authentication tag
+PAYLOAD_TAG_BYTES = 32
+
+
+class PayloadAuthError(RuntimeError):
+    """A contributor's payload failed its authentication tag: the round must not decode it."""
+
+
+def sign_payload(key: bytes, context: bytes, position: int, payload: torch.Tensor) -> torch.Tensor:
+    """``payload`` (1-D uint8) with its tag appended (module docstring)."""
+    data = payload.detach().cpu().contiguous().numpy().tobytes()
+    tag = mac(key, "payload", context + struct.pack("<q", position) + data)
+    return torch.cat([payload, torch.frombuffer(bytearray(tag), dtype=torch.uint8).to(payload.device)])
+
+
+def open_payloads(key: bytes, context: bytes, signed: List[torch.Tensor], check: Sequence[int]) -> List[torch.Tensor]:
+    """The payloads without their tags; raises ``PayloadAuthError`` naming the first position of ``check``
+    whose tag does not verify (a payload shorter than a tag fails too)."""
+    for r in check:
+        raw = signed[r].detach().cpu().contiguous().numpy().tobytes()
+        body, tag = raw[:-PAYLOAD_TAG_BYTES], raw[-PAYLOAD_TAG_BYTES:]
+        if len(raw) < PAYLOAD_TAG_BYTES or not mac_ok(key, "payload", context + struct.pack("<q", r) + body, tag):
+            raise PayloadAuthError(f"the payload of group rank {r} fails its authentication tag (altered or cut in "
+                                   "transit, from another round or position, or not from a holder of the run's "
+                                   "secret); this round decodes nothing and rolls back")
+    return [t[:-PAYLOAD_TAG_BYTES] if t.numel() >= PAYLOAD_TAG_BYTES else t[:0] for t in signed]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -68,6 +109,14 @@ class TorchFTComm(OuterComm):
         self._size, self._rank = 1, 0
         #: this round's contributors (``set_contributors``; None: every participant)
         self._contributors: Optional[List[int]] = None
+        #: the run's MAC key and this round's context for payload tags (``authenticate``; None: no tags)
+        self._key: Optional[bytes] = None
+        self._context = b""
+
+    def authenticate(self, key: Optional[bytes], context: bytes = b"") -> None:
+        """Tag every all-gathered payload of this round under ``key``, bound to ``context`` (module
+        docstring); None: no tags."""
+        self._key, self._context = key, bytes(context)
 
     # ------------------------------------------------------------------ round and identity
     def sync_with_quorum(self) -> None:
@@ -176,20 +225,24 @@ class TorchFTComm(OuterComm):
         if world == 1 or self.error is not None:
             return Pending.completed(stand_in())
 
+        key, context = self._key, self._context
+
         def launch() -> Pending[List[torch.Tensor]]:
-            sizes = [payload.numel()] * world if equal_sizes else self._gather_sizes(payload)
+            sent = payload if key is None else sign_payload(key, context, self.rank, payload)
+            sizes = [sent.numel()] * world if equal_sizes else self._gather_sizes(sent)
             max_size = max(sizes)
-            padded = payload.contiguous()
-            if payload.numel() < max_size:
-                padded = torch.zeros(max_size, dtype=torch.uint8, device=payload.device)
-                padded[: payload.numel()] = payload
-            gathered = [torch.empty(max_size, dtype=torch.uint8, device=payload.device) for _ in range(world)]
+            padded = sent.contiguous()
+            if sent.numel() < max_size:
+                padded = torch.zeros(max_size, dtype=torch.uint8, device=sent.device)
+                padded[: sent.numel()] = sent
+            gathered = [torch.empty(max_size, dtype=torch.uint8, device=sent.device) for _ in range(world)]
             work = self.pg.allgather([gathered], [padded], AllgatherOptions())
             self.counter.add("all_gather", max_size, max_size * (world - 1))
 
             def finish() -> List[torch.Tensor]:
                 self._wait(work)
-                return [g[:s] for g, s in zip(gathered, sizes)]
+                got = [g[:s] for g, s in zip(gathered, sizes)]
+                return got if key is None else open_payloads(key, context, got, self.contributors)
 
             return Pending(lambda: self._guard(finish, stand_in))
 
@@ -273,4 +326,5 @@ class TorchFTComm(OuterComm):
         return self._guard(run, stand_in)
 
 
-__all__ = ["TorchFTComm", "TAG_SIZES", "TAG_DATA"]
+__all__ = ["PAYLOAD_TAG_BYTES", "PayloadAuthError", "TorchFTComm", "TAG_SIZES", "TAG_DATA", "open_payloads",
+           "sign_payload"]

@@ -50,7 +50,8 @@ class DensePlan(RoundPlan):
         compress:  Δ_b = θ_outer − θ_local (fp32, into the bucket's buffer), ‖Δ‖² accumulated,
                    a ``comm_dtype`` wire copy (fp32: the buffer itself)
         exchange:  all-reduce SUM of the wire (gloo and NCCL have no portable AVG), asynchronous
-        apply:     back to fp32, ÷W: Δ̄_b; outer SGD θ_outer ← θ_outer − lr·u(Δ̄_b) (``outer/sgd.py``)
+        validate:  back to fp32, ÷W: Δ̄_b (into the bucket's buffer; whether it is finite is recorded)
+        apply:     outer SGD θ_outer ← θ_outer − lr·u(Δ̄_b) (``outer/sgd.py``)
 
     W is the number of this round's contributors (``OuterComm.contributors``); a rank that takes
     part without contributing (an elastic job that just healed) sends zeros.
@@ -69,6 +70,8 @@ class DensePlan(RoundPlan):
         #: Δ̄ is the mean over this round's contributors (W over a c10d group)
         self.n_contributors = len(strategy.comm.contributors)
         self.contributes = strategy.comm.contributes
+        #: no validated Δ̄ held a NaN / Inf (a device flag, read by ``aggregate_finite``)
+        self.finite = torch.ones((), dtype=torch.bool, device=strategy.device)
 
     def compress(self, b: int) -> None:
         s, e = self.ranges[b]
@@ -86,14 +89,24 @@ class DensePlan(RoundPlan):
         assert wire is not None
         return self.dense.comm.start_all_reduce_(wire, op="sum")
 
-    def apply(self, b: int, received: Any) -> None:
-        s, e = self.ranges[b]
+    def validate(self, b: int, received: Any) -> torch.Tensor:
+        """Δ̄_b in fp32 (the bucket's buffer); its finiteness folded into ``finite`` (no host read)."""
         work, wire = self.work[b], received
         self.wires[b] = None
         if wire.dtype != work.dtype:  # a bf16 wire copy (an fp32 wire is ``work`` itself)
             work.copy_(wire)
         if self.n_contributors > 1:
             work.div_(self.n_contributors)
+        if self.held:
+            self.finite &= torch.isfinite(work).all()
+        return work
+
+    def aggregate_finite(self) -> bool:
+        return bool(self.finite.item())
+
+    def apply(self, b: int, received: Any) -> None:
+        s, e = self.ranges[b]
+        work = received
         lr, momentum, nesterov = self.dense.sgd_settings()
         mom = None if self.dense.momentum is None else self.dense.momentum[s:e]
         anchor = self.dense.anchor_bucket(s, e)

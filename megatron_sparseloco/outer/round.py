@@ -9,7 +9,11 @@ A strategy describes its outer step as a ``RoundPlan``: three phases per bucket 
     start_exchange(b)    every collective of bucket b, issued; returns a ``comm.pending.Pending``
                          whose ``wait()`` gives what the others sent (asynchronous where the
                          communication interface allows it; multi-phase exchanges run at once)
-    apply(b, received)   θ_outer and the strategy state on bucket b (no write into the params)
+    validate(b, recv)    decode what was received and reduce it to what ``apply`` needs (SparseLoCo:
+                         the mean of the contributors' sparse values; dense: Δ̄), touching no state of
+                         the strategy; the codec's checks are recorded, raised by ``check_validated``
+    apply(b, valid)      θ_outer and the strategy state on bucket b from the validated data (no write
+                         into the params)
     finish()             the round's totals into its ``OuterStepStats``
     cancel()             undo every compress: the state exactly as before the round
 
@@ -20,8 +24,11 @@ and the caller schedules them in one of two ways:
   soon as its exchange completed. At most ``depth`` = 2 buckets' buffers exist at a time.
 * **held** (delayed application τ ≥ 1, ``outer/overlap.py``; elastic rounds): ``compress_all`` at
   launch, ``exchange_all`` later (every bucket's collective started, then every one waited for),
-  then ``commit`` (apply every bucket, finish) or ``cancel``. Every bucket's buffers exist until
-  the round ends.
+  ``validate_all`` (every bucket validated, then ``check_validated``: a payload that fails a codec
+  check raises here, before anything is applied; ``aggregate_finite`` says whether the validated
+  aggregate is finite), then ``commit`` (apply every bucket, finish) or ``cancel``. Every bucket's
+  buffers exist until the round ends. An elastic round validates before its commit vote, so a
+  commit only writes data already checked and cannot fail on a peer's bytes.
 
 Both run the same operations on the same bucket ranges in bucket order, and the round's
 accumulators (norms, counts) are added in bucket order in both, so θ_outer and the stats come out
@@ -154,6 +161,8 @@ class RoundPlan(abc.ABC):
         self.depth = len(self.ranges) if held else self.PIPELINE_DEPTH
         self.clock = clock_of(stats, strategy.device)
         self.received: Dict[int, Any] = {}
+        #: the held schedule's ``validate_all`` ran (``received`` then holds validated data)
+        self.validated = False
         #: bucket → θ_outer of it on the params' device as ``apply`` left it (``anchor_on_cpu``: the
         #: staged copy), for the write-back that follows, so θ_outer is staged once per apply
         self.staged: Dict[int, torch.Tensor] = {}
@@ -172,9 +181,21 @@ class RoundPlan(abc.ABC):
     def start_exchange(self, b: int) -> Pending:
         """Issue bucket b's collectives; the result is what ``apply`` takes."""
 
+    def validate(self, b: int, received: Any) -> Any:
+        """Bucket b's received data decoded and reduced to what ``apply`` takes, without changing the
+        strategy's state (default: nothing to decode). Codec checks are recorded, not raised."""
+        return received
+
+    def check_validated(self) -> None:
+        """Raise the first check that failed in the ``validate`` calls so far (default: none)."""
+
+    def aggregate_finite(self) -> bool:
+        """Whether every validated aggregate is finite (one host read; default: True)."""
+        return True
+
     @abc.abstractmethod
     def apply(self, b: int, received: Any) -> None:
-        """θ_outer and the strategy state on bucket b from what was received (no params written)."""
+        """θ_outer and the strategy state on bucket b from what ``validate`` returned (no params written)."""
 
     def finish(self) -> None:
         """The round's totals into ``self.stats`` (after the last apply)."""
@@ -204,7 +225,7 @@ class RoundPlan(abc.ABC):
         with self._phase("time_communicate_s"):
             received = started.wait()
         with self._phase("time_apply_s"):
-            self.apply(b, received)
+            self.apply(b, self.validate(b, received))
             self._write_back(b, write_back)
 
     def compress_all(self) -> None:
@@ -219,8 +240,21 @@ class RoundPlan(abc.ABC):
         for b, pending in enumerate(started):
             self.received[b] = pending.wait()
 
+    def validate_all(self) -> None:
+        """Held schedule, after ``exchange_all``: every bucket validated, then ``check_validated``
+        (raises on a payload that fails a codec check, before anything is applied). Idempotent."""
+        if self.validated:
+            return
+        with self._phase("time_apply_s"):
+            for b in range(len(self.ranges)):
+                self.received[b] = self.validate(b, self.received[b])
+        self.validated = True
+        self.check_validated()
+
     def commit(self, write_back: bool) -> None:
-        """Held schedule, after ``exchange_all``: apply every bucket (and write it back), finish."""
+        """Held schedule, after ``exchange_all`` (and ``validate_all``, run here if it was not): apply every
+        bucket (and write it back), finish."""
+        self.validate_all()
         with self._phase("time_apply_s"):
             for b in range(len(self.ranges)):
                 self.apply(b, self.received.pop(b))

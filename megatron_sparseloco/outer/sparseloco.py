@@ -331,8 +331,13 @@ class SparseLoCoPlan(RoundPlan):
         largest = max(e - s for s, e in self.ranges)
         dev = strategy.device
         self.scratch = torch.empty(largest, dtype=torch.float32, device=dev)       # Δ of the bucket compressed
-        self.work = torch.empty(largest, dtype=torch.float32, device=dev)          # the mean of the bucket applied
+        #: the mean of the bucket validated: one buffer (pipelined: each bucket is applied right after), or
+        #: one per bucket (held: every bucket is validated before the first is applied)
+        self.means = self.buffers() if held else None
+        self.work = None if held else torch.empty(largest, dtype=torch.float32, device=dev)
         self.counts = torch.empty(largest, dtype=strategy.count_dtype, device=dev)
+        #: no validated mean held a NaN / Inf (a device flag, read by ``aggregate_finite``)
+        self.finite = torch.ones((), dtype=torch.bool, device=dev)
         rs = strategy.reduce_scatter is not None
         self.rs_out: Optional[BucketBuffers] = self.buffers() if rs else None
         self.rs_counts: Optional[BucketBuffers] = self.buffers(strategy.count_dtype) if rs else None
@@ -367,14 +372,32 @@ class SparseLoCoPlan(RoundPlan):
         rs_counts = None if self.rs_counts is None else self.rs_counts[b]
         return self.sl._exchange_bucket(b, s, e, plan, self.sent[b][0], rs_out, rs_counts)
 
-    def apply(self, b: int, received: Any) -> None:
+    def validate(self, b: int, received: Any) -> Tuple[Any, torch.Tensor]:
+        """Decode and average bucket b (θ_outer untouched): (what was received, the mean)."""
         (s, e), plan = self.ranges[b], self.plans[b]
-        _, local = self.sent.pop(b)
         n = e - s
+        local = self.sent[b][1]
         rs_out = None if self.rs_out is None else self.rs_out[b]
+        work = self.means[b] if self.means is not None else self.work[:n]   # type: ignore[index]
         with self.checks.active():
-            self.sl._apply_bucket(s, e, plan, received, local, rs_out, self.work[:n], self.counts[:n], self.tot,
-                                  self.checks)
+            mean = self.sl._validate_bucket(s, e, plan, received, local, rs_out, work, self.counts[:n], self.tot,
+                                            self.checks)
+        if self.held:
+            self.finite &= torch.isfinite(mean).all()
+        return received, mean
+
+    def check_validated(self) -> None:
+        self.checks.raise_first()
+
+    def aggregate_finite(self) -> bool:
+        return bool(self.finite.item())
+
+    def apply(self, b: int, received: Any) -> None:
+        s, e = self.ranges[b]
+        got, mean = received
+        _, local = self.sent.pop(b)
+        with self.checks.active():
+            self.sl._update_bucket(s, e, got, local, mean, self.tot)
         staged, self.sl._staged = self.sl._staged, None
         if staged is not None:
             self.staged[b] = staged
@@ -412,7 +435,7 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
         cfg = self.config
         #: the running round's contributors and outer lr (``SparseLoCoPlan``)
         self.round_workers, self.round_lr = self.world_size, cfg.lr
-        #: θ_outer of the bucket ``_finish_bucket`` just updated, on the params' device (for its write-back)
+        #: θ_outer of the bucket ``_outer_update`` just updated, on the params' device (for its write-back)
         self._staged: Optional[torch.Tensor] = None
         self.codec = cfg.codec()
         #: tensor chunking: the buckets and their segments (None in flat chunking)
@@ -508,15 +531,15 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
             raise RuntimeError(f"{name}: codec produced {payload.numel()} bytes, the size formula promises {expected}")
         return payload, local
 
-    def _apply(self, s: int, e: int, plan: Optional[BucketPlan], payloads: Sequence[torch.Tensor],
-               local: Optional[Decoded], agg: torch.Tensor, counts: torch.Tensor, skip: Optional[int],
-               checks: Optional[DeferredChecks] = None) -> Tuple[Union[int, torch.Tensor], float, torch.Tensor]:
-        """Decode the contributors' payloads, sparse sum / mean into ``agg``, outer SGD on θ_outer.
+    def _aggregate(self, s: int, e: int, plan: Optional[BucketPlan], payloads: Sequence[torch.Tensor],
+                   local: Optional[Decoded], agg: torch.Tensor, counts: torch.Tensor, skip: Optional[int],
+                   checks: Optional[DeferredChecks] = None) -> Tuple[Union[int, torch.Tensor], float]:
+        """Decode the contributors' payloads, sparse sum, then the mean into ``agg`` (θ_outer untouched).
 
         ``skip``: the position of this rank's own payload among them (decoded by its EF step already:
         ``local``), None when this rank does not contribute. ``checks``: the round's deferred payload
-        checks; a bucket whose payloads fail one applies no update (the round raises at its end).
-        Returns (elements chosen by at least one worker, smallest peer-clip scale, the update u).
+        checks; a bucket whose payloads fail one gets a zero mean (the round raises before or at its end).
+        Returns (elements chosen by at least one worker, smallest peer-clip scale).
         """
         cfg = self.config
         agg.zero_()
@@ -530,7 +553,7 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
             except ValueError as exc:
                 raise type(exc)(f"{self._bucket_name(s, e)}: {exc}") from exc
             self._drop_if_bad(agg, counts, checks, mark)
-            return self._finish_bucket(s, e, agg, counts, clip_min)
+            return self._mean_(agg, counts), clip_min
         # our own payload was decoded by the EF step already (decode is deterministic)
         decoded: Iterable[Decoded] = (local if w == skip and local is not None else self._decode(p, plan, w, s, e)
                                       for w, p in enumerate(payloads))
@@ -544,7 +567,7 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
             agg.index_add_(0, d.indices, values)
             counts.index_add_(0, d.indices, torch.ones_like(d.indices, dtype=self.count_dtype))
         self._drop_if_bad(agg, counts, checks, mark)
-        return self._finish_bucket(s, e, agg, counts, clip_min)
+        return self._mean_(agg, counts), clip_min
 
     @staticmethod
     def _drop_if_bad(agg: torch.Tensor, counts: torch.Tensor, checks: Optional[DeferredChecks], mark: int) -> None:
@@ -554,29 +577,30 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
             agg.masked_fill_(bad, 0.0)
             counts.masked_fill_(bad, 0)
 
-    def _finish_bucket(self, s: int, e: int, agg: torch.Tensor, counts: Optional[torch.Tensor], clip_min: float):
-        """Mean (contributors or all; ``counts=None``: ``agg`` is the update already), outer SGD on
-        θ_outer; returns (elements chosen by some worker, as a 0-dim tensor: no host sync; 0 without
-        counts), clip_min, update)."""
-        cfg = self.config
-        kept_union: Union[int, torch.Tensor] = 0
-        n, lr = self.round_workers, self.round_lr
-        if counts is not None:
-            kept_union = torch.count_nonzero(counts)
-            if cfg.reduce == "contributors":
-                agg.div_(counts.clamp_min(1))
-            elif n > 1:
-                agg.div_(n)
+    def _mean_(self, agg: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The sparse sum ``agg`` into the mean in place (over the contributors that sent each element, or
+        over all); returns the elements chosen by some worker (a 0-dim tensor: no host sync)."""
+        kept_union = torch.count_nonzero(counts)
+        if self.config.reduce == "contributors":
+            agg.div_(counts.clamp_min(1))
+        elif self.round_workers > 1:
+            agg.div_(self.round_workers)
+        return kept_union
+
+    def _outer_update(self, s: int, e: int, agg: torch.Tensor) -> torch.Tensor:
+        """Outer SGD on θ_outer's bucket [s, e) with the mean ``agg``; returns the update u."""
+        cfg, lr = self.config, self.round_lr
         mom = None if self.momentum is None else self.momentum[s:e]
         anchor = self.anchor_bucket(s, e)
         update = outer_sgd_(anchor, agg, mom, lr, cfg.momentum, cfg.nesterov)
         self.store_anchor_bucket(s, e, anchor)
         self._staged = anchor
-        return kept_union, clip_min, update
+        return update
 
-    # The round (``SparseLoCoPlan``) runs each bucket through three phases: ``_compress_bucket``
+    # The round (``SparseLoCoPlan``) runs each bucket through four phases: ``_compress_bucket``
     # (Δ, EF, encode), the exchange (``_exchange_bucket``: all-gather, or reduce-scatter to owners with
-    # their re-encoding, or the hierarchical relay) and ``_apply_bucket`` (decode, mean, outer SGD).
+    # their re-encoding, or the hierarchical relay), ``_validate_bucket`` (decode, mean) and
+    # ``_update_bucket`` (outer SGD).
     # ``_RoundTotals`` adds up what the stats report.
 
     def _compress_bucket(self, s: int, e: int, plan: Optional[BucketPlan], work: torch.Tensor,
@@ -606,26 +630,35 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
                                                                cfg.reduce, self._bucket_name(s, e),
                                                                cfg.owner_residual))
 
-    def _apply_bucket(self, s: int, e: int, plan: Optional[BucketPlan], got, local: Optional[Decoded],
-                      rs_out: Optional[torch.Tensor], work: torch.Tensor, counts: torch.Tensor,
-                      tot: "_RoundTotals", checks: Optional[DeferredChecks] = None) -> None:
-        """Reduce-scatter: outer SGD with the owners' update in ``rs_out``. All-gather: decode
-        ``got`` (every worker's payload; the round's contributors' are kept), mean into ``work``, outer SGD."""
+    def _validate_bucket(self, s: int, e: int, plan: Optional[BucketPlan], got, local: Optional[Decoded],
+                         rs_out: Optional[torch.Tensor], work: torch.Tensor, counts: torch.Tensor,
+                         tot: "_RoundTotals", checks: Optional[DeferredChecks] = None) -> torch.Tensor:
+        """The bucket's mean, θ_outer untouched. Reduce-scatter: the owners' update, already in ``rs_out``.
+        All-gather: decode ``got`` (every worker's payload; the round's contributors' are kept), mean into
+        ``work``. Returns the mean."""
         if self.reduce_scatter is not None:
-            union, applied, positions = got
-            if self.config.owner_residual == "workers":
-                assert local is not None, "reduce-scatter runs with every worker contributing"
-                self._put_back(s, e, local, positions)
             assert rs_out is not None
-            _, _, update = self._finish_bucket(s, e, rs_out, None, 1.0)
+            union, applied, _ = got
             tot.applied += applied
+            mean = rs_out
         else:
             contributors = self.comm.contributors
             skip = contributors.index(self.rank) if self.rank in contributors else None
             payloads = got if len(contributors) == len(got) else [got[w] for w in contributors]
-            union, clip, update = self._apply(s, e, plan, payloads, local, work, counts, skip, checks)
+            union, clip = self._aggregate(s, e, plan, payloads, local, work, counts, skip, checks)
             tot.clip_min = min(tot.clip_min, clip)
+            mean = work
         tot.kept_union += union
+        return mean
+
+    def _update_bucket(self, s: int, e: int, got, local: Optional[Decoded], mean: torch.Tensor,
+                       tot: "_RoundTotals") -> None:
+        """Outer SGD on the bucket with its validated ``mean`` (reduce-scatter, ``owner_residual="workers"``:
+        first what the owners did not send goes back into this worker's error feedback)."""
+        if self.reduce_scatter is not None and self.config.owner_residual == "workers":
+            assert local is not None, "reduce-scatter runs with every worker contributing"
+            self._put_back(s, e, local, got[2])
+        update = self._outer_update(s, e, mean)
         tot.upd_sq += torch.linalg.vector_norm(update, dtype=torch.float64).square()
 
     def _owner_time_into(self, stats: OuterStepStats) -> None:

@@ -202,7 +202,12 @@ class ElasticRounds:
         return committed, [stats for _, _, stats in parts], rnd
 
     def _communicate(self, rnd: Round) -> List[Part]:
-        """Every strategy's compress and exchange (held: nothing is applied before the vote)."""
+        """Every strategy's compress, exchange and validation (held: nothing is applied before the vote).
+
+        Validation decodes every received payload, runs the codec's checks and checks the aggregate is
+        finite (``RoundPlan.validate_all`` / ``aggregate_finite``); any failure, like any local error,
+        is reported to the session, so this job's vote rolls the round back. The commit that follows a
+        vote only writes data that passed these checks."""
         parts: List[Part] = []
         try:
             for s in self.strategies:
@@ -215,6 +220,10 @@ class ElasticRounds:
                 plan.exchange_all()
                 after = s.counter_marks()
                 stats.bytes_sent, stats.bytes_received, stats.collectives = (a - b for a, b in zip(after, before))
+                plan.validate_all()
+                if not plan.aggregate_finite():
+                    raise NonFiniteError(f"elastic worker {self.config.worker_index}: the round's aggregate "
+                                         f"({s.name}) holds a NaN or Inf; nothing applied")
         except Exception as exc:  # a payload that fails to decode or any local error: the round rolls back
             self.session.report_error(exc)
         return parts
