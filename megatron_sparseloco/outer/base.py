@@ -353,6 +353,23 @@ class OuterStrategy(abc.ABC, Generic[ConfigT]):
         for s, e in self.buckets():
             self.write_back(s, e)
 
+    def hold_local_progress(self) -> None:
+        """params ← θ_local − θ_outer on every bucket: the local progress since θ_outer, kept in the params
+        while θ_outer is replaced (an elastic job catching up; ``apply_local_progress`` puts it back on
+        the new θ_outer). The params are no model until then. One bucket of scratch."""
+        self._shift_params(-1.0)
+
+    def apply_local_progress(self) -> None:
+        """params ← params + θ_outer on every bucket: the progress ``hold_local_progress`` kept, carried
+        onto the current θ_outer."""
+        self._shift_params(1.0)
+
+    def _shift_params(self, sign: float) -> None:
+        for s, e in self.buckets():
+            local = self.params.read(s, e, torch.empty(e - s, dtype=torch.float32, device=self.device))
+            local.add_(self.anchor_bucket(s, e), alpha=sign)
+            self.params.write(s, e, local)
+
     # ------------------------------------------------------------------ the step
     def new_stats(self) -> OuterStepStats:
         """The stats of the next outer step (its number and this rank's element count)."""

@@ -19,6 +19,8 @@ Hooks, each set by an environment variable of the job:
 - ``ELASTIC_PAUSE=<step>:<path>``: rank 0, in the round after committed step ``step``, after the round
   header and before its collectives, touches ``path`` and sleeps (a test kills or stops it there:
   the other jobs are then waiting in the round's collectives).
+- ``ELASTIC_FAIL_VOTE=<step>``: every rank, in the round after committed step ``step``, reports an error
+  to the session after its communicate phase, so this job's vote fails while the others commit.
 """
 import hashlib
 import json
@@ -97,6 +99,18 @@ def _paused_communicate(orig, pause):
     return _communicate
 
 
+def _failing_vote(orig, step):
+    state = {"step": step}
+
+    def _communicate(self, rnd):
+        parts = orig(self, rnd)
+        if state["step"] is not None and rnd.step == state["step"]:
+            state["step"] = None
+            self.session.report_error(RuntimeError(f"injected vote failure (ELASTIC_FAIL_VOTE={rnd.step})"))
+        return parts
+    return _communicate
+
+
 def _recorded_end(orig):
     def _end(self, committed, stats, rnd, t0):
         heals = [vars(r) for r in self.session.transport.records]
@@ -109,6 +123,7 @@ def _recorded_end(orig):
                 "sha": _sha([s.anchor for s in self.strategies]), "heals": heals,
                 "local": _sha([t for s in self.strategies for t in s.params.tensors]),
                 "iteration": getattr(args, "iteration", None), "inner_calls": self.heal.opt.inner_calls,
+                "catch_up": bool(rnd.healed and self.heal.in_iteration), "kept": self.heal.keep_progress,
                 "samples": getattr(args, "consumed_train_samples", None),
                 "seconds_quorum": rnd.seconds_quorum, "seconds_header": rnd.seconds_header})
     return _end
@@ -146,6 +161,9 @@ def _install() -> None:
              ("_end", _recorded_end(ElasticRounds._end)))
     for name, fn in hooks:
         setattr(ElasticRounds, name, fn)
+    fail_vote = os.environ.get("ELASTIC_FAIL_VOTE")
+    if fail_vote:
+        ElasticRounds._communicate = _failing_vote(ElasticRounds._communicate, int(fail_vote))
     mtrain.train = _recorded_train(mtrain.train)
 
 

@@ -12,10 +12,24 @@ position (``elastic.heal``: raw tensors and a validated JSON header, nothing unp
     train       the run's counters (``Counters``): iteration, consumed train / valid samples
     scheduler   Megatron's LR scheduler ``state_dict`` (JSON scalars)
 
-The fp32 main params are not sent: after the heal θ_local ← θ_outer on every strategy, which is
-where every committing worker's params are after a round (write-back). The caller publishes them
-(main → model params and the in-job param all-gather: a collective, so not done here, on
-torchft's quorum path).
+The fp32 main params are not sent. What a job takes from a heal depends on when it heals:
+
+    joining     (its first round: a (re)started job; ``in_iteration`` False) everything above;
+                θ_local ← θ_outer; it continues at the run's counters (iteration, data slot
+                position, LR schedule, inner optimizer state from the peer)
+    catching up (a later round: stopped, cut off, or its vote failed while the others committed;
+                ``in_iteration`` True) only ``outer`` (θ_outer, outer momentum; error feedback
+                restarts at zero). The job keeps its own iteration, data position, LR schedule and
+                inner optimizer state: it reads every sample of its slot once and finishes its
+                iterations later than the run, contributing as it goes. Its local progress
+                θ_local − θ_outer is carried onto the new θ_outer when ``keep_progress`` (set by the
+                rounds from ``--sparseloco-elastic-after-failed-round`` and whether its last
+                pseudo-gradient may already be in the run's θ_outer), else θ_local ← θ_outer; while
+                the round that healed it runs, the params hold that progress
+                (``OuterStrategy.hold_local_progress``), which ``finish_catch_up`` puts back.
+
+The caller publishes the params (main → model params and the in-job param all-gather: a
+collective, so not done here, on torchft's quorum path).
 
 Counters are *post-iteration* values: a sender inside ``optimizer.step()`` of iteration k (its
 training loop's counters advance only after the step returns) reports iteration k + 1, consumed
@@ -117,6 +131,10 @@ class HealState:
         self.opt, self.args_fn = opt, args_fn
         self.scheduler = None
         self.in_iteration = False
+        #: catching up: carry the local progress onto the healed θ_outer (module docstring)
+        self.keep_progress = False
+        #: a catch-up left the local progress in the params (``finish_catch_up`` puts it back)
+        self.holds_progress = False
         # the inner optimizer's state exists from the start (Adam's zeros and step 0, which is what
         # its first step would create): a job that never stepped has the structure a heal fills
         ensure_adam_step_state(opt.members)
@@ -147,11 +165,16 @@ class HealState:
 
     @torch.no_grad()
     def load(self, state: Dict[str, Any]) -> None:
-        """Apply a received state (validated against ``template``); θ_local ← θ_outer. No collective."""
-        opt = self.opt
-        outer_steps = int(state["loop"]["outer_steps"])
-        opt.rounds.restore_counters(outer_steps, [outer_steps], int(state["loop"]["inner_calls"]))
-        for s, got in zip(opt.strategies, state["outer"]):
+        """Apply a received state (validated against ``template``): join or catch up (module docstring).
+        No collective."""
+        if self.in_iteration:
+            self._catch_up(state)
+        else:
+            self._join(state)
+
+    def _load_outer(self, state: Dict[str, Any]) -> None:
+        """θ_outer and the outer buffers from the heal; the excluded ones (error feedback) zeroed."""
+        for s, got in zip(self.opt.strategies, state["outer"]):
             live = s.elementwise_state()
             for k, v in got.items():
                 if k != "steps":
@@ -160,6 +183,35 @@ class HealState:
                 if live.get(k) is not None:
                     live[k].zero_()
             s.outer_steps = int(got["steps"])
+
+    def _catch_up(self, state: Dict[str, Any]) -> None:
+        """Only the outer state; the local progress held in the params when ``keep_progress``, else
+        θ_local ← θ_outer."""
+        opt = self.opt
+        if self.keep_progress:
+            for s in opt.strategies:
+                s.hold_local_progress()
+            self.holds_progress = True
+        self._load_outer(state)
+        if not self.keep_progress:
+            for s in opt.strategies:
+                s.reset_to_anchor()
+        opt._anchor_at_first_step = False
+
+    def finish_catch_up(self) -> None:
+        """After the round that healed this job: the held progress onto the current θ_outer."""
+        if self.holds_progress:
+            for s in self.opt.strategies:
+                s.apply_local_progress()
+            self.holds_progress = False
+
+    def _join(self, state: Dict[str, Any]) -> None:
+        """Everything (module docstring); θ_local ← θ_outer."""
+        opt = self.opt
+        outer_steps = int(state["loop"]["outer_steps"])
+        opt.rounds.restore_counters(outer_steps, [outer_steps], int(state["loop"]["inner_calls"]))
+        self._load_outer(state)
+        for s in opt.strategies:
             s.reset_to_anchor()
         for m, got in enumerate(state["inner"]):
             self._load_inner(m, got)

@@ -24,10 +24,16 @@ state; the optimizer's blocking rounds (τ = 0, one fragment: what ``elastic.con
 contributes nothing; a (re)started job behind the run heals there (θ_outer, outer momentum, inner
 Adam state, iteration, consumed samples, LR schedule) and a job at the run's step takes the run's
 counters from the headers, so its data slot continues where the run is. A job that falls behind
-later (stopped or cut off past the timeouts) is healed at its next quorum, but megatron.training
-keeps its iteration and data iterator in local variables: it completes that round as a
-non-contributor (the others' round is not disturbed), then exits asking to be restarted
-(``ElasticExit``); the restart heals at start-up.
+later (stopped or cut off past the timeouts, or its vote failed while the others committed) catches
+up in place at its next quorum, in the same process (``heal_state``): θ_outer and the outer state
+from a live peer, the error feedback restarting at zero; it keeps its own iteration, data position,
+LR schedule and inner optimizer state (megatron.training keeps them in local variables, and this
+way no sample of its slot is read twice or skipped: it finishes its iterations later than the run).
+Its local progress is carried onto the new θ_outer with ``--sparseloco-elastic-after-failed-round
+keep``, unless its last pseudo-gradient may already be in the run's θ_outer (its last round
+proceeded with it as a contributor and it did not commit: a split commit), where it is discarded
+as with ``discard``. It takes part in that round as a non-contributor and contributes from the
+next one.
 
 Consistency: every participant puts θ_outer's fingerprint (``consistency.fingerprint`` over this
 rank's strategies) in its signed header; the decision refuses a round whose fingerprints differ,
@@ -44,7 +50,7 @@ import torch.distributed as dist
 
 from megatron_sparseloco.comm.collectives import collective_device
 from megatron_sparseloco.elastic.config import DEFAULT_OUTER_TIMEOUT_S, ElasticConfig
-from megatron_sparseloco.elastic.session import ElasticExit, ElasticSession, Round
+from megatron_sparseloco.elastic.session import ElasticSession, Round
 from megatron_sparseloco.megatron.consistency import fingerprint
 from megatron_sparseloco.megatron.elastic.heal_state import Counters, HealState, heal_summary, megatron_args
 from megatron_sparseloco.megatron.rounds import OuterRounds, RoundsFactory, RoundsHost
@@ -164,20 +170,21 @@ class ElasticRounds:
         self._end(committed, stats, rnd, t0)
 
     def step(self, fragment: int) -> List[OuterStepStats]:
-        """The blocking round after H inner steps; a job healed here exits after the round."""
+        """The blocking round after H inner steps; a job behind the run catches up in place here."""
         self.heal.in_iteration = True
+        self.heal.keep_progress = self._keeps_progress()
         t0 = self.core.start_timer()
         committed, stats, rnd = self._round(contributes=True)
         self._end(committed, stats, rnd, t0)
-        if rnd.healed:
-            self.close()
-            raise ElasticExit(
-                f"elastic worker {self.config.worker_index} fell {rnd.behind} round(s) behind the run (stopped, or "
-                "cut off for longer than --sparseloco-outer-timeout / the lighthouse's heartbeat timeout) and was "
-                "healed from a live peer, but megatron.training keeps its iteration and data position in local "
-                "variables, so it cannot continue in place. Fix: restart this job with the same command (same "
-                "--sparseloco-worker-index): it heals at start-up and contributes again")
         return stats
+
+    def _keeps_progress(self) -> bool:
+        """Catching up, carry the local progress onto the healed θ_outer: with ``keep``, unless this job's
+        last round proceeded with it contributing and did not commit here (its Δ may be in θ_outer)."""
+        last = self.last
+        if self.config.after_failed_round != "keep":
+            return False
+        return last is None or self.last_committed or not (last.proceed and last.contributes)
 
     def _round(self, contributes: bool) -> Tuple[bool, List[OuterStepStats], Round]:
         finite = self._job_finite()
@@ -191,11 +198,12 @@ class ElasticRounds:
             parts = self._communicate(rnd)
         committed = self.session.finish_round()
         for s, plan, stats in parts:
-            if committed:
-                plan.commit(write_back=True)
+            if committed:   # (a job catching up holds its progress in the params: not overwritten)
+                plan.commit(write_back=not self.heal.holds_progress)
                 s.outer_steps += 1
             else:
                 plan.cancel()
+        self.heal.finish_catch_up()
         if not finite and not committed:
             self._nonfinite()
         self.last, self.last_committed = rnd, committed
@@ -254,7 +262,10 @@ class ElasticRounds:
         if committed:
             self.core.finish_committed(0, stats, t0, time.perf_counter)
         else:
-            if rnd.healed or self.config.after_failed_round == "discard":
+            if rnd.healed:      # the heal set θ_local (joining: θ_outer; catching up: per the progress rule)
+                self.hooks.sync_tied()
+                self.hooks.publish()
+            elif self.config.after_failed_round == "discard":
                 self._discard()
             timer = self.hooks.megatron_timer()
             if timer is not None:
@@ -288,6 +299,10 @@ class ElasticRounds:
         line += f"; quorum {rnd.seconds_quorum:.3f} s, header {rnd.seconds_header:.3f} s"
         if rnd.healed:
             line += f"; healed from a live peer ({rnd.behind} round(s) behind): received {heal_summary(records)}"
+            if self.heal.in_iteration:
+                line += (f"; caught up in place at its own iteration {self.heal.counters().iteration} (data position "
+                         f"and LR schedule kept), local progress {'kept' if self.heal.keep_progress else 'discarded'}"
+                         ", error feedback restarts at zero")
         sent = [r for r in records if r.role == "sent"]
         if sent:
             line += f"; sent a heal: {sum(r.nbytes for r in sent)} bytes in {sum(r.seconds for r in sent):.3f} s"
