@@ -163,7 +163,7 @@ def _install() -> None:
         setattr(ElasticRounds, name, fn)
     fail_vote = os.environ.get("ELASTIC_FAIL_VOTE")
     if fail_vote:
-        ElasticRounds._communicate = _failing_vote(ElasticRounds._communicate, int(fail_vote))
+        setattr(ElasticRounds, "_communicate", _failing_vote(ElasticRounds._communicate, int(fail_vote)))
     mtrain.train = _recorded_train(mtrain.train)
 
 
