@@ -55,3 +55,30 @@ def test_a_member_lost_mid_round_fails_the_round_without_raising(results):
         assert f["commit"] is False
         assert (f["next_size"], f["next_sum"], f["next_failed"], f["next_commit"]) == (N - 1, [2.0] * 3, False, True)
     assert results[N] is None
+
+
+@pytest.mark.timeout(600)
+def test_clean_exit_after_a_peer_stopped_mid_all_gather_20_times(tmp_path):
+    """20 times: two one-rank jobs meet in a round and start a 32 MiB all-gather; one stops itself (SIGSTOP)
+    while its part is on the wire; the survivor's all-gather times out (1 s), it rolls back, closes its
+    session and must exit 0 — never -6 ("terminate called without an active exception": a gloo
+    operation still holding its tensors at interpreter teardown). ``tests/elastic_exit_job.py``."""
+    token = tmp_path / "token"
+    token.write_text("the-run-secret-0123456789abcdef")
+    os.chmod(token, 0o600)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + sys.path), OMP_NUM_THREADS="1")
+    job = os.path.join(ROOT, "tests", "elastic_exit_job.py")
+    codes = []
+    with ElasticRun(str(tmp_path), min_replicas=2, env=env, heartbeat_timeout_ms=1000, join_timeout_ms=500) as run:
+        for i in range(20):
+            stopper = run.add_job(f"stopper{i}", [job, "stopper", str(2 * i), run.lighthouse.url, str(token),
+                                                  str(tmp_path)])
+            survivor = run.add_job(f"survivor{i}", [job, "survivor", str(2 * i + 1), run.lighthouse.url, str(token),
+                                                    str(tmp_path)])
+            stopper.start()
+            survivor.start()
+            codes.append(survivor.wait(120))
+            assert "survivor done" in survivor.output(), survivor.output()[-3000:]
+            stopper.kill()
+            stopper.wait(30)
+    assert codes == [[0]] * 20, codes

@@ -32,6 +32,11 @@ hold a partial reduction (gloo reduces in place). Stand-ins are finite and decod
 payloads, so the strategy completes its communicate phase without raising; nothing it computed
 in that round is committed.
 
+Every work the group hands back is tracked until it completes: ``drain(seconds)`` waits (bounded)
+for the ones a failed round left running (a gloo operation whose peer stopped keeps its tensors
+until its own timeout), so that the session can close the group with no operation still holding
+memory at interpreter teardown.
+
 Payload authentication (``authenticate(key, context)``, set by the session every round): every
 payload ``all_gather_payloads`` moves carries a tag
 
@@ -49,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
@@ -98,6 +104,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _completed(work) -> bool:
+    """Whether ``work`` finished (successfully or not); a work without ``is_completed`` counts as finished."""
+    done = getattr(work, "is_completed", None)
+    try:
+        return bool(done()) if done is not None else True
+    except Exception:  # a work whose group is gone
+        return True
+
+
 class TorchFTComm(OuterComm):
     """``OuterComm`` over ``pg``, the process group ``manager`` reconfigures at each quorum."""
 
@@ -112,6 +127,8 @@ class TorchFTComm(OuterComm):
         #: the run's MAC key and this round's context for payload tags (``authenticate``; None: no tags)
         self._key: Optional[bytes] = None
         self._context = b""
+        #: works issued and not known to be complete (``drain``)
+        self._works: List = []
 
     def authenticate(self, key: Optional[bytes], context: bytes = b"") -> None:
         """Tag every all-gathered payload of this round under ``key``, bound to ``context`` (module
@@ -129,6 +146,7 @@ class TorchFTComm(OuterComm):
         self._rank = int(rank)
         self.error = None
         self._contributors = None
+        self._works = [w for w in self._works if not _completed(w)]
 
     def set_contributors(self, contributors: Sequence[int]) -> None:
         """The group ranks whose pseudo-gradient enters this round (the session's decision)."""
@@ -168,6 +186,28 @@ class TorchFTComm(OuterComm):
     def _wait(self, work) -> None:
         work.wait(self.timeout)
 
+    def _track(self, work):
+        """``work``, remembered until it completes (``drain``)."""
+        self._works.append(work)
+        return work
+
+    def drain(self, seconds: float) -> int:
+        """Wait at most ``seconds`` in all for the works still running (errors ignored: the round they
+        belonged to failed already); returns how many did not finish."""
+        deadline = time.monotonic() + seconds
+        left = []
+        for work in self._works:
+            if _completed(work):
+                continue
+            try:
+                work.wait(timedelta(seconds=max(0.0, deadline - time.monotonic())))
+            except Exception:  # a failed or timed-out operation is finished too
+                pass
+            if not _completed(work) and time.monotonic() >= deadline:
+                left.append(work)
+        self._works = left
+        return len(left)
+
     # ------------------------------------------------------------------ collectives
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self.start_all_reduce_(tensor, op).wait()
@@ -180,7 +220,7 @@ class TorchFTComm(OuterComm):
         def launch() -> Pending[torch.Tensor]:
             opts = AllreduceOptions()
             opts.reduceOp = reduce_op
-            work = self.pg.allreduce([tensor], opts)
+            work = self._track(self.pg.allreduce([tensor], opts))
             self.counter.add("all_reduce", _nbytes(tensor), _nbytes(tensor))
 
             def finish() -> torch.Tensor:
@@ -196,7 +236,7 @@ class TorchFTComm(OuterComm):
             return tensor
 
         def run() -> torch.Tensor:
-            self._wait(self.pg.broadcast_one(tensor, src))
+            self._wait(self._track(self.pg.broadcast_one(tensor, src)))
             n = _nbytes(tensor)
             mine = self.rank == src
             self.counter.add("broadcast", n if mine else 0, 0 if mine else n)
@@ -210,7 +250,7 @@ class TorchFTComm(OuterComm):
     def _gather_sizes(self, payload: torch.Tensor) -> List[int]:
         size_t = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
         outs = [torch.empty_like(size_t) for _ in range(self.size)]
-        self._wait(self.pg.allgather([outs], [size_t], AllgatherOptions()))
+        self._wait(self._track(self.pg.allgather([outs], [size_t], AllgatherOptions())))
         self.counter.add("all_gather_sizes", _nbytes(size_t), _nbytes(size_t) * (self.size - 1))
         return [int(s) for s in torch.cat(outs).tolist()]
 
@@ -236,7 +276,7 @@ class TorchFTComm(OuterComm):
                 padded = torch.zeros(max_size, dtype=torch.uint8, device=sent.device)
                 padded[: sent.numel()] = sent
             gathered = [torch.empty(max_size, dtype=torch.uint8, device=sent.device) for _ in range(world)]
-            work = self.pg.allgather([gathered], [padded], AllgatherOptions())
+            work = self._track(self.pg.allgather([gathered], [padded], AllgatherOptions()))
             self.counter.add("all_gather", max_size, max_size * (world - 1))
 
             def finish() -> List[torch.Tensor]:
@@ -257,8 +297,8 @@ class TorchFTComm(OuterComm):
     # ------------------------------------------------------------------ point to point
     def _p2p(self, out: Dict[int, torch.Tensor], into: Dict[int, torch.Tensor], tag: int) -> None:
         """Every receive posted, then every send; empty messages skipped on both sides; wait for all."""
-        works = [self.pg.recv([into[p]], p, tag) for p in sorted(into) if into[p].numel() > 0]
-        works += [self.pg.send([out[p]], p, tag) for p in sorted(out) if out[p].numel() > 0]
+        works = [self._track(self.pg.recv([into[p]], p, tag)) for p in sorted(into) if into[p].numel() > 0]
+        works += [self._track(self.pg.send([out[p]], p, tag)) for p in sorted(out) if out[p].numel() > 0]
         for work in works:
             self._wait(work)
 

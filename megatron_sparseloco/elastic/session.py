@@ -51,6 +51,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -411,16 +412,25 @@ class ElasticSession:
         self.commits = int(state.get("commits", 0))
 
     def close(self) -> None:
-        """End the session while the interpreter is still alive (idempotent): stop torchft's manager
-        (its quorum thread, manager server and heal transport), then abort the process group and
-        collect what referenced it. torchft's own shutdown only drops the group; a gloo worker
-        thread that still holds an operation begun before a stall (a SIGSTOPped rank's collective)
-        would then release its tensors during interpreter finalisation, where taking the GIL aborts
-        the process ("terminate called without an active exception") after its work is done."""
+        """End the session while the interpreter is still alive (idempotent), every step bounded by the
+        outer timeout: wait for the operations a failed round left running (``TorchFTComm.drain``),
+        shut torchft's manager down and join its threads (quorum thread, manager server, heal
+        transport), then abort the process group and collect what referenced it. A gloo worker
+        thread that still held an operation begun before a stall (a SIGSTOPped rank's collective)
+        would otherwise release its tensors during interpreter finalisation, where taking the GIL
+        aborts the process ("terminate called without an active exception") after its work is done."""
         if self._closed:
             return
         self._closed = True
-        self.manager.shutdown(wait=False)
+        bound = self.comm.timeout.total_seconds()
+        end = time.monotonic() + bound     # the drain's share: one outer timeout for both comms
+        left = self.comm.drain(bound) + self.control.drain(max(0.0, end - time.monotonic()))
+        if left:
+            log.warning("elastic worker %s: %d operation(s) still running %.0f s after close", self.worker_index,
+                        left, bound)
+        if not _within(bound, lambda: self.manager.shutdown(wait=True)):   # torchft's threads joined
+            log.warning("elastic worker %s: torchft's manager did not shut down within %.0f s", self.worker_index,
+                        bound)
         abort = getattr(self.pg, "abort", None)
         if abort is not None:
             try:
@@ -430,6 +440,19 @@ class ElasticSession:
             except Exception as exc:  # the group is unusable either way; the job is ending
                 log.warning("elastic worker %s: aborting the process group at close: %s", self.worker_index, exc)
         gc.collect()
+
+
+def _within(seconds: float, fn: Callable[[], None]) -> bool:
+    """Run ``fn`` on a helper thread; whether it returned within ``seconds`` (an error counts as returned)."""
+    def run() -> None:
+        try:
+            fn()
+        except Exception as exc:  # shutting down: report, do not raise
+            log.warning("elastic: %s", exc)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
 
 
 def _claimed_index(raw: torch.Tensor) -> str:
