@@ -14,6 +14,7 @@ import torch
 from megatron_sparseloco.elastic.auth import derive_key
 from megatron_sparseloco.elastic.heal import (HealError, SafeHealTransport, TAG_DATA, TAG_HEADER, describe, flatten,
                                               plan_receive)
+from megatron_sparseloco.testing.strict_p2p import StrictP2P, StrictP2PError, StrictP2PTimeout
 
 KEY = derive_key(b"0123456789abcdef-the-run-secret")
 TIMEOUT = timedelta(seconds=20)
@@ -183,3 +184,77 @@ def test_unsupported_leaves_are_refused_on_the_sending_side():
         describe({"x": object()}, 1, 64)
     with pytest.raises(HealError, match="dtype"):
         describe({"x": torch.zeros(2, dtype=torch.complex64)}, 1, 64)
+
+
+# ---------------------------------------------------------------------- the strict point-to-point checker
+def _pair(world, a_ops, b_ops, timeout=2.0):
+    """Rank 0 runs ``a_ops``, rank 1 ``b_ops`` (each a list of ("send" | "recv", nbytes, tag)), each op
+    waited before the next; returns the exceptions of both ranks."""
+    errors: list = [None, None]
+
+    def run(rank, ops):
+        g = world.group(rank)
+        try:
+            for kind, n, tag in ops:
+                getattr(g, kind)([torch.zeros(n, dtype=torch.uint8)], 1 - rank, tag).wait(timeout)
+        except Exception as exc:  # the verdict under test
+            errors[rank] = exc
+    threads = [threading.Thread(target=run, args=(r, ops), daemon=True) for r, ops in enumerate((a_ops, b_ops))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return errors
+
+
+def test_strict_p2p_order_checker_rejects_tags_sizes_and_crossed_sends():
+    world = StrictP2P()
+    errors = _pair(world, [("send", 8, 0), ("recv", 8, 0)], [("recv", 8, 0), ("send", 8, 0)])
+    assert errors == [None, None] and world.violations == [] and world.unmatched() == []
+    world.check()
+
+    world = StrictP2P()
+    errors = _pair(world, [("send", 8, 104)], [("recv", 8, 104)])
+    assert all(isinstance(e, StrictP2PError) and "tag 104" in str(e) for e in errors), errors
+    with pytest.raises(StrictP2PError, match="tag 104"):
+        world.check()
+
+    world = StrictP2P()
+    errors = _pair(world, [("send", 8, 0)], [("recv", 16, 0)])
+    assert all(isinstance(e, StrictP2PError) and "size mismatch" in str(e) for e in errors), errors
+    assert "rank 0's send #0 to rank 1 (8 bytes" in world.violations[0] and "16 bytes" in world.violations[0]
+
+    world = StrictP2P()   # the old swap: both send, then both receive
+    errors = _pair(world, [("send", 8, 0), ("recv", 8, 0)], [("send", 8, 0), ("recv", 8, 0)])
+    assert all(isinstance(e, StrictP2PError) and "crossed order" in str(e) for e in errors), errors
+    assert "deadlock" in world.violations[0]
+    with pytest.raises(StrictP2PError, match="crossed order"):
+        world.check()
+
+    world = StrictP2P()   # a message nobody receives
+    g = world.group(0)
+    g.send([torch.zeros(4, dtype=torch.uint8)], 1, 0)
+    with pytest.raises(StrictP2PError, match="never matched: rank 0's send #0 to rank 1"):
+        world.check()
+
+
+def test_strict_p2p_order_checker_finds_a_wait_cycle_and_times_out():
+    world = StrictP2P()   # 0 → 1 → 2 → 0: each sends first, every pair mirrors, yet nobody can go on
+    errors: list = [None] * 3
+
+    def run(rank):
+        g = world.group(rank)
+        try:
+            g.send([torch.zeros(4, dtype=torch.uint8)], (rank + 1) % 3, 0).wait(5)
+            g.recv([torch.zeros(4, dtype=torch.uint8)], (rank - 1) % 3, 0).wait(5)
+        except Exception as exc:  # the verdict under test
+            errors[rank] = exc
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert all(isinstance(e, StrictP2PError) and "deadlock" in str(e) for e in errors), errors
+    world = StrictP2P()
+    with pytest.raises(StrictP2PTimeout, match="not issued within 0.05 s"):
+        world.group(0).recv([torch.zeros(4, dtype=torch.uint8)], 1, 0).wait(0.05)
