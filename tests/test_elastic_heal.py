@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any, List, Optional
 
 import pytest
@@ -503,3 +504,17 @@ def test_heal_longer_than_the_outer_timeout_completes_within_the_heal_timeout():
     assert err is None and [r.role for r in src.records] == ["failed"]
     assert "within the heal timeout (0.3 s, --sparseloco-elastic-heal-timeout)" in src.records[0].reason
     assert isinstance(got[0], HealError)
+
+
+def test_the_session_gives_the_transport_the_heal_flags(token, monkeypatch):
+    from megatron_sparseloco.elastic.config import ElasticConfig
+    from megatron_sparseloco.elastic.session import ElasticSession
+    monkeypatch.setattr(ElasticSession, "_connect",
+                        lambda self, *a: SimpleNamespace(register_state_dict_fn=lambda *a: None))
+    config = ElasticConfig(lighthouse="http://127.0.0.1:1", worker_index=3, token_file=token, heal_timeout=42.0,
+                           heal_chunk_mb=2).validate()
+    session = ElasticSession(config, group_rank=0, group_world_size=1, store_addr="127.0.0.1", store_port=1,
+                             state_fn=dict, load_fn=lambda s: None, outer_timeout=5.0, pg=StrictP2P().group(0))
+    t = session.transport
+    assert (t.timeout, t.chunk_bytes, t.identity) == (timedelta(seconds=42), 2 << 20, 3)
+    assert ElasticConfig().heal_timeout == 600.0
