@@ -38,6 +38,8 @@ def test_a_complete_set_is_accepted_and_attached_to_args(token):
     config = validate_elastic_args(args)
     assert isinstance(config, ElasticConfig) and args.sparseloco_elastic is config
     assert (config.worker_index, config.min_workers, config.manager_port) == (2, 2, 29600)
+    assert config.heal_timeout == 600.0 and validate_elastic_args(parse(good(
+        token, "--sparseloco-elastic-heal-timeout", "1.5"))).heal_timeout == 1.5
 
 
 def test_elastic_mode_is_off_without_a_lighthouse_and_changes_nothing():
@@ -99,6 +101,8 @@ def test_a_missing_worker_index_is_refused(token):
     ("--sparseloco-elastic-connect-timeout", "-1"), ("--sparseloco-elastic-heartbeat-interval", "0"),
     ("--sparseloco-elastic-manager-port", "65536"), ("--sparseloco-elastic-manager-port", "-1"),
     ("--sparseloco-elastic-max-failed-rounds", "-1"), ("--sparseloco-elastic-heal-chunk-mb", "0"),
+    ("--sparseloco-elastic-heal-chunk-mb", "1025"), ("--sparseloco-elastic-heal-timeout", "0"),
+    ("--sparseloco-elastic-heal-timeout", "nan"),
 ])
 def test_bad_numbers(token, flag, value):
     refused(good(token, flag, value), flag)

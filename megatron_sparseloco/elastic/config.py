@@ -63,9 +63,16 @@ class ElasticConfig:
     max_failed_rounds: int = flag_field(0, flag="elastic-max-failed-rounds", low=0)
     """Elastic mode: the job exits after this many consecutive rounds that did not commit (torchft's
     ``max_retries``; 0: never)."""
-    heal_chunk_mb: int = flag_field(64, flag="elastic-heal-chunk-mb", low=1)
-    """Elastic mode: MiB per message of a heal, the state a joining job receives from a live peer
-    (``elastic.heal``); bounds the heal's extra memory."""
+    heal_chunk_mb: int = flag_field(64, flag="elastic-heal-chunk-mb", low=1, high=1024)
+    """Elastic mode: MiB per data message of a heal, the state a joining job receives from a live peer
+    (``elastic.heal``); also the source's staging buffer: the source's extra memory is one message (on the
+    host, and one on the GPU with NCCL) whatever the state's size. The joining job holds the whole
+    received state besides its own until the heal is verified."""
+    heal_timeout: float = flag_field(600.0, flag="elastic-heal-timeout", low=0.0, low_open=True)
+    """Elastic mode: seconds each message of a heal may take, on the source and on the joining job (the
+    handshake, the header, each --sparseloco-elastic-heal-chunk-mb message); instead of
+    --sparseloco-outer-timeout, so a large state over a slow link can heal. A joiner that exceeds it is
+    given up: the source logs it and goes on; the joining job exits, its restart heals again."""
     after_failed_round: str = flag_field("keep", flag="elastic-after-failed-round", choices=AFTER_FAILED_ROUND)
     """Elastic mode: what a job does with its local progress when a round does not commit: "keep" it (the
     next pseudo-gradient Δ = θ_outer − θ_local spans both rounds' inner steps) or "discard" it

@@ -7,36 +7,64 @@ own transports unpickle what they receive (``HTTPTransport``: ``torch.load(weigh
 the state over the managed process group with ``send`` / ``recv`` and never unpickles anything.
 
 A state is a tree of dicts (str keys), lists and tuples whose leaves are tensors or JSON scalars
-(int, float, bool, str, None). The sender describes it in a header
+(int, float, bool, str, None). The source describes it in a header, from shapes and dtypes only,
 
-    {"format": "megatron_sparseloco.heal", "version": 1, "step": s, "chunk_bytes": c,
+    {"format": "megatron_sparseloco.heal", "version": 2, "step": s, "chunk_bytes": c,
      "total_bytes": N, "entries": [{"path": [...], "dtype": "float32", "shape": [...]} |
                                    {"path": [...], "value": v}, ...]}
 
-and streams the tensors' bytes, in entry order, as messages of ``chunk_bytes`` (the last one
-shorter). The receiver holds a *template* — the structure of its own state — and refuses, before
-reading any tensor byte, a header that is not JSON, too large, of another format / version /
-step, with a path the template lacks or lacks one it has, with another dtype or shape, or a
-value of another JSON type (None matches any). Tensors are received into fresh buffers (the live
-state is untouched until the caller loads the result); only dtypes of ``DTYPES`` are accepted.
+and streams the tensors' bytes, in entry order (row-major within a tensor), as messages of
+``chunk_bytes`` (the last one shorter), each copied from the *live* tensors into one staging
+buffer (device → host of a slice), hashed and sent: the source's extra memory is one chunk (plus
+one on the group's device when it is not the CPU, and, for a non-contiguous tensor, one more on
+its device), whatever the state's size. The live tensors must not change until ``send_checkpoint``
+returns (torchft's quorum thread calls it while the caller waits in ``start_quorum``). The
+receiver holds a *template* — the structure of its own state — and refuses, before reading any
+tensor byte, a header that is not JSON, too large, of another format / version / step, with a path
+the template lacks or lacks one it has, with another dtype or shape, or a value of another JSON
+type (None matches any). Tensors are received into fresh buffers: the joiner holds the whole
+received state until the final MAC verifies (the live state is untouched until the caller loads
+the result); only dtypes of ``DTYPES`` are accepted.
 
-Both sides first prove they hold the run's secret (``elastic.auth``), with fresh nonces n_r, n_s:
+The exchange, with fresh nonces n_r, n_s and claimed worker indices I_r, I_s (int64, not
+authenticated: for the logs), one message per line, **in this order on both sides**:
 
-    receiver → sender   n_r ‖ I_r           sender → receiver   n_s ‖ I_s      (I: claimed worker index, int64)
-    sender   → receiver mac("heal-src", n_r ‖ n_s ‖ step)
-    receiver → sender   mac("heal-dst", n_s ‖ n_r ‖ step)
-    sender   → receiver len(header) as int64, header, the data stream,
-                        mac("heal-data", n_r ‖ SHA-256(header) ‖ SHA-256(data))
+    1. receiver → source   n_r ‖ I_r                                               24 bytes
+    2. source → receiver   n_s ‖ I_s ‖ mac("heal-src", n_r ‖ n_s ‖ step)           56 bytes
+    3. receiver → source   mac("heal-dst", n_s ‖ n_r ‖ step),
+                           or 32 zero bytes when the source's proof failed            32 bytes
+    4. source → receiver   L = len(header) (int64), or 0: refused, nothing follows    8 bytes
+    5. source → receiver   the header                                                 L bytes
+    6. receiver → source   1: accepted, or 0: refused (the header does not fit this
+                           job's state), nothing follows                              8 bytes
+    7. source → receiver   the data, ceil(N / c) messages of c bytes (the last shorter)
+    8. source → receiver   mac("heal-data", n_r ‖ SHA-256(header) ‖ SHA-256(data))    32 bytes
 
-A sender sends nothing to a receiver whose proof fails; a receiver discards a stream whose final
-MAC fails (modified in transit or not from a holder of the secret). Every transfer is recorded in
-``records`` (role, peer, step, bytes, seconds).
+Every message is posted with tag 0 and the protocol never relies on tags: each side issues its
+operations with the other in this order, waiting for each before the next, so every send meets a
+receive of the same size in the same position. That is what NCCL needs (it ignores tags and
+matches a pair's operations in issue order; two sends posted at once on both sides deadlock
+there) and what ``testing/strict_p2p.py`` checks in the tests. A refusal (steps 3, 4, 6) still
+completes the messages up to it, so neither side is left waiting on the other.
+
+The source serves each joiner of ``send_checkpoint(dst_ranks, ...)`` in turn and independently:
+a joiner that is refused (it does not hold the secret; it refuses the header) or fails (it dies
+mid-transfer; a message does not complete within the heal timeout) is logged with its group rank
+and the worker index it claims, recorded (``HealRecord`` role "refused" / "failed", with the
+reason), and the source goes on with the next one. ``send_checkpoint`` raises only for the
+source's own faults (its state cannot be described or read), which fail its round in torchft.
+Every message waits at most ``timeout`` (``--sparseloco-elastic-heal-timeout``), on both sides.
+
+A source sends nothing of the state to a receiver whose proof fails; a receiver discards a stream
+whose final MAC fails (modified in transit or not from a holder of the secret). Every transfer is
+recorded in ``records`` (role, peer, step, bytes, seconds, claimed index, reason).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 import time
@@ -51,7 +79,7 @@ from megatron_sparseloco.elastic.auth import mac, mac_ok
 
 log = logging.getLogger(__name__)
 
-FORMAT, VERSION = "megatron_sparseloco.heal", 1
+FORMAT, VERSION = "megatron_sparseloco.heal", 2
 #: the largest header a receiver reads (bytes)
 MAX_HEADER_BYTES = 64 << 20
 #: the largest message a receiver accepts
@@ -62,9 +90,14 @@ DTYPES: Dict[str, torch.dtype] = {
     "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
     "bool": torch.bool}
 _NAMES = {v: k for k, v in DTYPES.items()}
-#: send / recv tags of the heal (the outer exchanges use 1 and 2, ``elastic.comm``)
-TAG_NONCE, TAG_PROOF, TAG_LEN, TAG_HEADER, TAG_DATA, TAG_MAC = 101, 102, 103, 104, 105, 106
+#: the tag of every heal message: messages match by their order alone (module docstring), as over NCCL.
+#: The heal runs inside ``start_quorum``, when no outer exchange (``elastic.comm``) is in flight.
+TAG = 0
 _NONCE = 16
+#: sizes of the fixed messages 1, 2, 3, 4 / 6 and 8 (module docstring)
+HELLO_BYTES, PROOF_BYTES, MAC_BYTES, WORD_BYTES = _NONCE + 8, _NONCE + 8 + 32, 32, 8
+#: message 6: the receiver's verdict on the header
+ACCEPTED, REFUSED = 1, 0
 
 Path = Tuple[Any, ...]
 #: one validated entry: (path, dtype, shape) for a tensor, (path, None, [value]) for a value
@@ -75,13 +108,23 @@ class HealError(RuntimeError):
     """A heal refused or failed; the message says which peer, what and why."""
 
 
+class HealRefused(HealError):
+    """One side of a heal refused the other (secret, header): the messages up to the refusal completed."""
+
+
+class HealPeerError(HealError):
+    """A message of a heal failed or timed out (the peer died, stalled or broke the order)."""
+
+
 @dataclass
 class HealRecord:
-    role: str            # "sent" or "received"
+    role: str            # "sent", "received"; on the source also "refused" / "failed" (nothing or part sent)
     peer: int            # the peer's rank in the quorum's group
     step: int
-    nbytes: int          # header + tensor bytes
+    nbytes: int          # header + tensor bytes (refused / failed: those that reached the peer)
     seconds: float
+    claimed: int = -1    # the worker index the peer claimed in the handshake (-1: none received)
+    reason: str = ""     # why a transfer was refused or failed
 
 
 # ---------------------------------------------------------------------- the state as leaves
@@ -122,16 +165,60 @@ def _tensor_nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
 
 
 def describe(state: Any, step: int, chunk_bytes: int) -> Tuple[bytes, List[torch.Tensor]]:
-    """The header (JSON bytes) and the tensors in stream order, each flat, contiguous, CPU."""
+    """The header (JSON bytes, built from shapes and dtypes only) and the live tensors in stream
+    order (detached, not copied: ``send_checkpoint`` reads them one chunk at a time)."""
     entries, tensors = [], []
     for path, leaf in flatten(state):
         entries.append(_entry(path, leaf))
         if isinstance(leaf, torch.Tensor):
-            tensors.append(leaf.detach().reshape(-1).contiguous().cpu())
-    total = sum(t.numel() * t.element_size() for t in tensors)
+            tensors.append(leaf.detach())
+    total = sum(_nbytes(t) for t in tensors)
     header = {"format": FORMAT, "version": VERSION, "step": int(step), "chunk_bytes": int(chunk_bytes),
               "total_bytes": total, "entries": entries}
-    return json.dumps(header, allow_nan=False, separators=(",", ":")).encode(), tensors
+    raw = json.dumps(header, allow_nan=False, separators=(",", ":")).encode()
+    if len(raw) > MAX_HEADER_BYTES:
+        raise HealError(f"the heal header of this state is {len(raw)} bytes, more than a joiner reads "
+                        f"({MAX_HEADER_BYTES}): too many entries")
+    return raw, tensors
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _copy_flat(src: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> None:
+    """``out`` (1-D, contiguous, ``src``'s dtype) ← elements [start, stop) of ``src`` in row-major order,
+    for any strides, without a copy of ``src``: whole sub-blocks at once, the partial ends recursively."""
+    if src.dim() <= 1:
+        out.copy_(src.reshape(-1)[start:stop])
+        return
+    inner = math.prod(src.shape[1:])
+    if inner == 0 or stop <= start:
+        return
+    row, off = divmod(start, inner)
+    pos, n = 0, stop - start
+    if off:
+        take = min(n, inner - off)
+        _copy_flat(src[row], off, off + take, out[:take])
+        pos, row = take, row + 1
+    full = (n - pos) // inner
+    if full:
+        out[pos:pos + full * inner].view(full, *src.shape[1:]).copy_(src[row:row + full])
+        pos, row = pos + full * inner, row + full
+    if pos < n:
+        _copy_flat(src[row], 0, n - pos, out[pos:])
+
+
+def _byte_slice(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Bytes [start, stop) of ``t`` in row-major order, on its device: a view of a contiguous tensor,
+    else a copy of just the elements they cover."""
+    if t.is_contiguous():
+        return t.reshape(-1).view(torch.uint8)[start:stop]
+    size = t.element_size()
+    first, last = start // size, -(-stop // size)
+    tmp = torch.empty(last - first, dtype=t.dtype, device=t.device)
+    _copy_flat(t, first, last, tmp)
+    return tmp.view(torch.uint8)[start - first * size:stop - first * size]
 
 
 # ---------------------------------------------------------------------- the receiver's checks
@@ -214,21 +301,35 @@ def _chunks(total: int, chunk: int) -> List[int]:
 
 
 # ---------------------------------------------------------------------- the transport
+def _word(value: int) -> torch.Tensor:
+    return _as_bytes(struct.pack("<q", value))
+
+
+def _int(buf: torch.Tensor) -> int:
+    return struct.unpack("<q", buf.numpy().tobytes())[0]
+
+
 class SafeHealTransport(CheckpointTransport):
     """torchft ``CheckpointTransport`` over the managed group: tensors + validated JSON, no pickle.
 
     ``template()`` returns the structure this job expects to receive (the same tree torchft sends:
     ``{"user": {key: state}, "torchft": {"step": int, "batches_committed": int}}``), leaves of the
-    right dtype and shape; ``key`` is the run's MAC key (``auth.derive_key``).
+    right dtype and shape; ``key`` is the run's MAC key (``auth.derive_key``); ``timeout`` bounds
+    every message of a heal on either side (``--sparseloco-elastic-heal-timeout``; torchft's own
+    timeout argument, the outer timeout, is not used); ``device``: where the group's messages live
+    (the CUDA device for NCCL); ``chunk_bytes``: bytes per data message and of the source's staging
+    buffer; ``identity``: the worker index this side claims in the handshake (named in the other
+    side's logs).
     """
 
     def __init__(self, pg, key: bytes, template: Callable[[], Any], timeout: timedelta,
                  device: Optional[torch.device] = None, chunk_bytes: int = 64 << 20, identity: int = -1):
         self.pg, self.key, self.template, self.timeout = pg, key, template, timeout
-        #: the worker index this side claims in the handshake (named in the other side's refusal)
         self.identity = int(identity)
         self.device = device if device is not None else torch.device("cpu")
         self.chunk_bytes = int(chunk_bytes)
+        if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes {chunk_bytes} outside (0, {MAX_CHUNK_BYTES}]")
         self.records: List[HealRecord] = []
         #: the error of the last receive that failed (cleared by the caller before a quorum)
         self.receive_error: Optional[BaseException] = None
@@ -236,71 +337,110 @@ class SafeHealTransport(CheckpointTransport):
     def metadata(self) -> str:
         return FORMAT
 
-    # -------------------------------------------------------------- bytes over the group
-    def _send(self, peer: int, data: torch.Tensor, tag: int):
-        return self.pg.send([data.to(self.device)], peer, tag)
+    # -------------------------------------------------------------- one message, bounded by the heal timeout
+    def _wait(self, work, peer: int, what: str) -> None:
+        t0 = time.perf_counter()
+        try:
+            done = work.wait(self.timeout)
+        except Exception as exc:  # the group's own error type varies (gloo, NCCL, a test's fake)
+            waited = time.perf_counter() - t0
+            late = waited >= self.timeout.total_seconds()
+            raise HealPeerError(
+                f"{what} with group rank {peer} " + (
+                    f"did not complete within the heal timeout ({self.timeout.total_seconds():g} s, "
+                    "--sparseloco-elastic-heal-timeout)" if late else "failed") + f": {exc}") from None
+        if done is False:
+            raise HealPeerError(f"{what} with group rank {peer} did not complete")
 
-    def _recv(self, peer: int, nbytes: int, tag: int) -> torch.Tensor:
+    def _send(self, peer: int, data: torch.Tensor, what: str) -> None:
+        """Post one message and wait for it (the next operation of the pair is issued only after)."""
+        try:
+            work = self.pg.send([data.to(self.device)], peer, TAG)
+        except Exception as exc:  # posting failed: the group is broken towards this peer
+            raise HealPeerError(f"sending {what} to group rank {peer} failed: {exc}") from None
+        self._wait(work, peer, f"sending {what}")
+
+    def _recv_into(self, peer: int, buf: torch.Tensor, what: str) -> None:
+        try:
+            work = self.pg.recv([buf], peer, TAG)
+        except Exception as exc:
+            raise HealPeerError(f"receiving {what} from group rank {peer} failed: {exc}") from None
+        self._wait(work, peer, f"receiving {what}")
+
+    def _recv(self, peer: int, nbytes: int, what: str) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self.pg.recv([buf], peer, tag).wait(self.timeout)
+        self._recv_into(peer, buf, what)
         return buf.cpu()
 
-    def _swap(self, peer: int, data: bytes, tag: int) -> bytes:
-        """Send ``data`` to ``peer`` and receive as many bytes from it."""
-        work = self._send(peer, _as_bytes(data), tag)
-        got = self._recv(peer, len(data), tag)
-        work.wait(self.timeout)
-        return got.numpy().tobytes()
+    def _staging(self, nbytes: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One host buffer (hashing) and, when the group's device is not the CPU, one there (sending)."""
+        size = max(min(self.chunk_bytes, nbytes), 1)
+        host = torch.empty(size, dtype=torch.uint8)
+        return host, (None if self.device.type == "cpu" else torch.empty(size, dtype=torch.uint8, device=self.device))
 
-    def _handshake(self, peer: int, step: int, sender: bool) -> bytes:
-        """Both proofs (module docstring); returns the receiver's nonce n_r. Each nonce travels with
-        the worker index its side claims (``identity``; not authenticated: for the logs only)."""
-        mine = os.urandom(_NONCE)
-        got = self._swap(peer, mine + struct.pack("<q", self.identity), TAG_NONCE)
-        theirs, claimed = got[:_NONCE], struct.unpack("<q", got[_NONCE:])[0]
-        n_r, n_s = (theirs, mine) if sender else (mine, theirs)
-        s8 = struct.pack("<q", step)
-        proof_src, proof_dst = mac(self.key, "heal-src", n_r + n_s + s8), mac(self.key, "heal-dst", n_s + n_r + s8)
-        got = self._swap(peer, proof_src if sender else proof_dst, TAG_PROOF)
-        if not mac_ok(self.key, "heal-dst" if sender else "heal-src", (n_s + n_r if sender else n_r + n_s) + s8, got):
-            who = "the joining job" if sender else "the peer"
-            raise HealError(f"heal with group rank {peer} (it claims worker index {claimed}) refused: {who} does not "
-                            "hold this run's secret "
-                            "(--sparseloco-elastic-token-file differs); nothing was "
-                            f"{'sent' if sender else 'received'}")
+    # -------------------------------------------------------------- send: each joiner on its own
+    def send_checkpoint(self, dst_ranks: List[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+        """Heal every joiner of ``dst_ranks`` in turn; a joiner refused or failed is logged and
+        recorded, and the next one is served. Raises only for this side's own faults."""
+        header, tensors = describe(state_dict, step, self.chunk_bytes)
+        total = sum(_nbytes(t) for t in tensors)
+        stage = self._staging(total)
+        for dst in dst_ranks:
+            self._serve(dst, step, header, tensors, total, stage)
+
+    def _serve(self, dst: int, step: int, header: bytes, tensors: Sequence[torch.Tensor], total: int,
+               stage: Tuple[torch.Tensor, Optional[torch.Tensor]]) -> None:
+        t0, progress = time.perf_counter(), {"claimed": -1, "nbytes": 0}
+        try:
+            n_r = self._source_handshake(dst, step, progress)
+            self._send(dst, _word(len(header)), "the header length (message 4)")
+            self._send(dst, _as_bytes(header), "the header (message 5)")
+            progress["nbytes"] = len(header)
+            if _int(self._recv(dst, WORD_BYTES, "the header verdict (message 6)")) != ACCEPTED:
+                raise HealRefused("it refused the header (its state's paths, dtypes or shapes, or its step, "
+                                  "differ from this job's: its log says which); no tensor byte was sent")
+            data_hash = self._send_stream(dst, tensors, total, stage, progress)
+            tag = mac(self.key, "heal-data", n_r + hashlib.sha256(header).digest() + data_hash)
+            self._send(dst, _as_bytes(tag), "the stream MAC (message 8)")
+        except HealError as exc:
+            role = "refused" if isinstance(exc, HealRefused) else "failed"
+            self._record(role, dst, step, progress["nbytes"], t0, progress["claimed"], str(exc))
+            return
+        self._record("sent", dst, step, len(header) + total, t0, progress["claimed"])
+
+    def _source_handshake(self, dst: int, step: int, progress: Dict[str, int]) -> bytes:
+        """Messages 1-4 of a refusal, 1-3 of an accepted joiner; returns its nonce n_r."""
+        hello = self._recv(dst, HELLO_BYTES, "the joiner's nonce (message 1)").numpy().tobytes()
+        n_r, progress["claimed"] = hello[:_NONCE], struct.unpack("<q", hello[_NONCE:])[0]
+        n_s, s8 = os.urandom(_NONCE), struct.pack("<q", step)
+        proof = mac(self.key, "heal-src", n_r + n_s + s8)
+        self._send(dst, _as_bytes(n_s + struct.pack("<q", self.identity) + proof), "this side's proof (message 2)")
+        theirs = self._recv(dst, MAC_BYTES, "the joiner's proof (message 3)").numpy().tobytes()
+        if not mac_ok(self.key, "heal-dst", n_s + n_r + s8, theirs):
+            self._send(dst, _word(0), "the refusal (message 4)")
+            raise HealRefused("it does not hold this run's secret (--sparseloco-elastic-token-file differs); "
+                              "nothing was sent")
         return n_r
 
-    # -------------------------------------------------------------- send
-    def send_checkpoint(self, dst_ranks: List[int], step: int, state_dict: Any, timeout: timedelta) -> None:
-        header, tensors = describe(state_dict, step, self.chunk_bytes)
-        for dst in dst_ranks:
-            t0 = time.perf_counter()
-            n_r = self._handshake(dst, step, sender=True)
-            data_hash = self._send_stream(dst, header, tensors)
-            tag = mac(self.key, "heal-data", n_r + hashlib.sha256(header).digest() + data_hash)
-            self._send(dst, _as_bytes(tag), TAG_MAC).wait(self.timeout)
-            self._record("sent", dst, step, len(header) + sum(t.numel() * t.element_size() for t in tensors), t0)
-
-    def _send_stream(self, dst: int, header: bytes, tensors: Sequence[torch.Tensor]) -> bytes:
-        """Header length, header, then the tensors' bytes in messages of ``chunk_bytes``; SHA-256 of the data."""
-        self._send(dst, _as_bytes(struct.pack("<q", len(header))), TAG_LEN).wait(self.timeout)
-        self._send(dst, _as_bytes(header), TAG_HEADER).wait(self.timeout)
-        digest, stage, fill = hashlib.sha256(), None, 0
-        total = sum(t.numel() * t.element_size() for t in tensors)
-        sizes = iter(_chunks(total, self.chunk_bytes))
-        for t in tensors:
-            raw = t.view(torch.uint8)
-            pos = 0
-            while pos < raw.numel():
-                if stage is None:
-                    stage, fill = torch.empty(next(sizes), dtype=torch.uint8), 0
-                n = min(raw.numel() - pos, stage.numel() - fill)
-                stage[fill:fill + n] = raw[pos:pos + n]
-                fill, pos = fill + n, pos + n
-                if fill == stage.numel():
-                    digest.update(stage.numpy().data)
-                    self._send(dst, stage, TAG_DATA).wait(self.timeout)
-                    stage = None
+    def _send_stream(self, dst: int, tensors: Sequence[torch.Tensor], total: int,
+                     stage: Tuple[torch.Tensor, Optional[torch.Tensor]], progress: Dict[str, int]) -> bytes:
+        """The tensors' bytes in messages of ``chunk_bytes``, each copied from the live tensors into the
+        staging buffer, hashed and sent; returns SHA-256 of the data."""
+        host, dev = stage
+        digest, sizes = hashlib.sha256(), _chunks(total, self.chunk_bytes)
+        it, t, pos = iter(tensors), None, 0
+        for i, n in enumerate(sizes):
+            fill = 0
+            while fill < n:
+                while t is None or pos == _nbytes(t):
+                    t, pos = next(it), 0
+                k = min(n - fill, _nbytes(t) - pos)
+                host[fill:fill + k].copy_(_byte_slice(t, pos, pos + k))
+                fill, pos = fill + k, pos + k
+            digest.update(memoryview(host[:n].numpy()))
+            out = host[:n] if dev is None else dev[:n].copy_(host[:n])
+            self._send(dst, out, f"data chunk {i + 1} of {len(sizes)} (message 7)")
+            progress["nbytes"] += n
         return digest.digest()
 
     # -------------------------------------------------------------- receive
@@ -314,15 +454,27 @@ class SafeHealTransport(CheckpointTransport):
     def _receive(self, src_rank: int, step: int) -> Any:
         t0 = time.perf_counter()
         try:
-            n_r = self._handshake(src_rank, step, sender=False)
-            length = struct.unpack("<q", self._recv(src_rank, 8, TAG_LEN).numpy().tobytes())[0]
+            n_r, source = self._receiver_handshake(src_rank, step)
+            length = _int(self._recv(src_rank, WORD_BYTES, "the header length (message 4)"))
+            if source is not None:
+                raise HealRefused(f"the peer (it claims worker index {source}) does not hold this run's secret "
+                                  "(--sparseloco-elastic-token-file differs); nothing was received")
+            if length == 0:
+                raise HealRefused("the peer refused this job's proof: this job does not hold this run's secret "
+                                  "(--sparseloco-elastic-token-file differs) or the proof was altered in transit; "
+                                  "nothing was received")
             if not 0 < length <= MAX_HEADER_BYTES:
                 raise HealError(f"header of {length} bytes announced (at most {MAX_HEADER_BYTES})")
-            header = self._recv(src_rank, length, TAG_HEADER).numpy().tobytes()
-            template = self.template()
-            plan, total, chunk = plan_receive(header, template, step)
+            header = self._recv(src_rank, length, "the header (message 5)").numpy().tobytes()
+            try:
+                template = self.template()
+                plan, total, chunk = plan_receive(header, template, step)
+            except Exception:  # refused (or this side cannot say): the source must not wait for a verdict
+                self._send(src_rank, _word(REFUSED), "the header verdict (message 6)")
+                raise
+            self._send(src_rank, _word(ACCEPTED), "the header verdict (message 6)")
             values, data_hash = self._recv_stream(src_rank, plan, total, chunk)
-            tag = self._recv(src_rank, 32, TAG_MAC).numpy().tobytes()
+            tag = self._recv(src_rank, MAC_BYTES, "the stream MAC (message 8)").numpy().tobytes()
             if not mac_ok(self.key, "heal-data", n_r + hashlib.sha256(header).digest() + data_hash, tag):
                 raise HealError("the stream's MAC does not match (modified in transit, or not sent by a holder of "
                                 "this run's secret); discarded")
@@ -330,6 +482,19 @@ class SafeHealTransport(CheckpointTransport):
             raise HealError(f"heal from group rank {src_rank} at step {step}: {exc}") from None
         self._record("received", src_rank, step, length + total, t0)
         return rebuild(template, values)
+
+    def _receiver_handshake(self, src: int, step: int) -> Tuple[bytes, Optional[int]]:
+        """Messages 1-3; returns n_r and, when the source's proof failed, the worker index it claims
+        (else None). Message 3 is sent either way, so that the source's refusal (message 4) completes."""
+        n_r = os.urandom(_NONCE)
+        self._send(src, _as_bytes(n_r + struct.pack("<q", self.identity)), "this side's nonce (message 1)")
+        got = self._recv(src, PROOF_BYTES, "the source's proof (message 2)").numpy().tobytes()
+        n_s, claimed, proof = got[:_NONCE], struct.unpack("<q", got[_NONCE:_NONCE + 8])[0], got[_NONCE + 8:]
+        s8 = struct.pack("<q", step)
+        ok = mac_ok(self.key, "heal-src", n_r + n_s + s8, proof)
+        mine = mac(self.key, "heal-dst", n_s + n_r + s8) if ok else bytes(MAC_BYTES)
+        self._send(src, _as_bytes(mine), "this side's proof (message 3)")
+        return n_r, (None if ok else claimed)
 
     def _recv_stream(self, src: int, plan, total: int, chunk: int) -> Tuple[Dict[Path, Any], bytes]:
         values: Dict[Path, Any] = {}
@@ -343,9 +508,18 @@ class SafeHealTransport(CheckpointTransport):
                 outs.append(out.view(-1).view(torch.uint8))
         digest, targets = hashlib.sha256(), iter(outs)
         target, pos = None, 0
-        for size in _chunks(total, chunk):
-            buf = self._recv(src, size, TAG_DATA)
-            digest.update(buf.numpy().data)
+        sizes = _chunks(total, chunk)
+        host = torch.empty(max(min(chunk, total), 1), dtype=torch.uint8)
+        dev = None if self.device.type == "cpu" else torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+        for i, size in enumerate(sizes):
+            what = f"data chunk {i + 1} of {len(sizes)} (message 7)"
+            if dev is None:
+                self._recv_into(src, host[:size], what)
+            else:
+                self._recv_into(src, dev[:size], what)
+                host[:size].copy_(dev[:size])
+            buf = host[:size]
+            digest.update(memoryview(buf.numpy()))
             off = 0
             while off < size:
                 while target is None or pos == target.numel():
@@ -358,11 +532,17 @@ class SafeHealTransport(CheckpointTransport):
                 values[path] = v.view(torch.uint8) != 0
         return values, digest.digest()
 
-    def _record(self, role: str, peer: int, step: int, nbytes: int, t0: float) -> None:
-        rec = HealRecord(role, peer, step, nbytes, time.perf_counter() - t0)
+    def _record(self, role: str, peer: int, step: int, nbytes: int, t0: float, claimed: int = -1,
+                reason: str = "") -> None:
+        rec = HealRecord(role, peer, step, nbytes, time.perf_counter() - t0, claimed, reason)
         self.records.append(rec)
-        log.info("elastic heal: %s %d bytes %s group rank %d at step %d in %.3f s", rec.role, rec.nbytes,
-                 "to" if role == "sent" else "from", peer, step, rec.seconds)
+        if role in ("sent", "received"):
+            log.info("elastic heal: %s %d bytes %s group rank %d at step %d in %.3f s", rec.role, rec.nbytes,
+                     "to" if role == "sent" else "from", peer, step, rec.seconds)
+        else:
+            log.warning("elastic heal of the joiner at group rank %d (it claims worker index %s) at step %d %s after "
+                        "%.3f s (%d bytes sent): %s. This job goes on with its round (and the next joiner, if any)",
+                        peer, claimed if claimed >= 0 else "?", step, role, rec.seconds, nbytes, reason)
 
     def disallow_checkpoint(self) -> None:
         pass
@@ -371,4 +551,5 @@ class SafeHealTransport(CheckpointTransport):
         pass
 
 
-__all__ = ["SafeHealTransport", "HealError", "HealRecord", "describe", "plan_receive", "rebuild", "flatten", "DTYPES"]
+__all__ = ["SafeHealTransport", "HealError", "HealRefused", "HealPeerError", "HealRecord", "describe",
+           "plan_receive", "rebuild", "flatten", "DTYPES", "TAG"]

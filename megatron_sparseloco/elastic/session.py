@@ -259,7 +259,8 @@ class ElasticSession:
         self.pg = pg if pg is not None else _default_pg(timeout)
         self._state_fn, self._load_fn = state_fn, load_fn
         self._template_fn = template_fn or state_fn
-        self.transport = SafeHealTransport(self.pg, self.key, self._heal_template, timeout, device,
+        self.transport = SafeHealTransport(self.pg, self.key, self._heal_template,
+                                           timedelta(seconds=config.heal_timeout), device,
                                            config.heal_chunk_mb << 20, identity=config.worker_index)
         self.manager = self._connect(Manager, config, timeout, group_rank, group_world_size, store_addr, store_port)
         self.manager.register_state_dict_fn("elastic", self._on_heal, self._state_fn)
