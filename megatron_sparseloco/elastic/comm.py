@@ -5,8 +5,14 @@ At every quorum torchft's ``Manager`` reconfigures its process group (``ProcessG
 i.e. the ranks holding the same shard position in every worker. ``size`` and ``rank`` are this
 round's (``num_participants`` / ``participating_rank``: replica ids sorted, the same order on
 every member). torchft groups are not registered with c10d, so every operation calls the
-group's own methods (``allreduce``, ``allgather``, ``broadcast``, ``send`` / ``recv`` with tags);
-point-to-point exchanges post every receive before the first send, then wait for all.
+group's own methods (``allreduce``, ``allgather``, ``broadcast``, ``send`` / ``recv``).
+
+Point-to-point exchanges are correct without tags and without buffering, as NCCL needs (NCCL
+ignores tags and matches the operations two ranks issue to each other in issue order): this rank
+walks its peers in ascending order and, with each, the lower rank sends first and the higher
+receives first; every operation carries tag 0; all are waited for at the end. Every rank's order
+then agrees with one global order of the pairs ((lower, higher) ascending), so no pair crosses
+and no wait cycle forms (``testing/strict_p2p.py`` checks it).
 
 Byte accounting is that of ``ProcessGroupComm`` (``comm/collectives.py``, ``comm/p2p.py``) on
 the same inputs: a group of one counts nothing; variable-size all-gathers exchange the sizes
@@ -70,8 +76,6 @@ from megatron_sparseloco.elastic.auth import mac, mac_ok
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: send / recv tags of the outer exchanges (the heal stream uses its own, ``elastic.heal``)
-TAG_SIZES, TAG_DATA = 1, 2
 #: bytes of a payload's authentication tag
 PAYLOAD_TAG_BYTES = 32
 
@@ -295,10 +299,16 @@ class TorchFTComm(OuterComm):
         return int(value) if self.error is not None else int(flag.item())
 
     # ------------------------------------------------------------------ point to point
-    def _p2p(self, out: Dict[int, torch.Tensor], into: Dict[int, torch.Tensor], tag: int) -> None:
-        """Every receive posted, then every send; empty messages skipped on both sides; wait for all."""
-        works = [self._track(self.pg.recv([into[p]], p, tag)) for p in sorted(into) if into[p].numel() > 0]
-        works += [self._track(self.pg.send([out[p]], p, tag)) for p in sorted(out) if out[p].numel() > 0]
+    def _p2p(self, out: Dict[int, torch.Tensor], into: Dict[int, torch.Tensor]) -> None:
+        """Peers in ascending order; with each, the lower rank sends first (module docstring); empty
+        messages skipped on both sides (both know the sizes); tag 0; wait for all."""
+        works = []
+        for p in sorted(set(out) | set(into)):
+            send = [self.pg.send, out[p]] if p in out and out[p].numel() > 0 else None
+            recv = [self.pg.recv, into[p]] if p in into and into[p].numel() > 0 else None
+            for op in ((send, recv) if self.rank < p else (recv, send)):
+                if op is not None:
+                    works.append(self._track(op[0]([op[1]], p, 0)))
         for work in works:
             self._wait(work)
 
@@ -310,7 +320,7 @@ class TorchFTComm(OuterComm):
 
         def run() -> Dict[int, torch.Tensor]:
             received = {p: torch.empty_like(send) for p in peers}
-            self._p2p({p: send for p in peers}, received, TAG_DATA)
+            self._p2p({p: send for p in peers}, received)
             n = _nbytes(send)
             self.counter.add(kind, n * len(peers), n * len(peers))
             return received
@@ -335,11 +345,11 @@ class TorchFTComm(OuterComm):
             if sizes is None:
                 out = {p: torch.tensor([payloads[p].numel()], dtype=torch.int64, device=dev) for p in peers}
                 got = {p: torch.empty(1, dtype=torch.int64, device=dev) for p in peers}
-                self._p2p(out, got, TAG_SIZES)
+                self._p2p(out, got)
                 self.counter.add("p2p_sizes", 8 * len(peers), 8 * len(peers))
                 sizes = {p: int(got[p].item()) for p in peers}
             received = {p: torch.empty(int(sizes[p]), dtype=torch.uint8, device=dev) for p in peers}
-            self._p2p({p: payloads[p].contiguous() for p in peers}, received, TAG_DATA)
+            self._p2p({p: payloads[p].contiguous() for p in peers}, received)
             self.counter.add("p2p", sum(payloads[p].numel() for p in peers), sum(r.numel() for r in received.values()))
             return received
 
@@ -359,12 +369,11 @@ class TorchFTComm(OuterComm):
 
         def run() -> Dict[int, torch.Tensor]:
             received = {p: torch.empty(int(recv_sizes.get(p, 0)), dtype=torch.uint8, device=device) for p in peers}
-            self._p2p(send, received, TAG_DATA)
+            self._p2p(send, received)
             self.counter.add(kind, sum(t.numel() for t in send.values()), sum(t.numel() for t in received.values()))
             return received
 
         return self._guard(run, stand_in)
 
 
-__all__ = ["PAYLOAD_TAG_BYTES", "PayloadAuthError", "TorchFTComm", "TAG_SIZES", "TAG_DATA", "open_payloads",
-           "sign_payload"]
+__all__ = ["PAYLOAD_TAG_BYTES", "PayloadAuthError", "TorchFTComm", "open_payloads", "sign_payload"]
