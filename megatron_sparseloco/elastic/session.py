@@ -58,7 +58,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -368,27 +368,32 @@ class ElasticSession:
             raise RuntimeError("agree without begin_round")
         if rnd.agreed is not None:
             raise RuntimeError("agree called twice in one round")
-        rnd.agreed = self._agree(bool(ok), rnd)
-        if not rnd.agreed and rnd.proceed and not rnd.reason:
-            rnd.reason = "the verdict agreement failed"
+        rnd.agreed, why = self._agree(bool(ok), rnd)
+        if not rnd.agreed and not rnd.reason:
+            rnd.reason = why
         return rnd.agreed
 
-    def _agree(self, ok: bool, rnd: Round) -> bool:
-        network_failed = self.comm.error is not None and self.comm.error is not self._reported
-        if self._binding is None or self.control.error is not None or network_failed:
-            return False
+    def _agree(self, ok: bool, rnd: Round) -> Tuple[bool, str]:
+        """(the agreement, why not) of ``agree``."""
+        if self._binding is None or self.control.error is not None:
+            return False, "the round header exchange failed"
+        if self.comm.error is not None and self.comm.error is not self._reported:
+            return False, f"the communicate phase failed: {self.comm.error}"
         raw = make_verdict(self.key, ok, self._binding, rnd.rank, self.worker_index)
         got = self.control.all_gather_payloads(torch.frombuffer(bytearray(raw), dtype=torch.uint8), equal_sizes=True)
         if self.control.error is not None:    # reported to the manager by ``control``
-            return False
+            return False, f"the verdict exchange failed: {self.control.error}"
         verified = {r: h["index"] for r, h in enumerate(rnd.peers) if h is not None}
         tally = tally_verdicts(self.key, [g.numpy().tobytes() for g in got], self._binding, verified)
-        if not tally.ok:
-            why = (f"verdicts: not ok from participant(s) {tally.against}" if tally.against else "verdicts:") + \
-                (f", unverifiable from verified participant(s) {tally.unverifiable}" if tally.unverifiable else "")
-            log.warning("elastic worker %s: the round rolls back (%s)", self.worker_index, why)
-            self.manager.report_error(RoundAborted(why))
-        return tally.ok
+        if tally.ok:
+            return True, ""
+        why = "verdicts: " + "; ".join(
+            part for part in (f"not ok from participant(s) {tally.against}" if tally.against else "",
+                              f"unverifiable from verified participant(s) {tally.unverifiable}" if tally.unverifiable
+                              else "") if part)
+        log.warning("elastic worker %s: the round rolls back (%s)", self.worker_index, why)
+        self.manager.report_error(RoundAborted(why))
+        return False, why
 
     def report_error(self, exc: Exception) -> None:
         """Make this round roll back on this job (e.g. the strategy's communicate raised). The
