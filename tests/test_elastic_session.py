@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron_sparseloco.elastic.auth import derive_key
-from megatron_sparseloco.elastic.decision import decide, fork_check, tally_verdicts
+from megatron_sparseloco.elastic.decision import ForkMemory, decide, fork_check, tally_verdicts
 from megatron_sparseloco.elastic.messages import (HEADER_BYTES, RoundBinding, make_header, make_verdict, read_header,
                                                   read_verdict, refusal_line)
 
@@ -173,6 +173,32 @@ def test_the_fork_rule_waits_for_a_job_at_the_newest_step_then_goes_on_naming_th
     # a participant at the newest step that sits the round out (its quorum failed) does not make the
     # healthy ones' older step current: they wait (torchft heals them to it at the next quorum)
     assert fork_check({0: fields(0), 1: fields(1, newest=6, step=6, ok=False)}, 5, 10).newest == 6
+
+
+def test_the_fork_rule_over_rounds_every_participant_waits_then_forgoes_the_step_together():
+    """Job X saw the run commit step 7 (then got cut off with Y, both at step 5). Their rounds wait
+    until the longer wait passes the timeout; then both go on from step 5 and forgo step 7, so neither
+    waits for it again, nor does a job that rejoins still remembering it."""
+    x, y = ForkMemory(newest=7), ForkMemory()
+    step, timeout = 5, 10
+
+    def round_at(now, memories):
+        headers = [fields(i, step=step, **m.fields(step, now)) for i, m in enumerate(memories)]
+        ds = [decide(headers, me, 1, "T", fork_timeout=timeout) for me in range(len(memories))]
+        assert len({(d.proceed, d.fork) for d in ds}) == 1, ds      # the same decision everywhere
+        for m in memories:
+            m.learn(headers, ds[0].fork, now)
+        return ds[0]
+
+    for now in (100.0, 104.0, 109.0):
+        d = round_at(now, [x, y])
+        assert not d.proceed and d.fork.newest == 7 and not d.fork.accepted
+    assert y.newest == 7 and y.waiting_since == 100.0                # Y learned step 7 from X's header
+    d = round_at(110.0, [x, y])
+    assert d.proceed and d.fork.accepted and x.forgone == y.forgone == 7 and x.waiting_since is None
+    step = 6                                                          # the round committed: the fork is the run now
+    assert round_at(111.0, [x, y]).fork is None
+    assert round_at(112.0, [x, y, ForkMemory(newest=7)]).fork is None   # a job rejoining with the old newest step
 
 
 def test_a_refused_header_cannot_hold_a_round_back_with_a_newer_step():

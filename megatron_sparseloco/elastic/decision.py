@@ -89,6 +89,36 @@ def fork_check(known: Mapping[int, dict], step: int, timeout: float) -> Optional
     return Fork(newest=newest, step=step, waited=waited, accepted=waited >= timeout)
 
 
+@dataclass
+class ForkMemory:
+    """What one job carries from round to round for the fork rule: the newest committed step it has
+    seen in a verified header (its own step included), the newest step it gave up on (forgone: never
+    waited for again), and since when it waits (monotonic seconds; None: it does not). Kept in the
+    job's checkpoint (``newest``, ``forgone``)."""
+
+    newest: int = 0
+    forgone: int = -1
+    waiting_since: Optional[float] = None
+
+    def fields(self, step: int, now: float) -> Dict[str, int]:
+        """The fork rule's fields of this job's next header (it holds committed ``step``)."""
+        waited = 0 if self.waiting_since is None else int(now - self.waiting_since)
+        return {"newest": max(self.newest, step), "forgone": self.forgone, "waited": waited}
+
+    def learn(self, verified: Sequence[dict], fork: Optional[Fork], now: float) -> None:
+        """After a round's decision: the newest and forgone steps of the ``verified`` headers; the
+        waiting clock runs from the first round that waits until a round that does not; an accepted
+        fork forgoes its newest step."""
+        self.newest = max([self.newest] + [max(h["step"], h["newest"]) for h in verified])
+        self.forgone = max([self.forgone] + [h["forgone"] for h in verified])
+        if fork is None:
+            self.waiting_since = None
+        elif not fork.accepted:
+            self.waiting_since = now if self.waiting_since is None else self.waiting_since
+        else:
+            self.waiting_since, self.forgone = None, max(self.forgone, fork.newest)
+
+
 def _duplicate_keeper(known: Mapping[int, dict], me: int) -> Optional[int]:
     """The holder that keeps this participant's worker index when another verified one holds it too
     (None: this participant keeps it, or nobody else holds it)."""
@@ -196,4 +226,4 @@ def tally_verdicts(key: bytes, raws: Sequence[bytes], binding: RoundBinding, ver
     return out
 
 
-__all__ = ["Decision", "Fork", "Verdicts", "alone_reason", "decide", "fork_check", "tally_verdicts"]
+__all__ = ["Decision", "Fork", "ForkMemory", "Verdicts", "alone_reason", "decide", "fork_check", "tally_verdicts"]

@@ -31,7 +31,7 @@ the run's secret) never pairs its collectives with different ones of the others:
    committed step, whether it contributes (a job that healed in this quorum does not: its local
    progress belongs to a stale θ_outer), whether its pseudo-gradient is finite, samples / tokens,
    rounds it committed since it started, optionally a fingerprint of its θ_outer, the fork rule's
-   fields (the newest step it knows the run committed, the newest it forgone, how long it has
+   fields (the newest step it knows the run committed, the newest it gave up on, how long it has
    waited), caller-defined integers (``extra``).
 4. **Decision** (``elastic.decision.decide``), the same on every participant holding the secret.
    A refused header never makes a job exit: the refused participant is left out of the round's
@@ -66,7 +66,7 @@ from megatron_sparseloco.comm.collectives import CommCounter
 from megatron_sparseloco.elastic.auth import derive_key, read_token
 from megatron_sparseloco.elastic.comm import TorchFTComm
 from megatron_sparseloco.elastic.config import ElasticConfig
-from megatron_sparseloco.elastic.decision import Decision, Fork, decide, tally_verdicts
+from megatron_sparseloco.elastic.decision import Decision, Fork, ForkMemory, decide, tally_verdicts
 from megatron_sparseloco.elastic.heal import SafeHealTransport
 from megatron_sparseloco.elastic.messages import (HEADER_BYTES, HEADER_VERSION, RoundBinding, make_header,
                                                   make_verdict, new_nonce, read_header, refusal_line)
@@ -173,10 +173,8 @@ class ElasticSession:
         #: rounds in a row that did not commit (``--sparseloco-elastic-max-failed-rounds``)
         self.failed_in_a_row = 0
         self.round: Optional[Round] = None
-        #: the fork rule: the newest committed step seen in a verified header (own step included), the
-        #: newest step given up on after waiting for it, and since when this job waits (monotonic s)
-        self.newest, self.forgone = 0, -1
-        self._waiting_since: Optional[float] = None
+        #: the fork rule's memory between rounds (``elastic.decision.ForkMemory``)
+        self.fork_memory = ForkMemory()
         self._binding: Optional[RoundBinding] = None
         self._reported: Optional[BaseException] = None
         self._healed = False
@@ -255,12 +253,11 @@ class ElasticSession:
                        fingerprint: Optional[Callable[[], int]], extra: Optional[Dict[str, int]]) -> Dict[str, Any]:
         """This participant's header body (``elastic.messages.FIELDS``)."""
         ok = self.manager.errored() is None
-        waited = 0 if self._waiting_since is None else int(time.monotonic() - self._waiting_since)
         return {"v": HEADER_VERSION, "index": self.config.worker_index, "group_rank": self.group_rank,
                 "step": self.step, "ok": ok, "contributes": bool(contributes and ok and not self._healed),
                 "finite": bool(finite), "samples": int(samples), "tokens": int(tokens), "commits": self.commits,
                 "fingerprint": None if fingerprint is None else int(fingerprint()), "extra": dict(extra or {}),
-                "newest": max(self.newest, self.step), "forgone": self.forgone, "waited": waited}
+                **self.fork_memory.fields(self.step, time.monotonic())}
 
     def _heal_failed(self, exc: BaseException) -> None:
         """A heal this rank could not complete leaves it behind the rest of its job: the job leaves
@@ -324,25 +321,17 @@ class ElasticSession:
             log.warning(refusal_line(r, raws[r]))
 
     def _learn(self, headers: List[Optional[dict]], decision: Decision) -> None:
-        """The fork rule's state after a decision: the newest step and forgone step any verified
-        participant knows of; the waiting clock (started at the first round that waits, stopped when
-        none does); an accepted fork forgoes its newest step and is logged."""
-        verified = [h for h in headers if h is not None]
-        self.newest = max([self.newest] + [max(h["step"], h["newest"]) for h in verified])
-        self.forgone = max([self.forgone] + [h["forgone"] for h in verified])
+        """The fork rule's memory after a decision (``ForkMemory.learn``); a round that waits for the
+        newest step, and a fork accepted, are logged."""
+        self.fork_memory.learn([h for h in headers if h is not None], decision.fork, time.monotonic())
         fork = decision.fork
-        if fork is None or decision.alone:
-            self._waiting_since = None
-        elif not fork.accepted:
-            self._waiting_since = self._waiting_since if self._waiting_since is not None else time.monotonic()
+        if fork is not None and not fork.accepted:
             log.warning("elastic worker %s: %s", self.worker_index, decision.reason)
-        else:
-            self._waiting_since, self.forgone = None, max(self.forgone, fork.newest)
+        elif fork is not None:
             log.warning("elastic worker %s: the run forks at step %d: it had committed up to step %d, but no job "
-                        "holding that step joined within %g s (--sparseloco-elastic-quorum-timeout); this round and "
-                        "the next go on from step %d, and the %d round(s) after it are given up",
-                        self.worker_index, fork.step, fork.newest, self.config.quorum_timeout, fork.step,
-                        fork.newest - fork.step)
+                        "holding that step joined within %g s (--sparseloco-elastic-quorum-timeout); the run goes "
+                        "on from step %d and the %d round(s) after it are given up", self.worker_index, fork.step,
+                        fork.newest, self.config.quorum_timeout, fork.step, fork.newest - fork.step)
 
     def _rewind(self, why: str) -> None:
         """This job lost the fingerprint vote: set its committed step back by one, so that the next
@@ -433,13 +422,15 @@ class ElasticSession:
     def state_dict(self) -> Dict[str, int]:
         """What a job's own checkpoint must keep besides the model (torchft's committed step: a
         resumed job that lost it would heal from a peer at its first quorum; the fork rule's steps)."""
-        return {**self.manager.state_dict(), "commits": self.commits, "newest": self.newest, "forgone": self.forgone}
+        memory = self.fork_memory
+        return {**self.manager.state_dict(), "commits": self.commits, "newest": memory.newest,
+                "forgone": memory.forgone}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         self.manager.load_state_dict({"step": int(state["step"]), "batches_committed": int(state["batches_committed"])})
         self.commits = int(state.get("commits", 0))
-        self.newest = int(state.get("newest", state["step"]))
-        self.forgone = int(state.get("forgone", -1))
+        self.fork_memory = ForkMemory(newest=int(state.get("newest", state["step"])),
+                                      forgone=int(state.get("forgone", -1)))
 
     def close(self) -> None:
         """End the session while the interpreter is still alive (idempotent): stop torchft's manager
