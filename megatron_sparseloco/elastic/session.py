@@ -268,7 +268,6 @@ class ElasticSession:
                           "secret, then restart this job (same --sparseloco-worker-index): it heals at its first "
                           "quorum")
 
-
     def _bind(self) -> Optional[RoundBinding]:
         """Step 2 of the protocol: this round's binding from every participant's fresh nonce (None:
         the exchange failed; ``control`` reported it)."""
@@ -454,8 +453,6 @@ class ElasticSession:
         gc.collect()
 
 
-
-
 def _quorum_id(manager) -> int:
     """torchft's id of the current quorum (the same on every member; torchft 0.2.0 keeps it in a
     private attribute), or -1 when this torchft does not expose it."""
@@ -471,8 +468,6 @@ def _hostname() -> str:
 def _default_pg(timeout: timedelta):
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
     return ProcessGroupNCCL(timeout=timeout) if torch.cuda.is_available() else ProcessGroupGloo(timeout=timeout)
-
-
 
 
 __all__ = ["ElasticSession", "ElasticExit", "Round", "RoundAborted", "Decision", "decide", "make_header",
