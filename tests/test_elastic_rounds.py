@@ -94,15 +94,16 @@ class Scenario:
         return "\n".join(f"--- {j.name}\n{j.output()[-3000:]}" for j in self.jobs)
 
 
-def check_consistency(sc, jobs, ranks):
-    """Every step committed by several jobs: the same θ_outer; failed rounds leave θ_outer unchanged;
-    the final θ_outer bitwise identical across ``jobs``."""
+def check_consistency(sc, jobs, ranks, altered=()):
+    """Every step committed by several jobs: the same θ_outer; failed rounds leave θ_outer unchanged
+    (except on the jobs in ``altered``, whose θ_outer a test changes); the final θ_outer bitwise
+    identical across ``jobs``."""
     for rank in range(ranks):
         by_step = {}
         for i in jobs:
             recs = [r for r in sc.records(i, rank) if "committed" in r]
             for prev, r in zip(recs, recs[1:]):
-                if not r["committed"] and not r["healed"]:
+                if not r["committed"] and not r["healed"] and i not in altered:
                     assert r["fp"] == prev["fp"], f"job {i} rank {rank}: a rolled-back round changed θ_outer: {r}"
             for r in recs:
                 if r["committed"]:
@@ -206,6 +207,29 @@ def test_a_job_that_rolled_back_while_the_others_committed_heals_at_the_next_quo
     assert after[0]["healed"] and after[0]["behind"] == 1 and not after[0]["contributes"], after[0]
     assert any(r["contributes"] and r["committed"] for r in after[1:]), "job 2 never contributed again"
     check_consistency(sc, [0, 1, 2], ranks=1)
+
+
+def test_a_job_whose_theta_outer_differs_heals_in_place_without_exiting(tmp_path):
+    """Job 2's θ_outer silently drifts (1e-3 added before its round at step 3): the fingerprints differ,
+    no job commits that round, job 2 (outside the largest agreeing set) steps its committed step back
+    instead of exiting, the next quorum heals it from a peer, and it contributes again; nobody exits."""
+    with Scenario(tmp_path, rounds=7, job_args={2: ["--corrupt-at-step", "3"]}) as sc:
+        codes = sc.finish()
+        logs = sc.logs()
+    assert codes == [[0]] * 3, f"{codes}\n{logs}"
+    recs = {i: [r for r in sc.records(i) if "committed" in r] for i in range(3)}
+    split = {i: [k for k, r in enumerate(recs[i]) if "fingerprints differ" in r["reason"]] for i in range(3)}
+    assert all(split.values()), split
+    for i in (0, 1):
+        after = recs[i][split[i][0] + 1]
+        assert not after["healed"] and after["committed"] and after["step"] == 3, after
+    k = split[2][0]
+    assert not recs[2][k]["committed"] and recs[2][k]["step"] == 3, recs[2][k]
+    healed = recs[2][k + 1]
+    assert healed["healed"] and healed["behind"] == 1 and not healed["contributes"] and healed["step"] == 3, healed
+    assert any(r["contributes"] and r["committed"] for r in recs[2][k + 2:]), "job 2 never contributed again"
+    assert "goes back to 2 so that the next quorum heals it" in sc.jobs[2].output()
+    check_consistency(sc, [0, 1, 2], ranks=1, altered=(2,))
 
 
 def test_a_job_with_another_token_is_named_stays_until_its_max_failed_rounds_and_is_refused_when_joining_later(

@@ -24,6 +24,8 @@ raw bytes go to ``DIR/final.job<I>.rank<r>.bin``. Faults: ``--pause-at-step S`` 
 test to kill or stop it mid-round; ``--fail-vote-at-step S`` makes the job report an error before its
 commit vote in round S+1 (it rolls back while the others commit); ``--veto-at-step S`` makes its
 verdict "not ok" in the first ``--veto-rounds`` rounds at step S (every job that verifies it rolls back);
+``--corrupt-at-step S`` adds 1e-3 to its θ_outer before its first round at step S (its fingerprint
+then differs from the others');
 ``--max-failed-rounds N`` is ``--sparseloco-elastic-max-failed-rounds``.
 
 The strategy is today's SparseLoCo built on ``session.comm`` (an ``OuterComm``); the round is its
@@ -61,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 ("--pause-seconds", float, 600.0), ("--stop-file", str, None),
                                 ("--deadline", float, 600.0), ("--fail-vote-at-step", int, -1),
                                 ("--veto-at-step", int, -1), ("--veto-rounds", int, 1),
-                                ("--max-failed-rounds", int, 0)]:
+                                ("--max-failed-rounds", int, 0), ("--corrupt-at-step", int, -1)]:
         p.add_argument(name, type=kind, default=default,
                        required=default is None and name not in ("--barrier", "--stop-file"))
     return p.parse_args(argv)
@@ -145,6 +147,7 @@ class ToyWorker:
             stop = self.args.stop_file is None or os.path.exists(self.args.stop_file)
             more = int(self.contributed < self.args.min_contributions or not stop)
             finite = self.strategy.first_nonfinite_tensor() is None
+            self.maybe_corrupt()
             rnd = self.session.begin_round(contributes=not self.first, finite=finite, samples=self.args.inner_steps,
                                            fingerprint=lambda: fingerprint([self.strategy.anchor]),
                                            extra={"more": more}, ignores_non_contributors=True)
@@ -157,6 +160,12 @@ class ToyWorker:
         with open(os.path.join(self.args.out, f"final.job{self.args.index}.rank{self.rank}.bin"), "wb") as f:
             f.write(self.strategy.anchor.numpy().tobytes())
         self.session.close()
+
+    def maybe_corrupt(self) -> None:
+        """``--corrupt-at-step S``: θ_outer off by 1e-3 before the first round at step S (a silent divergence)."""
+        if self.session.step == self.args.corrupt_at_step:
+            self.args.corrupt_at_step = -1
+            self.strategy.anchor.add_(1e-3)
 
     def maybe_pause(self, rnd: Round) -> None:
         """``--pause-at-step S``: rank 0 sleeps ``--pause-seconds`` inside round S+1, before its collectives
