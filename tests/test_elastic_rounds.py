@@ -10,7 +10,10 @@ round that did not commit leaves θ_outer as it was; the jobs end with bitwise i
 * SIGSTOP of a job past the timeouts: dropped, the others go on; SIGCONT: it heals and contributes;
   the same with one stopped rank of a 2-rank job;
 * a job that rolled back while the others committed is one step behind and heals at the next quorum;
-* a job with another token file is refused: it exits naming its token file, the others go on.
+* a job with another token file is refused: the others name it and commit without it; it commits
+  nothing, says which token file it read and leaves only through --max-failed-rounds (or its heal);
+* tokenless replicas in the quorums never make an honest job exit (one of them alone with them, the
+  other started late and fresh); a refused verdict is ignored, a verified "not ok" rolls all back.
 """
 import glob
 import json
@@ -35,28 +38,32 @@ def make_token(path, secret):
 
 
 class Scenario:
-    """A lighthouse, 3 jobs of the toy worker, their logs."""
+    """A lighthouse, ``jobs`` jobs of the toy worker (3), their logs. The jobs in ``late`` are neither
+    started on entering nor wait at the start barrier: the test starts them (``job.start()``)."""
 
     def __init__(self, tmp_path, ranks=1, rounds=8, final_members=3, tokens=None, job_args=None,
-                 launchers=("direct",) * 3, stop_file=None):
-        self.out, self.ranks = str(tmp_path), ranks
+                 launchers=None, stop_file=None, jobs=3, late=()):
+        self.out, self.ranks, self.late = str(tmp_path), ranks, set(late)
         os.makedirs(os.path.join(self.out, "barrier"))
         good = make_token(tmp_path / "token", "the-run-secret-0123456789abcdef")
-        self.tokens = tokens or [good] * 3
+        self.tokens = tokens or [good] * jobs
+        launchers = launchers or ("direct",) * jobs
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + sys.path))
         self.run = ElasticRun(self.out, min_replicas=1, env=env, heartbeat_timeout_ms=1500, join_timeout_ms=1000)
         self.common = ["--rounds", str(rounds), "--final-members", str(final_members), "--out", self.out,
                        "--lighthouse", self.run.lighthouse.url, "--outer-timeout", "5", "--step-seconds", "0.05",
                        "--deadline", "200"] + (["--stop-file", stop_file] if stop_file else [])
-        barrier = ["--barrier", os.path.join(self.out, "barrier"), "--barrier-count", str(3 * ranks)]
+        barrier = ["--barrier", os.path.join(self.out, "barrier"), "--barrier-count", str((jobs - len(late)) * ranks)]
         # what follows "--barrier" (the start barrier, injected faults) is dropped on a restart
         self.jobs = [self.run.add_job(f"job{i}", JOB + ["--index", str(i), "--token-file", self.tokens[i]] + self.common
-                                      + barrier + (job_args or {}).get(i, []), ranks=ranks, launcher=launchers[i])
-                     for i in range(3)]
+                                      + ([] if i in self.late else barrier) + (job_args or {}).get(i, []), ranks=ranks,
+                                      launcher=launchers[i])
+                     for i in range(jobs)]
 
     def __enter__(self):
-        for job in self.jobs:
-            job.start()
+        for i, job in enumerate(self.jobs):
+            if i not in self.late:
+                job.start()
         return self
 
     def __exit__(self, *exc):
@@ -87,15 +94,16 @@ class Scenario:
         return "\n".join(f"--- {j.name}\n{j.output()[-3000:]}" for j in self.jobs)
 
 
-def check_consistency(sc, jobs, ranks):
-    """Every step committed by several jobs: the same θ_outer; failed rounds leave θ_outer unchanged;
-    the final θ_outer bitwise identical across ``jobs``."""
+def check_consistency(sc, jobs, ranks, altered=()):
+    """Every step committed by several jobs: the same θ_outer; failed rounds leave θ_outer unchanged
+    (except on the jobs in ``altered``, whose θ_outer a test changes); the final θ_outer bitwise
+    identical across ``jobs``."""
     for rank in range(ranks):
         by_step = {}
         for i in jobs:
             recs = [r for r in sc.records(i, rank) if "committed" in r]
             for prev, r in zip(recs, recs[1:]):
-                if not r["committed"] and not r["healed"]:
+                if not r["committed"] and not r["healed"] and i not in altered:
                     assert r["fp"] == prev["fp"], f"job {i} rank {rank}: a rolled-back round changed θ_outer: {r}"
             for r in recs:
                 if r["committed"]:
@@ -201,16 +209,44 @@ def test_a_job_that_rolled_back_while_the_others_committed_heals_at_the_next_quo
     check_consistency(sc, [0, 1, 2], ranks=1)
 
 
-def test_a_job_with_another_token_is_refused_at_start_and_when_joining_later(tmp_path):
-    """At start: its round header is refused. Joining a running run: no peer sends it any state."""
+def test_a_job_whose_theta_outer_differs_heals_in_place_without_exiting(tmp_path):
+    """Job 2's θ_outer silently drifts (1e-3 added before its round at step 3): the fingerprints differ,
+    no job commits that round, job 2 (outside the largest agreeing set) steps its committed step back
+    instead of exiting, the next quorum heals it from a peer, and it contributes again; nobody exits."""
+    with Scenario(tmp_path, rounds=7, job_args={2: ["--corrupt-at-step", "3"]}) as sc:
+        codes = sc.finish()
+        logs = sc.logs()
+    assert codes == [[0]] * 3, f"{codes}\n{logs}"
+    recs = {i: [r for r in sc.records(i) if "committed" in r] for i in range(3)}
+    split = {i: [k for k, r in enumerate(recs[i]) if "fingerprints differ" in r["reason"]] for i in range(3)}
+    assert all(split.values()), split
+    for i in (0, 1):
+        after = recs[i][split[i][0] + 1]
+        assert not after["healed"] and after["committed"] and after["step"] == 3, after
+    k = split[2][0]
+    assert not recs[2][k]["committed"] and recs[2][k]["step"] == 3, recs[2][k]
+    healed = recs[2][k + 1]
+    assert healed["healed"] and healed["behind"] == 1 and not healed["contributes"] and healed["step"] == 3, healed
+    assert any(r["contributes"] and r["committed"] for r in recs[2][k + 2:]), "job 2 never contributed again"
+    assert "goes back to 2 so that the next quorum heals it" in sc.jobs[2].output()
+    check_consistency(sc, [0, 1, 2], ranks=1, altered=(2,))
+
+
+def test_a_job_with_another_token_is_named_stays_until_its_max_failed_rounds_and_is_refused_when_joining_later(
+        tmp_path):
+    """At start: its round header is refused: the honest jobs name it and commit without it; it verifies
+    nobody, commits nothing, says each round which token file it read, and leaves through
+    --max-failed-rounds 2 (or, once behind the run, at its heal). Joining a running run: no peer sends
+    it any state (the heal handshake fails first)."""
     good = make_token(tmp_path / "token", "the-run-secret-0123456789abcdef")
     bad = make_token(tmp_path / "other-token", "another-secret-0123456789abcdef")
     stop = str(tmp_path / "stop")
-    with Scenario(tmp_path, rounds=6, final_members=2, tokens=[good, good, bad], stop_file=stop) as sc:
+    with Scenario(tmp_path, rounds=6, final_members=2, tokens=[good, good, bad], stop_file=stop,
+                  job_args={2: ["--max-failed-rounds", "2"]}) as sc:
         sc.jobs[2].wait(120)
         first = sc.jobs[2].output()
         sc.wait(lambda: sc.committed(0) >= 2, 120, "2 rounds committed by the honest jobs")
-        sc.restart(2)
+        sc.restart(2)           # (without --max-failed-rounds: it follows --barrier)
         sc.jobs[2].wait(120)
         open(stop, "w").close()
         codes = sc.finish()
@@ -219,10 +255,58 @@ def test_a_job_with_another_token_is_refused_at_start_and_when_joining_later(tmp
     assert codes[:2] == [[0], [0]], f"{codes}\n{logs}"
     assert codes[2] != [0] and bad in late and "healing from a live peer failed" in late, late[-3000:]
     assert "does not hold this run's secret" in late and "--sparseloco-elastic-token-file" in late, late[-3000:]
-    assert bad in first and "refused by the other 2 of 3 workers" in first, first[-3000:]
-    refusals = [r for i in (0, 1) for r in sc.records(i) if "refused" in r.get("reason", "")]
-    assert refusals and all(r["committed"] is False for r in refusals), "the honest jobs never logged the refusal"
+    assert bad in first and "none of the other 2 participant(s) of this round verifies" in first and \
+        "--sparseloco-elastic-token-file" in first, first[-3000:]
+    assert "--sparseloco-elastic-max-failed-rounds 2" in first or "healing from a live peer failed" in first, \
+        first[-3000:]
+    refusals = [r for i in (0, 1) for r in sc.records(i) if r.get("refused")]
+    assert any(r["committed"] and r["size"] == 3 and r["contributors"] == [0, 1] for r in refusals), \
+        f"the honest jobs never committed with the refused job present: {refusals}"
+    assert "claims worker index 2" in sc.jobs[0].output(attempt=1), "the honest job never named the refused one"
     assert not [r for r in sc.records(2) if r.get("committed")], "the refused job committed a round"
     assert not [h for i in (0, 1) for r in sc.records(i) for h in r.get("heals", []) if h["role"] == "sent"], \
         "a peer sent its state to the job without the secret"
+    check_consistency(sc, [0, 1], ranks=1)
+
+
+def test_tokenless_peers_never_make_an_honest_job_exit(tmp_path):
+    """Job 0 (the run's secret) starts with two tokenless replicas (jobs 2 and 3: the toy job with another
+    token file, --min-workers 3, job 2 vetoing every round at step 0). Job 0 verifies nobody: it commits
+    nothing, names its token file, stays. Job 1 (the run's secret) starts late and fresh (no commit yet:
+    2 verified of 4, which once sent it off): jobs 0 and 1 commit with the honest contributors while the
+    tokenless ones take part (job 2's veto ignored); behind the run, the tokenless ones fail their heal
+    and leave; job 1's own veto at step 3 rolls back both honest jobs; they end with identical θ_outer."""
+    good = make_token(tmp_path / "token", "the-run-secret-0123456789abcdef")
+    bad = make_token(tmp_path / "other-token", "another-secret-0123456789abcdef")
+    tokenless = ["--min-workers", "3"]
+    with Scenario(tmp_path, rounds=6, final_members=2, jobs=4, late=(1,), tokens=[good, good, bad, bad],
+                  job_args={1: ["--veto-at-step", "3"], 2: tokenless + ["--veto-at-step", "0", "--veto-rounds", "1000"],
+                            3: tokenless}) as sc:
+        sc.wait(lambda: len([r for r in sc.records(0) if "committed" in r]) >= 3, 120, "3 rounds of job 0")
+        t_late = time.time()
+        sc.jobs[1].start()
+        codes = [sc.jobs[i].wait(200) for i in range(4)]
+        logs = sc.logs()
+    assert codes[:2] == [[0], [0]], f"{codes}\n{logs}"
+    assert all(c != [0] for c in codes[2:]) and all("healing from a live peer failed" in sc.jobs[i].output()
+                                                    for i in (2, 3)), f"{codes}\n{logs}"
+    alone = [r for r in sc.records(0) if "committed" in r and r["t"] < t_late]
+    assert len(alone) >= 3 and not any(r["committed"] for r in alone), alone
+    assert all("none of the other 2 participant(s)" in r["reason"] for r in alone), alone
+    said = sc.jobs[0].output()
+    assert good in said and "--sparseloco-elastic-token-file" in said and "claims worker index 3" in said, said[-3000:]
+    with_them = {i: [r for r in sc.records(i) if r.get("committed") and r["size"] == 4] for i in (0, 1)}
+    for i in (0, 1):
+        assert with_them[i], f"job {i} never committed with the tokenless replicas present"
+        for r in with_them[i]:
+            assert len(r["refused"]) == 2 and {r["indices"][p] for p in r["contributors"]} <= {0, 1}, r
+    assert not sc.records(1)[0]["contributes"] and sc.records(1)[0]["committed"], sc.records(1)[0]
+    vetoes = [r for r in sc.records(2) if r.get("size") == 4 and r.get("verdict") is False]
+    assert vetoes and all(r["step"] == 0 for r in vetoes), "job 2 never vetoed a round job 1 took part in"
+    at3 = {i: [r for r in sc.records(i) if r.get("step") == 3 and "committed" in r] for i in (0, 1)}
+    for i in (0, 1):
+        assert not at3[i][0]["committed"] and at3[i][0]["agreed"] is False, at3[i][0]
+        assert any(r["committed"] for r in at3[i][1:]), f"job {i} never committed step 3 after the veto"
+    assert at3[0][0]["verdict"] and not at3[1][0]["verdict"]
+    assert any(r.get("committed") and r["size"] == 2 and r["contributors"] == [0, 1] for r in sc.records(0))
     check_consistency(sc, [0, 1], ranks=1)

@@ -6,11 +6,12 @@ secret never crosses the network; what does is
     key      = SHA-256("megatron_sparseloco/elastic/v1" ‖ secret)
     mac(msg) = HMAC-SHA-256(key, purpose ‖ 0x00 ‖ msg)
 
-with ``purpose`` naming what is authenticated (the round header, each side of the heal
-handshake, the heal stream), so a MAC made for one purpose is never accepted for another.
+with ``purpose`` naming what is authenticated (the round header, the round verdict, each side of
+the heal handshake, the heal stream), so a MAC made for one purpose is never accepted for another.
+The round's messages are also bound to their round and sender position (``elastic.messages``).
 A job that does not hold the secret cannot produce a MAC the others accept (round header: it is
-refused; heal: nothing is sent to it). The MACs authenticate *membership*, not every byte of the
-outer collectives (docs/elastic.md, threat model).
+refused and left out of the round; heal: nothing is sent to it). The MACs authenticate
+*membership*, not every byte of the outer collectives (docs/elastic.md, threat model).
 
 Token file rules: a regular file, at least ``MIN_TOKEN_CHARS`` characters once surrounding
 whitespace is stripped, not readable or writable by "other" users (``chmod o-rwx``).

@@ -1,11 +1,18 @@
 """The elastic round protocol on top of torchft's ``Manager``: ``ElasticSession``.
 
 One session per rank of a job (the job = one torchft replica group; group rank g of every job
-forms the outer group of shard position g). The outer loop drives each round as
+forms the outer group of shard position g). Every participant of a round runs the same sequence
+of collectives, whatever it decides, so that a participant that decides otherwise (or one without
+the run's secret) never pairs its collectives with different ones of the others:
 
-    rnd = session.begin_round(contributes=..., finite=..., samples=..., fingerprint=...)
-    if rnd.proceed:
-        strategy's communicate over session.comm          (collectives only; state untouched)
+    rnd = session.begin_round(contributes=..., finite=..., samples=..., fingerprint=...,
+                              ignores_non_contributors=...)
+    if rnd.exchange:                                      (the same on every participant)
+        session.comm.set_contributors(rnd.contributors)
+        strategy's communicate over session.comm          (collectives only; state untouched; a
+                                                           non-contributor sends neutral data)
+    ok = the caller's check of what it received           (e.g. finite, decodes)
+    session.agree(ok)                                     (signed verdicts; False: this job rolls back)
     committed = session.finish_round()                    (torchft's vote inside the job)
     commit (θ_outer update) if committed, else roll back  (state exactly as before the round)
 
@@ -16,31 +23,29 @@ forms the outer group of shard position g). The outer loop drives each round as
    (``elastic.heal``; the caller's ``load_fn`` receives the peer's state). A rank whose heal fails
    exits (``ElasticExit``): its job restarts and heals again (ranks of one job must not disagree
    on their step). ``session.comm`` takes this round's size and rank.
-2. **Round header**: every participant all-gathers a fixed-size JSON header (``HEADER_BYTES``):
-   worker index, committed step, whether it contributes (a job that healed in this quorum does
-   not: its local progress belongs to a stale θ_outer), whether its pseudo-gradient is finite,
-   samples / tokens this round, rounds it committed since it started, optionally a fingerprint of
-   its θ_outer, caller-defined integers (``extra``), and an HMAC of all that under the run's
-   secret (``elastic.auth``).
-3. **Decision**, the same on every participant that holds the secret (``decide``):
+2. **Binding**: every participant all-gathers a fresh random nonce over ``control``; the digest of
+   the nonces (rank order) and torchft's quorum id bind every MAC of the round to it and to the
+   signer's position (``elastic.messages``): a header or verdict replayed from another round or at
+   another position is refused, across lighthouse restarts too.
+3. **Round header**: every participant all-gathers a fixed-size signed JSON header: worker index,
+   committed step, whether it contributes (a job that healed in this quorum does not: its local
+   progress belongs to a stale θ_outer), whether its pseudo-gradient is finite, samples / tokens,
+   rounds it committed since it started, optionally a fingerprint of its θ_outer, the fork rule's
+   fields (the newest step it knows the run committed, the newest it gave up on, how long it has
+   waited), caller-defined integers (``extra``).
+4. **Decision** (``elastic.decision.decide``), the same on every participant holding the secret.
+   A refused header never makes a job exit: the refused participant is left out of the round's
+   contributors and checks; a job that verifies none of the others does not commit and says each
+   round which token file it read. ``rnd.proceed`` is whether this round may commit on this job;
+   ``rnd.exchange`` whether to run the communicate phase: True on every participant whenever the
+   header exchange completed, whatever its decision. A round that may not commit is reported to
+   the manager (``report_error``), so that the job's ``should_commit`` is False.
 
-   * refused: a header that is malformed or whose MAC fails. If the headers this job accepts
-     (its own included) are not a majority of the participants — or exactly half, and this
-     process has never committed a round — this job is the odd one: it exits (``ElasticExit``,
-     naming its token file). Otherwise it logs each refused participant and the round does not
-     proceed; the refused job exits on its side, and the next quorum goes on without it.
-   * a worker index held by two participants: the one that committed more rounds since it
-     started keeps it (a tie: the lower group rank); the others exit. The round does not proceed.
-   * committed steps that differ, or θ_outer fingerprints that differ (same step): the round does
-     not proceed; for fingerprints, the participants outside the largest agreeing set (a tie: the
-     set holding the lowest rank) exit, to be restarted and healed.
-   * contributors = accepted participants that are healthy (nothing failed in their quorum, e.g.
-     sending a heal) and contribute; the unhealthy ones take part in the collectives, do not
-     commit, and are left out of the step and fingerprint checks. A non-finite contributor, or
-     fewer than ``--sparseloco-min-workers`` contributors: no proceed.
-
-   A round that does not proceed is reported to the manager (``report_error``), so every job's
-   ``should_commit`` is False: every job rolls back.
+``agree(ok)`` (after the communicate phase, on every participant, every round): all-gather a
+signed verdict; True iff every verified participant said ok (a refused participant's verdict is
+ignored). False is reported to the manager: the job rolls back. As every verified participant reads
+the same verdicts, they all roll back together (``finish_round`` runs ``agree(True)`` for a caller
+that did not call it, so the collective sequence stays the same).
 
 ``finish_round`` calls ``should_commit`` (a vote among the job's ranks: any rank's failure, in the
 collectives or above, makes the whole job roll back). Commit is not atomic across jobs: a job that
@@ -49,29 +54,25 @@ rolled back while others committed is one step behind and heals at the next quor
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from megatron_sparseloco.comm.collectives import CommCounter
-from megatron_sparseloco.elastic.auth import derive_key, mac, mac_ok, read_token
+from megatron_sparseloco.elastic.auth import derive_key, read_token
 from megatron_sparseloco.elastic.comm import TorchFTComm
 from megatron_sparseloco.elastic.config import ElasticConfig
+from megatron_sparseloco.elastic.decision import Decision, Fork, ForkMemory, decide, tally_verdicts
 from megatron_sparseloco.elastic.heal import SafeHealTransport
+from megatron_sparseloco.elastic.messages import (HEADER_BYTES, HEADER_VERSION, RoundBinding, make_header,
+                                                  make_verdict, new_nonce, read_header, refusal_line)
 
 log = logging.getLogger(__name__)
-
-#: bytes of one round header on the wire (JSON, space padded)
-HEADER_BYTES = 2048
-HEADER_VERSION = 1
-_FIELDS = ("v", "index", "group_rank", "step", "ok", "contributes", "finite", "samples", "tokens", "commits",
-           "fingerprint", "extra")
 
 
 class ElasticExit(SystemExit):
@@ -84,142 +85,43 @@ class ElasticExit(SystemExit):
 
 
 class RoundAborted(RuntimeError):
-    """Reported to torchft when a round does not proceed (every job then rolls back)."""
-
-
-# ---------------------------------------------------------------------- headers
-def make_header(key: bytes, fields: Dict[str, Any]) -> bytes:
-    """The signed, padded header bytes of ``fields`` (keys ``_FIELDS``)."""
-    body = json.dumps({k: fields[k] for k in _FIELDS}, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    doc = json.dumps({"body": body, "mac": mac(key, "round", body.encode()).hex()}, separators=(",", ":"))
-    raw = doc.encode()
-    if len(raw) > HEADER_BYTES:
-        raise ValueError(f"round header of {len(raw)} bytes exceeds {HEADER_BYTES} (too many extra fields?)")
-    return raw + b" " * (HEADER_BYTES - len(raw))
-
-
-def read_header(key: bytes, raw: bytes) -> Optional[Dict[str, Any]]:
-    """The fields of a header whose MAC verifies under ``key`` and whose shape is right, else None."""
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-        body, tag = doc["body"], bytes.fromhex(doc["mac"])
-        if not isinstance(body, str) or not mac_ok(key, "round", body.encode(), tag):
-            return None
-        fields = json.loads(body)
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
-        return None
-    ints = ("v", "index", "group_rank", "step", "samples", "tokens", "commits")
-    if not isinstance(fields, dict) or set(fields) != set(_FIELDS) or fields["v"] != HEADER_VERSION:
-        return None
-    if not all(isinstance(fields[k], int) and not isinstance(fields[k], bool) for k in ints):
-        return None
-    if not all(isinstance(fields[k], bool) for k in ("ok", "contributes", "finite")):
-        return None
-    fp = fields["fingerprint"]
-    if not isinstance(fields["extra"], dict) or not (fp is None or (isinstance(fp, int) and not isinstance(fp, bool))):
-        return None
-    return fields
-
-
-# ---------------------------------------------------------------------- the decision
-@dataclass
-class Decision:
-    proceed: bool
-    reason: str = ""
-    exit_message: Optional[str] = None
-    refused: List[int] = field(default_factory=list)
-    contributors: List[int] = field(default_factory=list)
-    nonfinite: List[int] = field(default_factory=list)
-
-
-def _minority(n_accepted: int, n: int, commits: int) -> bool:
-    return 2 * n_accepted < n or (2 * n_accepted == n and commits == 0)
-
-
-def _duplicate_loser(known: Dict[int, dict], me: int) -> Optional[int]:
-    """The holder that keeps this rank's worker index when another holds it too (None: this rank
-    keeps it, or nobody else holds it)."""
-    holders = [r for r, h in known.items() if h["index"] == known[me]["index"]]
-    if len(holders) < 2:
-        return None
-    keeper = max(holders, key=lambda r: (known[r]["commits"], -r))
-    return None if keeper == me else keeper
-
-
-def _fingerprint_winners(known: Dict[int, dict], ranks: List[int]) -> Optional[List[int]]:
-    """The ranks of the largest set agreeing on θ_outer's fingerprint (tie: the set of the lowest
-    rank), or None when every fingerprint given agrees."""
-    groups: Dict[int, List[int]] = {}
-    for r in ranks:
-        if known[r]["fingerprint"] is not None:
-            groups.setdefault(known[r]["fingerprint"], []).append(r)
-    if len(groups) <= 1:
-        return None
-    return max(groups.values(), key=lambda rs: (len(rs), -min(rs)))
-
-
-def decide(headers: List[Optional[dict]], me: int, min_workers: int, token_file: str) -> Decision:
-    """The round's decision from every participant's verified header (None: refused; this rank's
-    own is never None); see the module docstring. ``me``: this rank in the group."""
-    n = len(headers)
-    known = {r: h for r, h in enumerate(headers) if h is not None}
-    mine, refused = known[me], [r for r in range(n) if r not in known]
-    if _minority(len(known), n, mine["commits"]):
-        return Decision(False, "refused by the majority", refused=refused,
-                        exit_message=f"this job's round header is refused by the other {len(refused)} of {n} "
-                        f"workers: it does not hold the run's secret. Fix: give every job the same "
-                        f"--sparseloco-elastic-token-file (this job read {token_file!r})")
-    if refused:
-        return Decision(False, f"refused group rank(s) {refused}: their round header does not carry this run's MAC",
-                        refused=refused)
-    dup = [r for r, h in known.items() if sum(q["index"] == h["index"] for q in known.values()) > 1]
-    if dup:
-        keeper = _duplicate_loser(known, me)
-        msg = None if keeper is None else (
-            f"worker index {mine['index']} is already held by a live job (group rank {keeper}). Fix: give this job "
-            "a free --sparseloco-worker-index, or stop the other job")
-        return Decision(False, f"worker index held twice (group ranks {dup})", exit_message=msg)
-    healthy = [r for r, h in known.items() if h["ok"]]    # the others (e.g. a failed heal send) sit the round out
-    if len({known[r]["step"] for r in healthy}) > 1:
-        return Decision(False, f"committed steps differ: {[known[r]['step'] for r in healthy]}")
-    winners = _fingerprint_winners(known, healthy)
-    if winners is not None:
-        msg = None if me in winners or mine["fingerprint"] is None or not mine["ok"] else (
-            f"θ_outer differs from that of group ranks {winners} at step {mine['step']}. Fix: restart this job "
-            "(same --sparseloco-worker-index): it heals from a live peer")
-        return Decision(False, f"θ_outer fingerprints differ; agreeing group ranks {winners}", exit_message=msg)
-    contributors = [r for r in healthy if known[r]["contributes"]]
-    nonfinite = [r for r in contributors if not known[r]["finite"]]
-    if nonfinite:
-        return Decision(False, f"non-finite pseudo-gradient on group rank(s) {nonfinite}", contributors=contributors,
-                        nonfinite=nonfinite)
-    if len(contributors) < min_workers:
-        return Decision(False, f"{len(contributors)} contributing workers, fewer than --sparseloco-min-workers "
-                        f"{min_workers}", contributors=contributors)
-    return Decision(True, contributors=contributors)
+    """Reported to torchft when a round may not commit on this job (its vote is then False)."""
 
 
 # ---------------------------------------------------------------------- the session
 @dataclass
 class Round:
-    """What ``begin_round`` decided; group ranks index ``peers``."""
+    """What ``begin_round`` decided; positions (the round's group ranks) index ``peers``."""
 
     step: int                        # rounds committed before this one (after any heal)
     size: int                        # participants of this round
-    rank: int                        # this job's group rank
+    rank: int                        # this job's position in the round
     peers: List[Optional[dict]]      # each participant's header (None: refused)
-    contributors: List[int]
-    contributes: bool                # this job contributes a pseudo-gradient
+    contributors: List[int]          # the positions whose pseudo-gradient enters the round
+    contributes: bool                # this job offered a pseudo-gradient (its header's flag)
     healed: bool                     # this job healed from a peer in this quorum
     behind: int                      # committed rounds this job lacked before the heal (0: none)
-    proceed: bool                    # run the communicate phase
-    reason: str = ""                 # why not
+    #: run the communicate phase this round (True on every participant whenever the header exchange
+    #: completed): as a contributor iff ``rank in contributors``, else sending neutral data
+    exchange: bool
+    proceed: bool                    # this round may commit on this job
+    reason: str = ""                 # why not (or what to know, e.g. a fork accepted)
+    refused: List[int] = field(default_factory=list)    # positions whose header did not verify
     nonfinite: List[int] = field(default_factory=list)
-    #: the θ_outer fingerprint every participant reported when they all agreed (else None): the
-    #: consistency check of the elastic group, compared at every round that gives one
+    #: the θ_outer fingerprint every verified participant reported when they all agreed (else None):
+    #: the consistency check of the elastic group, compared at every round that gives one
     fingerprint: Optional[int] = None
+    #: the fork rule's finding (``elastic.decision.Fork``): this round is behind the run's newest step
+    fork: Optional[Fork] = None
+    #: the verdict agreement (``ElasticSession.agree``; None until it ran)
+    agreed: Optional[bool] = None
     seconds_quorum: float = 0.0
     seconds_header: float = 0.0
+
+    @property
+    def verified(self) -> List[int]:
+        """The positions whose header verified this round (this job's own included)."""
+        return [r for r, h in enumerate(self.peers) if h is not None]
 
     @property
     def samples(self) -> int:
@@ -228,9 +130,11 @@ class Round:
 
     def summary(self) -> Dict[str, Any]:
         return {"step": self.step, "size": self.size, "rank": self.rank, "contributors": self.contributors,
-                "contributes": self.contributes, "healed": self.healed, "behind": self.behind, "proceed": self.proceed,
-                "reason": self.reason, "indices": [None if h is None else h["index"] for h in self.peers],
+                "contributes": self.contributes, "healed": self.healed, "behind": self.behind,
+                "exchange": self.exchange, "proceed": self.proceed, "reason": self.reason, "refused": self.refused,
+                "agreed": self.agreed, "indices": [None if h is None else h["index"] for h in self.peers],
                 "fingerprint": None if self.fingerprint is None else f"{self.fingerprint & (2**64 - 1):016x}",
+                "fork": None if self.fork is None else vars(self.fork),
                 "seconds_quorum": round(self.seconds_quorum, 4), "seconds_header": round(self.seconds_header, 4)}
 
 
@@ -265,12 +169,16 @@ class ElasticSession:
         self.manager = self._connect(Manager, config, timeout, group_rank, group_world_size, store_addr, store_port)
         self.manager.register_state_dict_fn("elastic", self._on_heal, self._state_fn)
         self.comm = TorchFTComm(self.manager, self.pg, timeout)
-        #: the round header's own collectives (kept out of the strategy's byte counts)
+        #: the round's own collectives: nonces, headers, verdicts (kept out of the strategy's byte counts)
         self.control = TorchFTComm(self.manager, self.pg, timeout, counter=CommCounter())
         self.commits = 0
         #: rounds in a row that did not commit (``--sparseloco-elastic-max-failed-rounds``)
         self.failed_in_a_row = 0
         self.round: Optional[Round] = None
+        #: the fork rule's memory between rounds (``elastic.decision.ForkMemory``)
+        self.fork_memory = ForkMemory()
+        self._binding: Optional[RoundBinding] = None
+        self._reported: Optional[BaseException] = None
         self._healed = False
         self._closed = False
 
@@ -308,16 +216,23 @@ class ElasticSession:
         return self.manager.current_step()
 
     def begin_round(self, *, contributes: bool = True, finite: bool = True, samples: int = 0, tokens: int = 0,
-                    fingerprint: Optional[Callable[[], int]] = None, extra: Optional[Dict[str, int]] = None) -> Round:
-        """Quorum (and heal), header exchange, decision; raises ``ElasticExit`` when this job must leave.
+                    fingerprint: Optional[Callable[[], int]] = None, extra: Optional[Dict[str, int]] = None,
+                    ignores_non_contributors: bool = False) -> Round:
+        """Quorum (and heal), binding, header exchange, decision; raises ``ElasticExit`` when this job
+        must leave (a failed heal, a worker index held by a veteran; never a refused header).
 
         ``fingerprint()`` (optional) hashes θ_outer; it is called after the quorum, so a job that
         healed reports the state it received. ``extra``: small caller-defined integers shared with
-        every participant (authenticated like the rest of the header)."""
+        every participant (authenticated like the rest of the header). ``ignores_non_contributors``:
+        the strategy's communicate result depends only on the contributors' data whatever the other
+        participants send (an all-gather whose payloads are decoded one by one, only the
+        contributors' kept: SparseLoCo's); then a round with refused participants may commit with the
+        verified ones. False (sums, gossip): such a round does not commit."""
         if self.round is not None:
             raise RuntimeError("begin_round called twice without finish_round")
         t0 = time.perf_counter()
         self._healed, self.transport.receive_error, before = False, None, self.step
+        self._binding, self._reported = None, None
         try:
             self.manager.start_quorum()
         except Exception as exc:  # no quorum: the lighthouse is gone or the wait exceeded the timeout
@@ -330,15 +245,21 @@ class ElasticSession:
         self.comm.sync_with_quorum()
         self.control.sync_with_quorum()
         t1 = time.perf_counter()
-        ok = self.manager.errored() is None
-        fields = {"v": HEADER_VERSION, "index": self.config.worker_index, "group_rank": self.group_rank,
-                  "step": self.step, "ok": ok, "contributes": bool(contributes and ok and not self._healed),
-                  "finite": bool(finite), "samples": int(samples), "tokens": int(tokens), "commits": self.commits,
-                  "fingerprint": None if fingerprint is None else int(fingerprint()), "extra": dict(extra or {})}
-        rnd = self._decide(fields, behind=self.step - before if self._healed else 0)
+        fields = self._header_fields(contributes, finite, samples, tokens, fingerprint, extra)
+        rnd = self._decide(fields, self.step - before if self._healed else 0, ignores_non_contributors)
         rnd.seconds_quorum, rnd.seconds_header = t1 - t0, time.perf_counter() - t1
         self.round = rnd
         return rnd
+
+    def _header_fields(self, contributes: bool, finite: bool, samples: int, tokens: int,
+                       fingerprint: Optional[Callable[[], int]], extra: Optional[Dict[str, int]]) -> Dict[str, Any]:
+        """This participant's header body (``elastic.messages.FIELDS``)."""
+        ok = self.manager.errored() is None
+        return {"v": HEADER_VERSION, "index": self.config.worker_index, "group_rank": self.group_rank,
+                "step": self.step, "ok": ok, "contributes": bool(contributes and ok and not self._healed),
+                "finite": bool(finite), "samples": int(samples), "tokens": int(tokens), "commits": self.commits,
+                "fingerprint": None if fingerprint is None else int(fingerprint()), "extra": dict(extra or {}),
+                **self.fork_memory.fields(self.step, time.monotonic())}
 
     def _heal_failed(self, exc: BaseException) -> None:
         """A heal this rank could not complete leaves it behind the rest of its job: the job leaves
@@ -349,45 +270,140 @@ class ElasticSession:
                           "secret, then restart this job (same --sparseloco-worker-index): it heals at its first "
                           "quorum")
 
-    def _decide(self, fields: Dict[str, Any], behind: int) -> Round:
-        raws = self.control.all_gather_payloads(
-            torch.frombuffer(bytearray(make_header(self.key, fields)), dtype=torch.uint8), equal_sizes=True)
+    def _bind(self) -> Optional[RoundBinding]:
+        """Step 2 of the protocol: this round's binding from every participant's fresh nonce (None:
+        the exchange failed; ``control`` reported it)."""
+        mine = new_nonce()
+        got = self.control.all_gather_payloads(torch.frombuffer(bytearray(mine), dtype=torch.uint8), equal_sizes=True)
+        if self.control.error is not None:
+            return None
+        return RoundBinding.of_nonces([g.numpy().tobytes() for g in got], _quorum_id(self.manager))
+
+    def _decide(self, fields: Dict[str, Any], behind: int, ignores_non_contributors: bool) -> Round:
+        """Steps 2-4 of the protocol: binding, signed headers, the decision and what it asks of this job."""
         size, rank = self.control.size, self.control.rank
         base = dict(step=fields["step"], size=size, rank=rank, contributes=fields["contributes"], healed=self._healed,
                     behind=behind)
-        if self.control.error is not None:
-            self.comm.fail(self.control.error)
-            return Round(peers=[None] * size, contributors=[], proceed=False,
+        self._binding = binding = self._bind()
+        raws = [] if binding is None else [r.numpy().tobytes() for r in self.control.all_gather_payloads(
+            torch.frombuffer(bytearray(make_header(self.key, fields, binding, rank)), dtype=torch.uint8),
+            equal_sizes=True)]
+        if binding is None or self.control.error is not None:
+            self.comm.fail(self.control.error or RuntimeError("round nonce exchange failed"))
+            return Round(peers=[None] * size, contributors=[], exchange=False, proceed=False,
                          reason=f"round header exchange failed: {self.control.error}", **base)
-        headers = [read_header(self.key, r.numpy().tobytes()) for r in raws]
+        headers: List[Optional[dict]] = [read_header(self.key, raw, binding, r) for r, raw in enumerate(raws)]
         headers[rank] = fields
-        decision = decide(headers, rank, self.config.min_workers, self.token_file)
-        for r in decision.refused if decision.exit_message is None else ():
-            log.warning("elastic: refusing group rank %d (it claims worker index %s): its round header does not "
-                        "carry this run's MAC (another --sparseloco-elastic-token-file?)", r, _claimed_index(raws[r]))
+        decision = decide(headers, rank, self.config.min_workers, self.token_file,
+                          ignores_non_contributors=ignores_non_contributors, fork_timeout=self.config.quorum_timeout)
+        self._log_refusals(decision, raws)
+        self._learn(headers, decision)
         if decision.exit_message is not None:
             self.close()
             raise ElasticExit(f"elastic worker {self.config.worker_index}: {decision.exit_message}")
+        if decision.rewind:
+            self._rewind(decision.reason)
         if not decision.proceed:
             self.manager.report_error(RoundAborted(decision.reason))
         fps = {h["fingerprint"] for h in headers if h is not None}
         agreed = next(iter(fps)) if len(fps) == 1 and decision.proceed else None
-        return Round(peers=headers, contributors=decision.contributors, proceed=decision.proceed,
-                     reason=decision.reason, nonfinite=decision.nonfinite, fingerprint=agreed, **base)
+        contributors = [r for r in decision.contributors if r not in decision.nonfinite]
+        return Round(peers=headers, contributors=contributors, exchange=True, proceed=decision.proceed,
+                     reason=decision.reason, refused=decision.refused, nonfinite=decision.nonfinite, fingerprint=agreed,
+                     fork=decision.fork, **base)
+
+    def _log_refusals(self, decision: Decision, raws: List[bytes]) -> None:
+        """Name every refused participant (position, claimed worker index); a job that verified nobody
+        says which token file it read and the fix, every round."""
+        if decision.alone:
+            log.warning("elastic worker %s: %s", self.worker_index, decision.reason)
+            return
+        for r in decision.refused:
+            log.warning(refusal_line(r, raws[r]))
+
+    def _learn(self, headers: List[Optional[dict]], decision: Decision) -> None:
+        """The fork rule's memory after a decision (``ForkMemory.learn``); a round that waits for the
+        newest step, and a fork accepted, are logged."""
+        self.fork_memory.learn([h for h in headers if h is not None], decision.fork, time.monotonic())
+        fork = decision.fork
+        if fork is not None and not fork.accepted:
+            log.warning("elastic worker %s: %s", self.worker_index, decision.reason)
+        elif fork is not None:
+            log.warning("elastic worker %s: the run forks at step %d: it had committed up to step %d, but no job "
+                        "holding that step joined within %g s (--sparseloco-elastic-quorum-timeout); the run goes "
+                        "on from step %d and the %d round(s) after it are given up", self.worker_index, fork.step,
+                        fork.newest, self.config.quorum_timeout, fork.step, fork.newest - fork.step)
+
+    def _rewind(self, why: str) -> None:
+        """This job lost the fingerprint vote: set its committed step back by one, so that the next
+        quorum heals it in place from a participant at the round's step (no exit, no restart loop)."""
+        state = self.manager.state_dict()
+        self.manager.load_state_dict({"step": int(state["step"]) - 1, "batches_committed": state["batches_committed"]})
+        log.warning("elastic worker %s: %s; this job's θ_outer is not the majority's: its committed step goes back "
+                    "to %d so that the next quorum heals it from a peer", self.worker_index, why, self.step)
+
+    # ------------------------------------------------------------------ after the communicate phase
+    def agree(self, ok: bool) -> bool:
+        """The round's verdict agreement; call it once per round on every participant after the
+        communicate phase (whether or not this job exchanged) and before ``finish_round``.
+
+        All-gathers this participant's verdict ``ok`` signed for this round and its position; returns
+        True iff every participant whose header was accepted this round sent a verifiable ok (a
+        refused participant's verdict is ignored: it cannot veto). False when a verified participant
+        said not ok or sent an unverifiable verdict, when the exchange fails (timeout, dead peer) or
+        when this round's collectives failed already on this job (then without touching the network:
+        the group may be broken); every False is reported to the manager, so this job rolls back."""
+        rnd = self.round
+        if rnd is None:
+            raise RuntimeError("agree without begin_round")
+        if rnd.agreed is not None:
+            raise RuntimeError("agree called twice in one round")
+        rnd.agreed, why = self._agree(bool(ok), rnd)
+        if not rnd.agreed and not rnd.reason:
+            rnd.reason = why
+        return rnd.agreed
+
+    def _agree(self, ok: bool, rnd: Round) -> Tuple[bool, str]:
+        """(the agreement, why not) of ``agree``."""
+        if self._binding is None or self.control.error is not None:
+            return False, "the round header exchange failed"
+        if self.comm.error is not None and self.comm.error is not self._reported:
+            return False, f"the communicate phase failed: {self.comm.error}"
+        raw = make_verdict(self.key, ok, self._binding, rnd.rank, self.worker_index)
+        got = self.control.all_gather_payloads(torch.frombuffer(bytearray(raw), dtype=torch.uint8), equal_sizes=True)
+        if self.control.error is not None:    # reported to the manager by ``control``
+            return False, f"the verdict exchange failed: {self.control.error}"
+        verified = {r: h["index"] for r, h in enumerate(rnd.peers) if h is not None}
+        tally = tally_verdicts(self.key, [g.numpy().tobytes() for g in got], self._binding, verified)
+        if tally.ok:
+            return True, ""
+        why = "verdicts: " + "; ".join(
+            part for part in (f"not ok from participant(s) {tally.against}" if tally.against else "",
+                              f"unverifiable from verified participant(s) {tally.unverifiable}" if tally.unverifiable
+                              else "") if part)
+        log.warning("elastic worker %s: the round rolls back (%s)", self.worker_index, why)
+        self.manager.report_error(RoundAborted(why))
+        return False, why
 
     def report_error(self, exc: Exception) -> None:
-        """Make this round roll back on this job (e.g. the strategy's communicate raised)."""
+        """Make this round roll back on this job (e.g. the strategy's communicate raised). The
+        network is not suspected: ``agree`` still exchanges its verdict."""
+        if self.comm.error is None:
+            self._reported = exc
         self.comm.fail(exc)
 
     def finish_round(self) -> bool:
-        """torchft's vote inside the job; True: commit, False: roll back. Once per ``begin_round``.
+        """torchft's vote inside the job; True: commit, False: roll back. Once per ``begin_round``
+        (runs ``agree(True)`` first if the caller did not call ``agree``).
 
         A vote that cannot complete (a rank of the job stalled past ``--sparseloco-outer-timeout``)
         rolls back: no rank of the job got a decision, so none commits. After
         ``--sparseloco-elastic-max-failed-rounds`` rounds in a row without a commit the job exits."""
         if self.round is None:
             raise RuntimeError("finish_round without begin_round")
-        self.round = None
+        if self.round.agreed is None:
+            self.agree(True)
+        reason, self.round = self.round.reason, None
         try:
             committed = bool(self.manager.should_commit())
         except Exception as exc:  # the vote's RPC failed or timed out: no decision anywhere in the job
@@ -399,18 +415,23 @@ class ElasticSession:
         if limit and self.failed_in_a_row >= limit:
             self.close()
             raise ElasticExit(f"elastic worker {self.worker_index}: {self.failed_in_a_row} rounds in a row did not "
-                              f"commit (--sparseloco-elastic-max-failed-rounds {limit}). Fix: check the other jobs "
-                              "and the lighthouse are up and reachable, then restart this job")
+                              f"commit (--sparseloco-elastic-max-failed-rounds {limit}); the last one: "
+                              f"{reason or 'the commit vote failed'}. Fix: check the other jobs and the lighthouse "
+                              "are up and reachable, then restart this job")
         return committed
 
     def state_dict(self) -> Dict[str, int]:
         """What a job's own checkpoint must keep besides the model (torchft's committed step: a
-        resumed job that lost it would heal from a peer at its first quorum)."""
-        return {**self.manager.state_dict(), "commits": self.commits}
+        resumed job that lost it would heal from a peer at its first quorum; the fork rule's steps)."""
+        memory = self.fork_memory
+        return {**self.manager.state_dict(), "commits": self.commits, "newest": memory.newest,
+                "forgone": memory.forgone}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         self.manager.load_state_dict({"step": int(state["step"]), "batches_committed": int(state["batches_committed"])})
         self.commits = int(state.get("commits", 0))
+        self.fork_memory = ForkMemory(newest=int(state.get("newest", state["step"])),
+                                      forgone=int(state.get("forgone", -1)))
 
     def close(self) -> None:
         """End the session while the interpreter is still alive (idempotent), every step bounded by the
@@ -456,12 +477,11 @@ def _within(seconds: float, fn: Callable[[], None]) -> bool:
     return not t.is_alive()
 
 
-def _claimed_index(raw: torch.Tensor) -> str:
-    """The worker index an unverified header claims (for the log only)."""
-    try:
-        return str(json.loads(json.loads(raw.numpy().tobytes().decode())["body"])["index"])
-    except Exception:  # any garbage: nothing to report
-        return "?"
+def _quorum_id(manager) -> int:
+    """torchft's id of the current quorum (the same on every member; torchft 0.2.0 keeps it in a
+    private attribute), or -1 when this torchft does not expose it."""
+    qid = getattr(manager, "_quorum_id", None)
+    return qid if isinstance(qid, int) and not isinstance(qid, bool) else -1
 
 
 def _hostname() -> str:
@@ -474,5 +494,5 @@ def _default_pg(timeout: timedelta):
     return ProcessGroupNCCL(timeout=timeout) if torch.cuda.is_available() else ProcessGroupGloo(timeout=timeout)
 
 
-__all__ = ["ElasticSession", "ElasticExit", "Round", "Decision", "decide", "make_header", "read_header",
-           "HEADER_BYTES"]
+__all__ = ["ElasticSession", "ElasticExit", "Round", "RoundAborted", "Decision", "decide", "make_header",
+           "read_header", "HEADER_BYTES"]

@@ -6,26 +6,34 @@ Each rank of the job (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as torchrun 
 shard of a toy model (shard position = rank, the same initial values in every job) and an
 ``ElasticSession``. A round: H simulated inner steps (θ_local += a drift drawn from (worker index,
 iteration, rank), so every worker moves differently), then ``begin_round`` → SparseLoCo's
-communicate over ``session.comm`` → ``finish_round`` → commit (θ_outer update, θ_local ← θ_outer)
-or roll back (error feedback restored, θ_outer untouched, θ_local kept). A job's first round
-contributes nothing: it is where a (re)started job joins and heals.
+communicate over ``session.comm`` when ``rnd.exchange`` (as a contributor iff the round counts this
+job among its contributors) → ``session.agree(verdict)`` → ``finish_round`` → commit (θ_outer
+update, θ_local ← θ_outer) or roll back (error feedback restored, θ_outer untouched, θ_local kept).
+A job's first round contributes nothing: it is where a (re)started job joins and heals.
 
 A joining job receives θ_outer, the outer momentum and the iteration; the error feedback starts
-at zero. The job stops once the run has committed ``--rounds`` rounds, ``--final-members`` jobs
-take part and every one of them has contributed to ``--min-contributions`` committed rounds since
-it (re)started or last healed (``extra["more"]`` in the round header) — and, with ``--stop-file``,
-that file exists; past ``--deadline`` seconds it exits with an error.
+at zero. The job stops once the run has committed ``--rounds`` rounds, ``--final-members`` verified
+jobs take part (refused participants do not count) and every one of them has contributed to
+``--min-contributions`` committed rounds since it (re)started or last healed (``extra["more"]`` in
+the round header) — and, with ``--stop-file``, that file exists; past ``--deadline`` seconds it
+exits with an error.
 
 Every round appends one JSON line to ``DIR/job<I>.rank<r>.<pid>.jsonl``; at the end θ_outer's
-raw bytes go to ``DIR/final.job<I>.rank<r>.bin``. ``--pause-at-step S`` makes rank 0 sleep
+raw bytes go to ``DIR/final.job<I>.rank<r>.bin``. Faults: ``--pause-at-step S`` makes rank 0 sleep
 ``--pause-seconds`` inside round S+1 before its collectives (``DIR/paused.job<I>`` tells when), for a
 test to kill or stop it mid-round; ``--fail-vote-at-step S`` makes the job report an error before its
-commit vote in round S+1 (it rolls back while the others commit).
+commit vote in round S+1 (it rolls back while the others commit); ``--veto-at-step S`` makes its
+verdict "not ok" in the first ``--veto-rounds`` rounds at step S (every job that verifies it rolls back);
+``--corrupt-at-step S`` adds 1e-3 to its θ_outer before its first round at step S (its fingerprint
+then differs from the others');
+``--max-failed-rounds N`` is ``--sparseloco-elastic-max-failed-rounds``.
 
 The strategy is today's SparseLoCo built on ``session.comm`` (an ``OuterComm``); the round is its
 ``RoundPlan`` on the held schedule: compress and exchange, then ``commit`` (apply, θ_local ← θ_outer)
 or ``cancel`` (error feedback restored). The session's contributors are set on the comm, so the mean
-runs over them (a non-contributor sends a payload nobody decodes).
+runs over them (a non-contributor sends a payload nobody decodes): its result ignores whatever the
+non-contributors send, so rounds commit with refused participants present
+(``ignores_non_contributors``).
 """
 from __future__ import annotations
 
@@ -53,7 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 ("--outer-timeout", float, 5.0), ("--quorum-timeout", float, 60.0),
                                 ("--barrier", str, None), ("--barrier-count", int, 0), ("--pause-at-step", int, -1),
                                 ("--pause-seconds", float, 600.0), ("--stop-file", str, None),
-                                ("--deadline", float, 600.0), ("--fail-vote-at-step", int, -1)]:
+                                ("--deadline", float, 600.0), ("--fail-vote-at-step", int, -1),
+                                ("--veto-at-step", int, -1), ("--veto-rounds", int, 1),
+                                ("--max-failed-rounds", int, 0), ("--corrupt-at-step", int, -1)]:
         p.add_argument(name, type=kind, default=default,
                        required=default is None and name not in ("--barrier", "--stop-file"))
     return p.parse_args(argv)
@@ -87,7 +97,7 @@ class ToyWorker:
         self.log_path = os.path.join(args.out, f"job{args.index}.rank{self.rank}.{os.getpid()}.jsonl")
         config = ElasticConfig(lighthouse=args.lighthouse, worker_index=args.index, min_workers=args.min_workers,
                                token_file=args.token_file, quorum_timeout=args.quorum_timeout, connect_timeout=30.0,
-                               heartbeat_interval=0.2).validate()
+                               heartbeat_interval=0.2, max_failed_rounds=args.max_failed_rounds).validate()
         self.session = ElasticSession(config, group_rank=self.rank, group_world_size=int(os.environ["WORLD_SIZE"]),
                                       store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
                                       state_fn=self.state, load_fn=self.load, outer_timeout=args.outer_timeout)
@@ -122,7 +132,7 @@ class ToyWorker:
 
     def done(self, rnd: Round) -> bool:
         a, peers = self.args, [h for h in rnd.peers if h is not None]
-        return rnd.step >= a.rounds and len(peers) == rnd.size == a.final_members and \
+        return rnd.step >= a.rounds and len(peers) == a.final_members and \
             all(h["extra"].get("more", 1) == 0 for h in peers)
 
     def run(self) -> None:
@@ -137,9 +147,10 @@ class ToyWorker:
             stop = self.args.stop_file is None or os.path.exists(self.args.stop_file)
             more = int(self.contributed < self.args.min_contributions or not stop)
             finite = self.strategy.first_nonfinite_tensor() is None
+            self.maybe_corrupt()
             rnd = self.session.begin_round(contributes=not self.first, finite=finite, samples=self.args.inner_steps,
                                            fingerprint=lambda: fingerprint([self.strategy.anchor]),
-                                           extra={"more": more})
+                                           extra={"more": more}, ignores_non_contributors=True)
             self.first = False
             if self.done(rnd):
                 break
@@ -150,6 +161,12 @@ class ToyWorker:
             f.write(self.strategy.anchor.numpy().tobytes())
         self.session.close()
 
+    def maybe_corrupt(self) -> None:
+        """``--corrupt-at-step S``: θ_outer off by 1e-3 before the first round at step S (a silent divergence)."""
+        if self.session.step == self.args.corrupt_at_step:
+            self.args.corrupt_at_step = -1
+            self.strategy.anchor.add_(1e-3)
+
     def maybe_pause(self, rnd: Round) -> None:
         """``--pause-at-step S``: rank 0 sleeps ``--pause-seconds`` inside round S+1, before its collectives
         (where a test injects its fault: the other jobs are waiting in the all-gather)."""
@@ -158,10 +175,18 @@ class ToyWorker:
             open(os.path.join(self.args.out, f"paused.job{self.args.index}"), "w").close()
             time.sleep(self.args.pause_seconds)
 
+    def verdict(self, rnd: Round) -> bool:
+        """This job's verdict on the round (a real job checks what it received here); ``--veto-at-step``:
+        "not ok" in the first ``--veto-rounds`` rounds at that step."""
+        if rnd.step != self.args.veto_at_step or self.args.veto_rounds <= 0:
+            return True
+        self.args.veto_rounds -= 1
+        return False
+
     def one_round(self, rnd: Round) -> bool:
-        """Begin and communicate (if the round proceeds), vote, commit or roll back; log the round."""
+        """Communicate (when the round exchanges), agree, vote, commit or roll back; log the round."""
         plan = None
-        if rnd.proceed:
+        if rnd.exchange:
             self.session.comm.set_contributors(rnd.contributors)
             plan = self.strategy.begin_round(self.strategy.new_stats(), None, held=True, snapshot=True)
             plan.compress_all()
@@ -169,6 +194,8 @@ class ToyWorker:
             plan.exchange_all()
         if rnd.step == self.args.fail_vote_at_step:   # a fault only this job sees: it rolls back, the others commit
             self.session.report_error(RuntimeError("injected fault before the commit vote"))
+        verdict = self.verdict(rnd)
+        self.session.agree(verdict)
         committed = self.session.finish_round()
         if plan is not None and committed:
             plan.commit(write_back=True)
@@ -177,7 +204,7 @@ class ToyWorker:
         heals = [vars(r) for r in self.session.transport.records]
         self.session.transport.records.clear()
         self.write(dict(rnd.summary(), committed=committed, after=self.session.step, heals=heals,
-                        fp=fingerprint([self.strategy.anchor]), failed=self.session.comm.failed))
+                        fp=fingerprint([self.strategy.anchor]), failed=self.session.comm.failed, verdict=verdict))
         return committed
 
 
