@@ -38,6 +38,10 @@ ready, so start-up is not counted, except a restart's):
     elastic-discard        the same, discarding it (θ_local ← θ_outer, as torchft's DiLoCo)
     fail-fast              the same schedule, today's mode: all jobs stop at the failure, all restart at 50 %
                            from the last checkpoint
+    elastic-stall          job W−1 stopped whole (SIGSTOP) at 30 % of the run and continued (SIGCONT) at 50 %,
+                           no restart: it catches up in place as a Megatron job does (θ_outer and the outer
+                           state from a live peer, error feedback at zero; its own inner step, data position
+                           and Adam moments kept, its local progress carried onto the new θ_outer)
     inject-keep / inject-discard   (the kept-vs-discarded measure) no kill; every ``--fail-every``-th
                            round is made to fail on every job (an error reported before the vote), the
                            run stops after ``--inject-rounds`` committed rounds: same data, same inner
@@ -55,9 +59,9 @@ Measured per scenario (from the jobs' JSONL logs, every record timestamped):
                        contributors' Δ covered: 2H for a Δ that kept a failed round's progress; fail-fast
                        rounds redone after the restart count once)
     discarded          inner steps computed by any job that never entered θ_outer
-    detection          the kill → the survivors' next commit (fail-fast: the first commit after the restart)
-    heal               seconds and bytes the restarted job received (elastic), and the kill → its first
-                       contribution
+    detection          the kill (stop) → the survivors' next commit (fail-fast: the first commit after the restart)
+    heal               seconds and bytes the restarted (continued) job received (elastic), and the kill → its
+                       first contribution (rejoin); stall: the continue → its first contribution (catch-up)
     held-out loss      θ_outer's at the end of the run (equal wall time), on the quality benchmark's windows
     quorum overhead    quorum + round header seconds per round, against the round (H inner steps + the
                        outer step) of the failure-free elastic run
@@ -215,7 +219,20 @@ def run_elastic_job(a: argparse.Namespace, cfg: dict, log: Log) -> None:
         return {"anchor": s.anchor, "adam": w.adam_state(), "iteration": w.iteration}
 
     def load(st: dict) -> None:
+        """Joining (the first round): everything, θ_local ← θ_outer. Catching up (a later round, as
+        ``megatron/elastic/heal_state.py``): θ_outer only, error feedback at zero; the inner step, the
+        Adam moments and (``holder["keep"]``) the local progress stay this worker's own."""
         s = holder["strategy"]
+        if holder.get("joined"):
+            if holder["keep"]:
+                s.hold_local_progress()
+                holder["holds"] = True
+            s.anchor.copy_(st["anchor"])
+            s.error_feedback.zero_()
+            if not holder["keep"]:
+                s.reset_to_anchor()
+                w.delta_steps = 0
+            return
         s.anchor.copy_(st["anchor"])
         w.load_adam(st["adam"])
         s.error_feedback.zero_()      # never copied
@@ -235,9 +252,12 @@ def run_elastic_job(a: argparse.Namespace, cfg: dict, log: Log) -> None:
     _wait_go(a)
     H, first, discard = cfg["H"], True, cfg["after_failed_round"] == "discard"
     fail_every, failed_at = cfg.get("fail_every", 0), set()
+    last = None   # (proceeded, contributed, committed) of the previous round: the catch-up's progress rule
     while True:
         if not first:
             w.inner_steps(H, log)
+        holder["joined"] = not first
+        holder["keep"] = not discard and not (last is not None and last[0] and last[1] and not last[2])
         t_begin = time.time()
         rnd = session.begin_round(contributes=not first, finite=strategy.first_nonfinite_tensor() is None,
                                   samples=w.delta_steps, fingerprint=lambda: fingerprint([strategy.anchor]),
@@ -259,15 +279,20 @@ def run_elastic_job(a: argparse.Namespace, cfg: dict, log: Log) -> None:
         t_exchange = time.time()
         committed = session.finish_round()
         covered = w.delta_steps
+        holds = holder.pop("holds", False)    # a catch-up that keeps its progress holds it in the params
         if plan is not None and committed:
-            plan.commit(write_back=True)
-            w.delta_steps = 0
+            plan.commit(write_back=not holds)
+            if not holds:
+                w.delta_steps = 0
         else:
             if plan is not None:
                 plan.cancel()
             if discard and not rnd.healed and w.delta_steps:
                 strategy.reset_to_anchor()
                 w.delta_steps = 0
+        if holds:
+            strategy.apply_local_progress()
+        last = (rnd.proceed, rnd.contributes, committed)
         heals = [vars(r) for r in session.transport.records]
         session.transport.records.clear()
         log("round", t_begin=t_begin, t_header=t_header, t_exchange=t_exchange, step=rnd.step, after=session.step,
@@ -363,7 +388,7 @@ def job_main(argv=None) -> int:
 
 
 # ============================================================================ the orchestrator
-SCENARIOS = ("failure-free", "static-failure-free", "elastic-keep", "elastic-discard", "fail-fast",
+SCENARIOS = ("failure-free", "static-failure-free", "elastic-keep", "elastic-discard", "fail-fast", "elastic-stall",
              "inject-keep", "inject-discard")
 
 
@@ -373,6 +398,7 @@ def scenario_spec(name: str) -> dict:
             "elastic-keep": dict(mode="elastic", policy="keep", kill=True),
             "elastic-discard": dict(mode="elastic", policy="discard", kill=True),
             "fail-fast": dict(mode="static", policy=None, kill=True),
+            "elastic-stall": dict(mode="elastic", policy="keep", kill=False, stall=True),
             "inject-keep": dict(mode="elastic", policy="keep", kill=False, inject=True),
             "inject-discard": dict(mode="elastic", policy="discard", kill=False, inject=True)}[name]
 
@@ -444,8 +470,15 @@ def run_scenario(name: str, args: argparse.Namespace, cfg: dict, root: str, seed
         _wait(ready, args.startup_timeout, f"{name}: {W} jobs ready\n" + "\n".join(j.output()[-2000:] for j in jobs))
         t0 = time.time()
         open(go, "w").close()
-        events: Dict[str, Optional[float]] = {"kill": None, "restart": None}
+        events: Dict[str, Optional[float]] = {"kill": None, "restart": None, "stop": None, "cont": None}
         victim = jobs[W - 1]
+        if spec.get("stall"):   # stopped for restart_after·T, continued: no restart
+            _sleep_until(t0 + args.kill_at * T)
+            events["stop"] = time.time()
+            victim.stop()
+            _sleep_until(t0 + (args.kill_at + args.restart_after) * T)
+            events["cont"] = time.time()
+            victim.cont()
         if spec.get("inject"):
             _wait(lambda: all(not j.alive() for j in jobs), args.inject_timeout, f"{name}: the jobs to finish")
         else:
@@ -516,20 +549,24 @@ def measure(name: str, spec: dict, recs: List[dict], t0: float, t_end: float, ev
     wall = (t_end - t0) if spec.get("inject") else float(cfg["seconds"])   # scheduled: T, not the teardown
     finals = [r for r in recs if r["k"] == "final"]
     final_fps = {r["fp"] for r in finals}
-    kill = events.get("kill")
+    kill = events.get("kill") or events.get("stop")
     detect = None
     if kill is not None:   # fail-fast: a round the survivors finish as the victim dies is lost with the world
         since = (events.get("restart") or kill) if spec["mode"] == "static" else kill
         after = [r["t"] for r in committed if r["t"] > since and r["job"] != W - 1]
         detect = (min(after) - kill) if after else None
     heal_recv = [h for r in rounds if r["job"] == W - 1 for h in r["heals"] if h["role"] == "received"]
-    rejoin = None
+    rejoin = catch_up = None
     if kill is not None:
         back = [r["t"] for r in committed if r["job"] == W - 1 and r["t"] > kill and r["contributes"]
                 and (spec["mode"] == "elastic")]
         if spec["mode"] == "static":
             back = [r["t"] for r in committed if r["t"] > (events.get("restart") or kill)]
         rejoin = (min(back) - kill) if back else None
+    cont = events.get("cont")
+    if cont is not None:
+        back = [r["t"] for r in committed if r["job"] == W - 1 and r["t"] > cont and r["contributes"]]
+        catch_up = (min(back) - cont) if back else None
     by_job_rounds = {}
     for r in rounds:
         by_job_rounds.setdefault(r["pid"], []).append(r)
@@ -547,6 +584,10 @@ def measure(name: str, spec: dict, recs: List[dict], t0: float, t_end: float, ev
         "scenario": name, "mode": spec["mode"], "after_failed_round": spec["policy"],
         "kill_at_s": None if kill is None else kill - t0,
         "restart_at_s": None if events.get("restart") is None else events["restart"] - t0,
+        "stop_at_s": None if events.get("stop") is None else events["stop"] - t0,
+        "cont_at_s": None if cont is None else cont - t0,
+        "catch_up_s": catch_up,
+        "victim_pids": len({r["pid"] for r in recs if r.get("job") == W - 1}),
         "wall_s": wall, "rounds_committed": len(lineage), "rounds_failed": len({s for s, _ in failed}),
         "useful_steps": useful, "computed_steps": computed, "discarded_steps": computed - useful,
         "goodput_steps_per_s": useful / wall if wall > 0 else None,
@@ -570,7 +611,7 @@ def summarize(rows: List[dict]) -> Dict[str, Optional[float]]:
     ref = by.get("failure-free")
     out: Dict[str, Optional[float]] = {}
     if ref and ref["goodput_steps_per_s"]:
-        for name in ("elastic-keep", "elastic-discard", "fail-fast", "static-failure-free"):
+        for name in ("elastic-keep", "elastic-discard", "fail-fast", "elastic-stall", "static-failure-free"):
             if name in by and by[name]["goodput_steps_per_s"] is not None:
                 out[f"goodput_{name}_vs_failure_free"] = by[name]["goodput_steps_per_s"] / ref["goodput_steps_per_s"]
         if ref["round_s_mean"] and ref["quorum_s_mean"] is not None:
@@ -589,7 +630,7 @@ def markdown(data: dict) -> str:
     """The docs table (docs/elastic.md) from a results file."""
     f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"  # noqa: E731
     lines = ["| scenario | wall s | rounds committed / failed | goodput steps/s | vs failure-free | steps discarded | "
-             "detection s | rejoin s | heal s / MB | held-out loss | load avg |",
+             "detection s | rejoin (catch-up) s | heal s / MB | held-out loss | load avg |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ref = next((r for r in data["rows"] if r["scenario"] == "failure-free"), None)
     for r in data["rows"]:
@@ -599,7 +640,8 @@ def markdown(data: dict) -> str:
         heal = "" if r["heal_s"] is None else f"{r['heal_s']:.2f} / {r['heal_bytes'] / 1e6:.1f}"
         lines.append(f"| {r['scenario']} | {r['wall_s']:.0f} | {r['rounds_committed']} / {r['rounds_failed']} | "
                      f"{f(r['goodput_steps_per_s'])} | {'' if ratio is None else f'{ratio:.1%}'} | "
-                     f"{r['discarded_steps']} | {f(r['detection_s'])} | {f(r['rejoin_s'])} | {heal} | "
+                     f"{r['discarded_steps']} | {f(r['detection_s'])} | "
+                     f"{f(r['rejoin_s']) if r.get('catch_up_s') is None else '(' + f(r['catch_up_s']) + ')'} | {heal} | "
                      f"{f(r['held_out_loss'], 4)} | {r['load_avg_start']:.0f}–{r['load_avg_end']:.0f} |")
     free = [r for r in data["rows"] if r["scenario"] in ("failure-free", "static-failure-free") and r["round_s_mean"]]
     if free:

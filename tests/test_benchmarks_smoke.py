@@ -166,14 +166,22 @@ def test_elastic_smoke(tmp_path):
     out = tmp_path / "elastic.json"
     # 60 s: the fail-fast restart starts 3 processes (5 s on a quiet machine, 40 s at load average 17)
     r = _run([sys.executable, ELASTIC, "--smoke", "--seconds", "60", "--kill-at", "0.15", "--restart-after", "0.05",
-              "--scenarios", "elastic-keep,fail-fast", "--log-dir", str(tmp_path / "logs"), "--json", str(out)],
+              "--scenarios", "elastic-keep,fail-fast,elastic-stall", "--log-dir", str(tmp_path / "logs"),
+              "--json", str(out)],
              timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     data = json.loads(out.read_text())
     assert {"benchmark", "machine", "commit", "command", "config", "rows"} <= set(data)
     assert data["benchmark"] == "elastic" and data["command"].startswith("python benchmarks/elastic.py")
     rows = {row["scenario"]: row for row in data["rows"]}
-    assert set(rows) == {"elastic-keep", "fail-fast"}
+    assert set(rows) == {"elastic-keep", "fail-fast", "elastic-stall"}
+    st = rows.pop("elastic-stall")
+    # stall: the others commit without the stopped job; continued, it catches up in place (the same process: one
+    # PID), heals (bytes received) and contributes again; every job ends with the same θ_outer
+    assert st["stop_at_s"] < st["cont_at_s"] < st["wall_s"] and st["victim_pids"] == 1, st
+    assert st["detection_s"] is not None and 0 < st["detection_s"] < st["cont_at_s"] - st["stop_at_s"], st
+    assert st["heal_bytes"] > 0 and st["catch_up_s"] is not None and st["catch_up_s"] > 0, st
+    assert math.isfinite(st["held_out_loss"]) and st["theta_outer_identical"], st
     for row in rows.values():
         assert row["kill_at_s"] < row["restart_at_s"] < row["wall_s"], row
         assert 0 < row["useful_steps"] <= row["computed_steps"], row

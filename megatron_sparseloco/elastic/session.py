@@ -21,12 +21,14 @@ the run's secret) never pairs its collectives with different ones of the others:
 1. **Quorum** (``Manager.start_quorum``, synchronous): the lighthouse returns the live jobs; a job
    whose committed step is behind the largest heals from a live peer at the same shard position
    (``elastic.heal``; the caller's ``load_fn`` receives the peer's state). A rank whose heal fails
-   exits (``ElasticExit``): its job restarts and heals again (ranks of one job must not disagree
-   on their step). ``session.comm`` takes this round's size and rank.
+   in its job's first round exits (``ElasticExit``): its job restarts and heals again (the ranks of
+   a joining job take their counters from the heal); later, it sits the round out (its job does not
+   commit) and heals again at the next quorum. ``session.comm`` takes this round's size and rank.
 2. **Binding**: every participant all-gathers a fresh random nonce over ``control``; the digest of
    the nonces (rank order) and torchft's quorum id bind every MAC of the round to it and to the
    signer's position (``elastic.messages``): a header or verdict replayed from another round or at
-   another position is refused, across lighthouse restarts too.
+   another position is refused, across lighthouse restarts too. The round's all-gathered payloads
+   are tagged under the same binding (``TorchFTComm.authenticate``).
 3. **Round header**: every participant all-gathers a fixed-size signed JSON header: worker index,
    committed step, whether it contributes (a job that healed in this quorum does not: its local
    progress belongs to a stale θ_outer), whether its pseudo-gradient is finite, samples / tokens,
@@ -241,7 +243,7 @@ class ElasticSession:
                               f"{self.config.lighthouse} is up; raise --sparseloco-elastic-quorum-timeout "
                               f"({self.config.quorum_timeout:g} s) if the other workers' rounds take longer") from None
         if self.transport.receive_error is not None:
-            self._heal_failed(self.transport.receive_error)
+            self._heal_failed(self.transport.receive_error, joining=not contributes)
         self.comm.sync_with_quorum()
         self.control.sync_with_quorum()
         t1 = time.perf_counter()
@@ -261,9 +263,17 @@ class ElasticSession:
                 "fingerprint": None if fingerprint is None else int(fingerprint()), "extra": dict(extra or {}),
                 **self.fork_memory.fields(self.step, time.monotonic())}
 
-    def _heal_failed(self, exc: BaseException) -> None:
-        """A heal this rank could not complete leaves it behind the rest of its job: the job leaves
-        and a restart heals it again (a job whose ranks disagree on their step could not rejoin)."""
+    def _heal_failed(self, exc: BaseException, joining: bool) -> None:
+        """A heal this rank could not complete. Joining (its job's first round, which contributes
+        nothing): the job leaves and a restart heals it again (its counters come from that heal, and
+        its ranks must not start from different ones). Later (catching up): this rank stays behind for
+        this round — its error is reported, so its job does not commit — and heals again at the next
+        quorum, from whichever live peer torchft then picks (a dead or refused source is not kept)."""
+        if not joining:
+            log.warning("elastic worker %s: healing from a live peer failed (%s); this job sits the round out and "
+                        "heals again at the next quorum", self.config.worker_index, exc)
+            self.manager.report_error(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+            return
         self.close()
         raise ElasticExit(f"elastic worker {self.config.worker_index}: healing from a live peer failed: {exc}. Fix: "
                           f"check that --sparseloco-elastic-token-file ({self.config.token_file}) holds the run's "
@@ -285,6 +295,8 @@ class ElasticSession:
         base = dict(step=fields["step"], size=size, rank=rank, contributes=fields["contributes"], healed=self._healed,
                     behind=behind)
         self._binding = binding = self._bind()
+        if binding is not None:   # the round's payloads are tagged under the same binding (``elastic.comm``)
+            self.comm.authenticate(self.key, binding.context(-1, -1))
         raws = [] if binding is None else [r.numpy().tobytes() for r in self.control.all_gather_payloads(
             torch.frombuffer(bytearray(make_header(self.key, fields, binding, rank)), dtype=torch.uint8),
             equal_sizes=True)]

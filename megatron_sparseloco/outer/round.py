@@ -81,6 +81,10 @@ class Capabilities:
     #: reaches θ_outer only through ``anchor_bucket`` / ``store_anchor_bucket`` / ``write_back`` /
     #: ``pseudo_gradient``, so it may live in host memory (``OuterConfig.anchor_on_cpu``)
     supports_anchor_on_cpu: bool = False
+    #: the round's result depends on its contributors' data alone: what a participant that does not
+    #: contribute sends is never read (SparseLoCo's all-gather decodes the contributors' payloads only;
+    #: a sum reads everyone's), so an elastic round may go on with participants it refused present
+    ignores_non_contributors: bool = False
 
 
 class PhaseClock:

@@ -679,7 +679,10 @@ class SparseLoCo(OuterStrategy[SparseLoCoConfig]):
         err.index_put_((idx,), err[idx] + local.values[back])
 
     # ------------------------------------------------------------------ the round
-    capabilities = Capabilities(has_error_feedback=True, supports_overlap=True, supports_anchor_on_cpu=True)
+    #: (ignores_non_contributors: the all-gather; reduce-scatter and hierarchical aggregation need every
+    #: worker to contribute and are refused in elastic mode, where that matters)
+    capabilities = Capabilities(has_error_feedback=True, supports_overlap=True, supports_anchor_on_cpu=True,
+                                ignores_non_contributors=True)
 
     def begin_round(self, stats: OuterStepStats, nonfinite_tensor: Optional[str], held: bool,
                     snapshot: bool = False) -> RoundPlan:

@@ -106,6 +106,9 @@ class ElasticRounds:
                                 hooks=host)
         self.strategies, self.hooks, self.session, self.config, self.heal = strategies, host, session, config, heal
         self.identical = host.identical_across_workers
+        #: every strategy's result depends on its contributors' data alone (a refused participant's bytes are
+        #: never decoded), so a round may commit with refused participants present (``begin_round``)
+        self.ignores_non_contributors = all(s.capabilities.ignores_non_contributors for s in strategies)
         #: samples and tokens a contributing round of this job carries (``setup``, from Megatron's args)
         self.samples_per_round = 0
         self.tokens_per_round = 0
@@ -191,11 +194,14 @@ class ElasticRounds:
         fp = (lambda: fingerprint([s.anchor for s in self.strategies])) if self.identical else None
         rnd = self.session.begin_round(contributes=contributes, finite=finite, samples=self.samples_per_round,
                                        tokens=self.tokens_per_round, fingerprint=fp,
-                                       extra=self.heal.counters().extra())
+                                       extra=self.heal.counters().extra(),
+                                       ignores_non_contributors=self.ignores_non_contributors)
         parts: List[Part] = []
-        if rnd.proceed:
+        ok = True
+        if rnd.exchange:    # every participant runs the same collectives (a non-contributor sends neutral data)
             self.session.comm.set_contributors(rnd.contributors)
-            parts = self._communicate(rnd)
+            parts, ok = self._communicate(rnd)
+        self.session.agree(ok)    # the signed verdicts: one "not ok" rolls the round back on every job
         committed = self.session.finish_round()
         for s, plan, stats in parts:
             if committed:   # (a job catching up holds its progress in the params: not overwritten)
@@ -209,13 +215,14 @@ class ElasticRounds:
         self.last, self.last_committed = rnd, committed
         return committed, [stats for _, _, stats in parts], rnd
 
-    def _communicate(self, rnd: Round) -> List[Part]:
-        """Every strategy's compress, exchange and validation (held: nothing is applied before the vote).
+    def _communicate(self, rnd: Round) -> Tuple[List[Part], bool]:
+        """Every strategy's compress, exchange and validation (held: nothing is applied before the vote);
+        returns the parts and this job's verdict.
 
-        Validation decodes every received payload, runs the codec's checks and checks the aggregate is
-        finite (``RoundPlan.validate_all`` / ``aggregate_finite``); any failure, like any local error,
-        is reported to the session, so this job's vote rolls the round back. The commit that follows a
-        vote only writes data that passed these checks."""
+        Validation decodes every received payload (whose tag ``TorchFTComm`` verified), runs the codec's
+        checks and checks the aggregate is finite (``RoundPlan.validate_all`` / ``aggregate_finite``);
+        any failure, like any local error, makes the verdict "not ok" (``session.agree``), so the round
+        rolls back on every job. The commit that follows a vote only writes data that passed these checks."""
         parts: List[Part] = []
         try:
             for s in self.strategies:
@@ -234,7 +241,8 @@ class ElasticRounds:
                                          f"({s.name}) holds a NaN or Inf; nothing applied")
         except Exception as exc:  # a payload that fails to decode or any local error: the round rolls back
             self.session.report_error(exc)
-        return parts
+            return parts, False
+        return parts, not self.session.comm.failed
 
     def _job_finite(self) -> bool:
         """Every rank of the job finite (so every rank's header says the same)."""
