@@ -20,8 +20,8 @@ of them is down (each row records how many steps' compute exceeded the pace).
 The jobs are NOT megatron.training's loop: each is this file's ``--job`` driver, which runs the
 inner steps itself and the outer round as the elastic toy job does (``testing/elastic_toy_job.py``):
 ``ElasticSession`` (real torchft lighthouse, quorum, signed round header, heal over
-``SafeHealTransport``) → SparseLoCo's ``RoundPlan`` over ``session.comm`` (compress, exchange) →
-the commit vote → commit or cancel. A job that starts late (a restart) joins and heals at its first
+``SafeHealTransport``) → SparseLoCo's ``RoundPlan`` over ``session.comm`` (compress, exchange,
+validation: tags, decode, a finite aggregate) → the signed verdicts → the commit vote → commit or cancel. A job that starts late (a restart) joins and heals at its first
 round (θ_outer, the Adam moments, the inner step; error feedback at zero) and contributes from its
 second. Fail-fast ("today") is the same driver over one c10d world spanning the jobs
 (``ProcessGroupComm``, SparseLoCo's blocking step): a lost job makes the others' next collective
@@ -261,17 +261,23 @@ def run_elastic_job(a: argparse.Namespace, cfg: dict, log: Log) -> None:
         t_begin = time.time()
         rnd = session.begin_round(contributes=not first, finite=strategy.first_nonfinite_tensor() is None,
                                   samples=w.delta_steps, fingerprint=lambda: fingerprint([strategy.anchor]),
-                                  extra={"stop": _stop_now(cfg, session.step)})
+                                  extra={"stop": _stop_now(cfg, session.step)},
+                                  ignores_non_contributors=strategy.capabilities.ignores_non_contributors)
         first = False
         if any(h is not None and h["extra"].get("stop") for h in rnd.peers):
             break
         t_header = time.time()
-        plan = None
-        if rnd.proceed:
+        plan, ok = None, True
+        if rnd.exchange:
             session.comm.set_contributors(rnd.contributors)
             plan = strategy.begin_round(strategy.new_stats(), None, held=True, snapshot=True)
             plan.compress_all()
             plan.exchange_all()
+            ok = not session.comm.failed and session.comm.rejected is None
+            if ok:   # everything received checked before the vote, as a Megatron job does
+                plan.validate_all()
+                ok = plan.aggregate_finite()
+        session.agree(ok)
         injected = bool(fail_every) and rnd.step % fail_every == fail_every - 1 and rnd.step not in failed_at
         if injected:   # the same rule on every job: every job rolls back this round, once per step
             failed_at.add(rnd.step)

@@ -274,11 +274,13 @@ def test_tokenless_peers_never_make_an_honest_job_exit(tmp_path):
     token file, --min-workers 3, job 2 vetoing every round at step 0). Job 0 verifies nobody: it commits
     nothing, names its token file, stays. Job 1 (the run's secret) starts late and fresh (no commit yet:
     2 verified of 4, which once sent it off): jobs 0 and 1 commit with the honest contributors while the
-    tokenless ones take part (job 2's veto ignored); behind the run, the tokenless ones fail their heal
-    and leave; job 1's own veto at step 3 rolls back both honest jobs; they end with identical θ_outer."""
+    tokenless ones take part (job 2's veto ignored); behind the run, the tokenless ones fail their heal and
+    stay (a failed heal while catching up is no reason to exit either) until their own --deadline; job 1's
+    own veto at step 3 rolls back both honest jobs; the honest ones end (their last rounds with the tokenless
+    ones present) with identical θ_outer."""
     good = make_token(tmp_path / "token", "the-run-secret-0123456789abcdef")
     bad = make_token(tmp_path / "other-token", "another-secret-0123456789abcdef")
-    tokenless = ["--min-workers", "3"]
+    tokenless = ["--min-workers", "3", "--deadline", "45"]
     with Scenario(tmp_path, rounds=6, final_members=2, jobs=4, late=(1,), tokens=[good, good, bad, bad],
                   job_args={1: ["--veto-at-step", "3"], 2: tokenless + ["--veto-at-step", "0", "--veto-rounds", "1000"],
                             3: tokenless}) as sc:
@@ -308,5 +310,30 @@ def test_tokenless_peers_never_make_an_honest_job_exit(tmp_path):
         assert not at3[i][0]["committed"] and at3[i][0]["agreed"] is False, at3[i][0]
         assert any(r["committed"] for r in at3[i][1:]), f"job {i} never committed step 3 after the veto"
     assert at3[0][0]["verdict"] and not at3[1][0]["verdict"]
-    assert any(r.get("committed") and r["size"] == 2 and r["contributors"] == [0, 1] for r in sc.records(0))
     check_consistency(sc, [0, 1], ranks=1)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fault", ["bit", "truncate", "link", "nonfinite_sum"])
+def test_corrupt_payload_rolls_the_round_back_on_every_job_then_the_next_commits(tmp_path, fault):
+    """2 jobs; in the round after step 2, job 1's payload is damaged: one bit flipped on the wire (every job
+    receives it: its tag fails), cut to half before it was tagged (it arrives authentic and does not decode),
+    or damaged as job 0 alone receives it ("link": only job 0 sees it; its signed "not ok" verdict rolls job 1
+    back too); DiLoCo: an Inf in the sum job 1 receives. That round rolls back on both jobs with θ_outer
+    bitwise as before, nobody raises or exits, and the retried round commits on both."""
+    both = {"nonfinite_sum": ["--algorithm", "diloco"], "truncate": ["--index-coding", "entropy"]}.get(fault, [])
+    fault_args = (["--nonfinite-sum-at-step", "2"] if fault == "nonfinite_sum" else
+                  ["--corrupt-payload-at-step", "2", "--corrupt-payload", fault])
+    faulty = 0 if fault == "link" else 1
+    args = {i: both + (fault_args if i == faulty else []) for i in (0, 1)}
+    with Scenario(tmp_path, jobs=2, rounds=5, final_members=2, job_args=args) as sc:
+        codes = sc.finish()
+    assert codes == [[0], [0]], sc.logs()
+    for i in (0, 1):
+        recs = [r for r in sc.records(i) if "committed" in r]
+        at2 = [r for r in recs if r["step"] == 2]
+        assert len(at2) >= 2 and not at2[0]["committed"] and at2[0]["exchange"], at2
+        assert at2[0]["agreed"] is False and at2[-1]["committed"], at2
+        before = [r for r in recs if r["committed"] and r["after"] == 2][-1]
+        assert at2[0]["fp"] == before["fp"], "the rolled-back round changed θ_outer"
+    check_consistency(sc, (0, 1), ranks=1)

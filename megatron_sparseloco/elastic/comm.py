@@ -48,11 +48,13 @@ payload ``all_gather_payloads`` moves carries a tag
 
     tag_r = mac(key, "payload", context ‖ r ‖ payload_r)        (32 bytes, appended; counted as sent)
 
-where ``context`` binds the round (the session's round challenge) and r is the sender's position
+where ``context`` binds the round (the session's round binding) and r is the sender's position
 in the gather. A contributor's payload whose tag does not verify (a bit flipped or a message cut
 on the WAN, a peer without the run's secret, a payload replayed from another round or position)
-fails the operation like a lost member: ``PayloadAuthError`` is reported and the stand-in is
-returned, so nothing received is decoded. Payloads of participants that do not contribute are
+is rejected: ``PayloadAuthError`` is kept in ``rejected`` and reported to the manager (this job
+rolls back), and the stand-in is returned, so nothing received is decoded. Unlike a lost member
+the group still works, so the round's later exchanges (the session's signed verdicts) go on and
+every job learns of the rejection in the same round. Payloads of participants that do not contribute are
 not checked (nobody decodes them). Dense all-reduces cannot carry a tag (the sum is formed on the
 wire); their aggregate is checked for finiteness before the commit vote instead (``RoundPlan``).
 """
@@ -133,6 +135,8 @@ class TorchFTComm(OuterComm):
         self._context = b""
         #: works issued and not known to be complete (``drain``)
         self._works: List = []
+        #: the first payload of this round whose tag did not verify (None: none)
+        self.rejected: Optional[PayloadAuthError] = None
 
     def authenticate(self, key: Optional[bytes], context: bytes = b"") -> None:
         """Tag every all-gathered payload of this round under ``key``, bound to ``context`` (module
@@ -151,6 +155,7 @@ class TorchFTComm(OuterComm):
         self.error = None
         self._contributors = None
         self._works = [w for w in self._works if not _completed(w)]
+        self.rejected = None
 
     def set_contributors(self, contributors: Sequence[int]) -> None:
         """The group ranks whose pseudo-gradient enters this round (the session's decision)."""
@@ -176,6 +181,13 @@ class TorchFTComm(OuterComm):
             log.warning("elastic outer group: %s: %s (the round will roll back; later operations of this round "
                         "are skipped)", type(exc).__name__, exc)
             self.manager.report_error(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+
+    def reject(self, exc: PayloadAuthError) -> None:
+        """Record a payload that failed its tag (the first one wins) and report it: this job rolls back."""
+        if self.rejected is None:
+            self.rejected = exc
+            log.warning("elastic outer group: %s", exc)
+            self.manager.report_error(exc)
 
     def _guard(self, run: Callable[[], T], stand_in: Callable[[], T]) -> T:
         """``run()``; after a failure of this round, or when it fails, ``stand_in()``."""
@@ -286,7 +298,13 @@ class TorchFTComm(OuterComm):
             def finish() -> List[torch.Tensor]:
                 self._wait(work)
                 got = [g[:s] for g, s in zip(gathered, sizes)]
-                return got if key is None else open_payloads(key, context, got, self.contributors)
+                if key is None:
+                    return got
+                try:
+                    return open_payloads(key, context, got, self.contributors)
+                except PayloadAuthError as exc:
+                    self.reject(exc)
+                    return stand_in()
 
             return Pending(lambda: self._guard(finish, stand_in))
 

@@ -20,7 +20,8 @@ Hooks, each set by an environment variable of the job:
   header and before its collectives, touches ``path`` and sleeps (a test kills or stops it there:
   the other jobs are then waiting in the round's collectives).
 - ``ELASTIC_FAIL_VOTE=<step>``: every rank, in the round after committed step ``step``, reports an error
-  to the session after its communicate phase, so this job's vote fails while the others commit.
+  to the session after the round's verdicts agreed, just before the commit vote, so this job's vote
+  fails while the others commit.
 """
 import hashlib
 import json
@@ -100,14 +101,21 @@ def _paused_communicate(orig, pause):
 
 
 def _failing_vote(orig, step):
+    """After the round's verdicts agreed, just before the commit vote: an error only this job sees."""
     state = {"step": step}
 
     def _communicate(self, rnd):
-        parts = orig(self, rnd)
+        out = orig(self, rnd)
         if state["step"] is not None and rnd.step == state["step"]:
             state["step"] = None
-            self.session.report_error(RuntimeError(f"injected vote failure (ELASTIC_FAIL_VOTE={rnd.step})"))
-        return parts
+            session, finish = self.session, self.session.finish_round
+
+            def failing_finish():
+                session.finish_round = finish
+                session.report_error(RuntimeError(f"injected vote failure (ELASTIC_FAIL_VOTE={rnd.step})"))
+                return finish()
+            session.finish_round = failing_finish
+        return out
     return _communicate
 
 

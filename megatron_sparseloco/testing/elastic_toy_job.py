@@ -26,14 +26,21 @@ commit vote in round S+1 (it rolls back while the others commit); ``--veto-at-st
 verdict "not ok" in the first ``--veto-rounds`` rounds at step S (every job that verifies it rolls back);
 ``--corrupt-at-step S`` adds 1e-3 to its θ_outer before its first round at step S (its fingerprint
 then differs from the others');
-``--max-failed-rounds N`` is ``--sparseloco-elastic-max-failed-rounds``.
+``--corrupt-payload-at-step S`` with ``--corrupt-payload MODE`` damages what the round after committed
+step S receives: ``bit`` flips one bit of this job's tagged payload on the wire (every job receives
+it), ``truncate`` cuts this job's payload to half before it is tagged (entropy-coded indices, whose
+sizes are exchanged: it arrives authentic but does not decode), ``link`` flips a bit of another
+contributor's payload as this job alone receives it; ``--nonfinite-sum-at-step S`` (diloco) puts an
+Inf into the sum this job receives in that round. ``--max-failed-rounds N`` is
+``--sparseloco-elastic-max-failed-rounds``.
 
-The strategy is today's SparseLoCo built on ``session.comm`` (an ``OuterComm``); the round is its
-``RoundPlan`` on the held schedule: compress and exchange, then ``commit`` (apply, θ_local ← θ_outer)
-or ``cancel`` (error feedback restored). The session's contributors are set on the comm, so the mean
-runs over them (a non-contributor sends a payload nobody decodes): its result ignores whatever the
-non-contributors send, so rounds commit with refused participants present
-(``ignores_non_contributors``).
+The strategy is today's SparseLoCo (``--algorithm diloco``: DiLoCo) built on ``session.comm`` (an
+``OuterComm``); the round is its ``RoundPlan`` on the held schedule: compress and exchange, then the
+validation (decode, the codec's checks, a finite aggregate: this job's verdict in ``session.agree``),
+then ``commit`` (apply, θ_local ← θ_outer) or ``cancel`` (error feedback restored). The session's
+contributors are set on the comm, so the mean runs over them (a non-contributor sends a payload
+nobody decodes): SparseLoCo's result ignores whatever the non-contributors send, so its rounds commit
+with refused participants present (``ignores_non_contributors``).
 """
 from __future__ import annotations
 
@@ -48,6 +55,8 @@ import torch
 from megatron_sparseloco.elastic.config import ElasticConfig
 from megatron_sparseloco.elastic.session import ElasticSession, Round
 from megatron_sparseloco.megatron.consistency import fingerprint
+from megatron_sparseloco.outer.base import OuterConfig, OuterStrategy
+from megatron_sparseloco.outer.diloco import DiLoCo, DiLoCoConfig
 from megatron_sparseloco.outer.sparseloco import SparseLoCo, SparseLoCoConfig
 from megatron_sparseloco.testing.elastic_jobs import ensure_job_store
 
@@ -63,7 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 ("--pause-seconds", float, 600.0), ("--stop-file", str, None),
                                 ("--deadline", float, 600.0), ("--fail-vote-at-step", int, -1),
                                 ("--veto-at-step", int, -1), ("--veto-rounds", int, 1),
-                                ("--max-failed-rounds", int, 0), ("--corrupt-at-step", int, -1)]:
+                                ("--max-failed-rounds", int, 0), ("--corrupt-at-step", int, -1),
+                                ("--algorithm", str, "sparseloco"), ("--index-coding", str, "packed"),
+                                ("--corrupt-payload-at-step", int, -1), ("--corrupt-payload", str, "bit"),
+                                ("--nonfinite-sum-at-step", int, -1)]:
         p.add_argument(name, type=kind, default=default,
                        required=default is None and name not in ("--barrier", "--stop-file"))
     return p.parse_args(argv)
@@ -90,8 +102,9 @@ class ToyWorker:
     def __init__(self, args: argparse.Namespace):
         self.args, self.rank = args, int(os.environ.get("RANK", "0"))
         self.params = build_params(self.rank)
-        cfg = SparseLoCoConfig(chunk=1024, k=32, lr=1.0, momentum=0.5)
-        self._cfg = cfg
+        self._cfg: OuterConfig = (DiLoCoConfig(lr=0.7, momentum=0.5) if args.algorithm == "diloco" else
+                                  SparseLoCoConfig(chunk=1024, k=32, lr=1.0, momentum=0.5,
+                                                   index_coding=args.index_coding))
         self.iteration, self.contributed, self.first = 0, 0, True
         self.deadline = time.monotonic() + args.deadline
         self.log_path = os.path.join(args.out, f"job{args.index}.rank{self.rank}.{os.getpid()}.jsonl")
@@ -101,18 +114,23 @@ class ToyWorker:
         self.session = ElasticSession(config, group_rank=self.rank, group_world_size=int(os.environ["WORLD_SIZE"]),
                                       store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
                                       state_fn=self.state, load_fn=self.load, outer_timeout=args.outer_timeout)
-        self.strategy = SparseLoCo(self.params, self.session.comm, self._cfg)   # (state / load need it from here)
+        kind: type = DiLoCo if args.algorithm == "diloco" else SparseLoCo
+        self.strategy: OuterStrategy = kind(self.params, self.session.comm, self._cfg)   # (state / load need it)
 
     def state(self) -> dict:
+        """θ_outer and the outer buffers but those a heal never carries (SparseLoCo's error feedback)."""
         s = self.strategy
-        return {"anchor": s.anchor, "momentum": s.momentum, "iteration": self.iteration}
+        return {"outer": {k: v for k, v in s.elementwise_state().items() if k not in s.heal_excluded_buffers},
+                "iteration": self.iteration}
 
     def load(self, state: dict) -> None:
         s = self.strategy
-        s.anchor.copy_(state["anchor"])
-        if s.momentum is not None:
-            s.momentum.copy_(state["momentum"])
-        s.error_feedback.zero_()           # never copied: starts at zero
+        live = s.elementwise_state()
+        for k, v in state["outer"].items():
+            live[k].copy_(v)
+        for k in s.heal_excluded_buffers:  # never copied: starts at zero
+            if live.get(k) is not None:
+                live[k].zero_()
         s.reset_to_anchor()                # θ_local ← θ_outer
         self.iteration = int(state["iteration"])
         self.contributed = 0               # what it contributed before the heal went into a stale θ_outer
@@ -150,7 +168,8 @@ class ToyWorker:
             self.maybe_corrupt()
             rnd = self.session.begin_round(contributes=not self.first, finite=finite, samples=self.args.inner_steps,
                                            fingerprint=lambda: fingerprint([self.strategy.anchor]),
-                                           extra={"more": more}, ignores_non_contributors=True)
+                                           extra={"more": more},
+                                           ignores_non_contributors=self.strategy.capabilities.ignores_non_contributors)
             self.first = False
             if self.done(rnd):
                 break
@@ -175,13 +194,61 @@ class ToyWorker:
             open(os.path.join(self.args.out, f"paused.job{self.args.index}"), "w").close()
             time.sleep(self.args.pause_seconds)
 
-    def verdict(self, rnd: Round) -> bool:
-        """This job's verdict on the round (a real job checks what it received here); ``--veto-at-step``:
+    def verdict(self, rnd: Round, plan) -> bool:
+        """This job's verdict on the round: everything received validated (tags, decode, the codec's
+        checks, a finite aggregate; ``RoundPlan.validate_all``), as the Megatron job's; ``--veto-at-step``:
         "not ok" in the first ``--veto-rounds`` rounds at that step."""
+        comm = self.session.comm
+        ok = not comm.failed and comm.rejected is None
+        if plan is not None and ok:
+            try:
+                plan.validate_all()
+                ok = plan.aggregate_finite()
+            except Exception as exc:  # a payload that does not decode: "not ok", the round rolls back everywhere
+                print(f"elastic toy job {self.args.index}: round {rnd.step + 1} does not validate: {exc}", flush=True)
+                ok = False
         if rnd.step != self.args.veto_at_step or self.args.veto_rounds <= 0:
-            return True
+            return ok
         self.args.veto_rounds -= 1
         return False
+
+    def exchange(self, rnd: Round, plan) -> None:
+        """``plan.exchange_all()`` with the payload faults of the module docstring in their round."""
+        a = self.args
+        if rnd.step == a.nonfinite_sum_at_step:
+            a.nonfinite_sum_at_step = -1
+            plan.exchange_all()
+            plan.received[0][0] = float("inf")        # the sum this job received (a dense round's bucket 0)
+            return
+        if rnd.step != a.corrupt_payload_at_step:
+            plan.exchange_all()
+            return
+        a.corrupt_payload_at_step = -1
+        import megatron_sparseloco.elastic.comm as ftcomm
+        sign, open_ = ftcomm.sign_payload, ftcomm.open_payloads
+
+        def damaged_sign(key, context, position, payload):
+            if a.corrupt_payload == "truncate":
+                return sign(key, context, position, payload[: payload.numel() // 2])
+            signed = sign(key, context, position, payload).clone()
+            signed[3] ^= 1 << 5                         # "bit": on the wire, after the tag was made
+            return signed
+
+        def damaged_open(key, context, signed, check):
+            other = next(r for r in check if r != self.session.comm.rank)
+            signed = list(signed)
+            signed[other] = signed[other].clone()
+            signed[other][0] ^= 1                       # "link": what this job alone received
+            return open_(key, context, signed, check)
+
+        if a.corrupt_payload == "link":
+            ftcomm.open_payloads = damaged_open
+        else:
+            ftcomm.sign_payload = damaged_sign
+        try:
+            plan.exchange_all()
+        finally:
+            ftcomm.sign_payload, ftcomm.open_payloads = sign, open_
 
     def one_round(self, rnd: Round) -> bool:
         """Communicate (when the round exchanges), agree, vote, commit or roll back; log the round."""
@@ -191,11 +258,11 @@ class ToyWorker:
             plan = self.strategy.begin_round(self.strategy.new_stats(), None, held=True, snapshot=True)
             plan.compress_all()
             self.maybe_pause(rnd)
-            plan.exchange_all()
-        if rnd.step == self.args.fail_vote_at_step:   # a fault only this job sees: it rolls back, the others commit
-            self.session.report_error(RuntimeError("injected fault before the commit vote"))
-        verdict = self.verdict(rnd)
+            self.exchange(rnd, plan)
+        verdict = self.verdict(rnd, plan)
         self.session.agree(verdict)
+        if rnd.step == self.args.fail_vote_at_step:   # after the verdicts, this job alone: the others commit
+            self.session.report_error(RuntimeError("injected fault before the commit vote"))
         committed = self.session.finish_round()
         if plan is not None and committed:
             plan.commit(write_back=True)

@@ -242,7 +242,7 @@ class ElasticRounds:
         except Exception as exc:  # a payload that fails to decode or any local error: the round rolls back
             self.session.report_error(exc)
             return parts, False
-        return parts, not self.session.comm.failed
+        return parts, not self.session.comm.failed and self.session.comm.rejected is None
 
     def _job_finite(self) -> bool:
         """Every rank of the job finite (so every rank's header says the same)."""
