@@ -314,26 +314,30 @@ def test_tokenless_peers_never_make_an_honest_job_exit(tmp_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("fault", ["bit", "truncate", "link", "nonfinite_sum"])
-def test_corrupt_payload_rolls_the_round_back_on_every_job_then_the_next_commits(tmp_path, fault):
-    """2 jobs; in the round after step 2, job 1's payload is damaged: one bit flipped on the wire (every job
-    receives it: its tag fails), cut to half before it was tagged (it arrives authentic and does not decode),
-    or damaged as job 0 alone receives it ("link": only job 0 sees it; its signed "not ok" verdict rolls job 1
-    back too); DiLoCo: an Inf in the sum job 1 receives. That round rolls back on both jobs with θ_outer
-    bitwise as before, nobody raises or exits, and the retried round commits on both."""
-    both = {"nonfinite_sum": ["--algorithm", "diloco"], "truncate": ["--index-coding", "entropy"]}.get(fault, [])
-    fault_args = (["--nonfinite-sum-at-step", "2"] if fault == "nonfinite_sum" else
-                  ["--corrupt-payload-at-step", "2", "--corrupt-payload", fault])
-    faulty = 0 if fault == "link" else 1
-    args = {i: both + (fault_args if i == faulty else []) for i in (0, 1)}
-    with Scenario(tmp_path, jobs=2, rounds=5, final_members=2, job_args=args) as sc:
+@pytest.mark.parametrize("algorithm", ["sparseloco", "diloco"])
+def test_corrupt_payload_rolls_the_round_back_on_every_job_then_the_next_commits(tmp_path, algorithm):
+    """2 jobs. SparseLoCo (entropy-coded indices), in the rounds after steps 2, 3 and 4: job 1's payload gets
+    one bit flipped on the wire (every job receives it: its tag fails), then is cut to half before it is
+    tagged (it arrives authentic and does not decode), then job 0 alone receives job 1's payload with a
+    flipped bit (only job 0 sees it; its signed "not ok" verdict rolls job 1 back too). DiLoCo, after step 2:
+    an Inf in the sum job 1 receives (only job 1 sees it). Each such round rolls back on both jobs with
+    θ_outer bitwise as before, nobody raises or exits, and the retried round commits on both."""
+    if algorithm == "diloco":
+        args = {0: ["--algorithm", "diloco"], 1: ["--algorithm", "diloco", "--nonfinite-sum-at-step", "2"]}
+        faulty = (2,)
+    else:
+        args = {0: ["--index-coding", "entropy", "--corrupt-payload", "4:link"],
+                1: ["--index-coding", "entropy", "--corrupt-payload", "2:bit,3:truncate"]}
+        faulty = (2, 3, 4)
+    with Scenario(tmp_path, jobs=2, rounds=6, final_members=2, job_args=args) as sc:
         codes = sc.finish()
     assert codes == [[0], [0]], sc.logs()
     for i in (0, 1):
         recs = [r for r in sc.records(i) if "committed" in r]
-        at2 = [r for r in recs if r["step"] == 2]
-        assert len(at2) >= 2 and not at2[0]["committed"] and at2[0]["exchange"], at2
-        assert at2[0]["agreed"] is False and at2[-1]["committed"], at2
-        before = [r for r in recs if r["committed"] and r["after"] == 2][-1]
-        assert at2[0]["fp"] == before["fp"], "the rolled-back round changed θ_outer"
+        for step in faulty:
+            at = [r for r in recs if r["step"] == step]
+            assert len(at) >= 2 and not at[0]["committed"] and at[0]["exchange"], (step, at)
+            assert at[0]["agreed"] is False and at[-1]["committed"], (step, at)
+            before = [r for r in recs if r["committed"] and r["after"] == step][-1]
+            assert at[0]["fp"] == before["fp"], f"job {i}: the rolled-back round after step {step} changed θ_outer"
     check_consistency(sc, (0, 1), ranks=1)

@@ -26,11 +26,11 @@ commit vote in round S+1 (it rolls back while the others commit); ``--veto-at-st
 verdict "not ok" in the first ``--veto-rounds`` rounds at step S (every job that verifies it rolls back);
 ``--corrupt-at-step S`` adds 1e-3 to its θ_outer before its first round at step S (its fingerprint
 then differs from the others');
-``--corrupt-payload-at-step S`` with ``--corrupt-payload MODE`` damages what the round after committed
-step S receives: ``bit`` flips one bit of this job's tagged payload on the wire (every job receives
-it), ``truncate`` cuts this job's payload to half before it is tagged (entropy-coded indices, whose
-sizes are exchanged: it arrives authentic but does not decode), ``link`` flips a bit of another
-contributor's payload as this job alone receives it; ``--nonfinite-sum-at-step S`` (diloco) puts an
+``--corrupt-payload S:MODE[,S:MODE...]`` damages what the round after committed step S receives:
+``bit`` flips one bit of this job's tagged payload on the wire (every job receives it), ``truncate``
+cuts this job's payload to half before it is tagged (entropy-coded indices, whose sizes are
+exchanged: it arrives authentic but does not decode), ``link`` flips a bit of another contributor's
+payload as this job alone receives it; ``--nonfinite-sum-at-step S`` (diloco) puts an
 Inf into the sum this job receives in that round. ``--max-failed-rounds N`` is
 ``--sparseloco-elastic-max-failed-rounds``.
 
@@ -74,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 ("--veto-at-step", int, -1), ("--veto-rounds", int, 1),
                                 ("--max-failed-rounds", int, 0), ("--corrupt-at-step", int, -1),
                                 ("--algorithm", str, "sparseloco"), ("--index-coding", str, "packed"),
-                                ("--corrupt-payload-at-step", int, -1), ("--corrupt-payload", str, "bit"),
+                                ("--corrupt-payload", str, ""),
                                 ("--nonfinite-sum-at-step", int, -1)]:
         p.add_argument(name, type=kind, default=default,
                        required=default is None and name not in ("--barrier", "--stop-file"))
@@ -220,15 +220,17 @@ class ToyWorker:
             plan.exchange_all()
             plan.received[0][0] = float("inf")        # the sum this job received (a dense round's bucket 0)
             return
-        if rnd.step != a.corrupt_payload_at_step:
+        faults = dict(f.split(":") for f in a.corrupt_payload.split(",") if f)
+        mode = faults.pop(str(rnd.step), None)
+        if mode is None:
             plan.exchange_all()
             return
-        a.corrupt_payload_at_step = -1
+        a.corrupt_payload = ",".join(f"{k}:{v}" for k, v in faults.items())   # once per step
         import megatron_sparseloco.elastic.comm as ftcomm
         sign, open_ = ftcomm.sign_payload, ftcomm.open_payloads
 
         def damaged_sign(key, context, position, payload):
-            if a.corrupt_payload == "truncate":
+            if mode == "truncate":
                 return sign(key, context, position, payload[: payload.numel() // 2])
             signed = sign(key, context, position, payload).clone()
             signed[3] ^= 1 << 5                         # "bit": on the wire, after the tag was made
@@ -241,7 +243,7 @@ class ToyWorker:
             signed[other][0] ^= 1                       # "link": what this job alone received
             return open_(key, context, signed, check)
 
-        if a.corrupt_payload == "link":
+        if mode == "link":
             ftcomm.open_payloads = damaged_open
         else:
             ftcomm.sign_payload = damaged_sign

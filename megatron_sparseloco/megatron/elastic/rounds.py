@@ -10,12 +10,16 @@ state; the optimizer's blocking rounds (τ = 0, one fragment: what ``elastic.con
 
     finite = every rank of the job finite              (one in-job all-reduce MAX)
     rnd = session.begin_round(contributes, finite, samples, tokens, fingerprint(θ_outer), counters)
-          (quorum; a job behind the quorum heals: ``elastic_state.HealState``; signed headers; decision)
-    if rnd.proceed:  comm.set_contributors(rnd.contributors);
-                     every strategy's plan (held, snapshot): compress_all, exchange_all
+          (quorum; a job behind the quorum heals: ``heal_state.HealState``; round binding; signed
+          headers; decision)
+    if rnd.exchange: comm.set_contributors(rnd.contributors);   (every participant: the same collectives)
+                     every strategy's plan (held, snapshot): compress_all, exchange_all, validate_all
+                     (payload tags, decode, codec checks, a finite aggregate: this job's verdict)
+    session.agree(verdict)                             (signed verdicts: one "not ok" rolls every job back)
     committed = session.finish_round()                 (torchft's vote: the same on every rank of the job)
-    committed:  every plan commits (θ_outer update, θ_local ← θ_outer) → ``OuterRounds._committed``
-                (tied params, publish: in-job collectives, safe since the whole job got this vote)
+    committed:  every plan commits the validated data (θ_outer update, θ_local ← θ_outer) →
+                ``OuterRounds.finish_committed`` (tied params, publish: in-job collectives, safe since
+                the whole job got this vote)
     otherwise:  every plan cancels (state exactly as before); θ_local kept (``keep``: the next Δ
                 spans both rounds) or ← θ_outer (``discard``, as torchft's DiLoCo;
                 ``--sparseloco-elastic-after-failed-round``); a non-finite job always discards
