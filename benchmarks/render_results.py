@@ -81,7 +81,7 @@ PLAN: List[Bench] = (
                                     "--hetero-slow-compute 2 --hetero-steps 120 --diloco-target-step 90 --timeout 3000 "
                                     f"--hetero-methods {GASLOC_METHODS},{GASLOC_METHODS.split(',')[1]}:auto "
                                     "--json docs/results/network_gasloc_slow.json", "11 min", root=True)]
-    + [Bench("elastic", "python benchmarks/elastic.py --json docs/results/elastic.json", "25 min"),
+    + [Bench("elastic", "python benchmarks/elastic.py --json docs/results/elastic.json", "28 min"),
        Bench("memory", "python benchmarks/memory.py --json docs/results/memory.json", "1 min")]
     + [_quality(W, f" --layers 4 --hidden 256 --sweep-grid {SIZE2_GRID[W]}", f"quality_4x256_w{W}",
                 "diloco,sparseloco:64") for W in SIZE2_W]
@@ -528,7 +528,9 @@ def elastic_section(docs: Dict[str, Dict]) -> List[str]:
     return [f"{cfg['workers']} worker jobs (each its own process tree and torch.distributed world) through a real "
             f"torchft lighthouse, SparseLoCo k = 64, H = {cfg['H']}, every inner step paced at "
             f"{cfg['step_seconds']:g} s, {cfg['seconds']:g} s per scenario; one job killed (SIGKILL) at "
-            f"{cfg['kill_at']:.0%} of the run and restarted {cfg['restart_after']:.0%} later. *Goodput*: inner steps "
+            f"{cfg['kill_at']:.0%} of the run and restarted {cfg['restart_after']:.0%} later; *elastic-stall*: one job "
+            f"stopped (SIGSTOP) at {cfg['kill_at']:.0%} and continued {cfg['restart_after']:.0%} later, no restart "
+            "(it catches up in place: in parentheses, the continue → its first contribution). *Goodput*: inner steps "
             "whose Δ entered a committed θ_outer, summed over the workers, per wall second. *Fail-fast*: the same jobs "
             "in one world, every job restarting from the newest common checkpoint (today's single-job mode). "
             "What each column means: [elastic.md](elastic.md).", "", elastic.markdown(doc), ""] + command_block(
