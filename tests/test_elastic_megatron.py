@@ -295,9 +295,10 @@ def test_failure_free_elastic_run_equals_single_job_mode(tmp_path):
 @pytest.mark.timeout(300)
 def test_wrong_token_refused_and_one_stopped_rank(tmp_path):
     """average, 4 slots: jobs 0-2 (DP 2) run; a job 3 with another secret joins late: the others refuse
-    it, name it in their logs and go on, it exits naming its token file. Then rank 1 of job 1 is
-    stopped: job 1 leaves the quorums (its rank 0 stops asking), jobs 0 and 2 go on; continued, job 1
-    is healed and exits asking for a restart. Jobs 0 and 2 end identical."""
+    it, name it in their logs and go on; behind the run, it fails its first heal (nobody sends state to a
+    job without the secret) and exits naming its token file. Then rank 1 of job 1 is stopped: job 1 leaves
+    the quorums (its rank 0 stops asking), jobs 0 and 2 go on; continued, job 1 catches up in place and
+    finishes its own iterations. Jobs 0 and 2 end identical."""
     bad = make_token(tmp_path / "bad-token", "another-secret-0123456789abcdef")
     good = make_token(tmp_path / "token-good")
     with Run(tmp_path, algorithm="average", jobs=4, iters=32, tokens=[good, good, good, bad],
