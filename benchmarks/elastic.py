@@ -680,6 +680,7 @@ def main(argv=None) -> int:
     p.add_argument("--kill-at", type=float, default=0.3, help="the kill, as a fraction of T")
     p.add_argument("--restart-after", type=float, default=0.2, help="the restart, this fraction of T after the kill")
     p.add_argument("--H", type=int, default=15)
+    p.add_argument("--outer-timeout", type=float, default=10.0, help="--sparseloco-outer-timeout of the elastic jobs")
     p.add_argument("--step-seconds", type=float, default=0.25, help="the wall time of one inner step (the pace)")
     p.add_argument("--checkpoint-every", type=int, default=10, help="fail-fast: rounds between checkpoints")
     p.add_argument("--fail-every", type=int, default=4, help="inject-*: every N-th round fails on every job")
@@ -717,7 +718,7 @@ def main(argv=None) -> int:
            "step_seconds": args.step_seconds,
            "eval_windows": eval_windows, "paths": common.ensure_data(), "outer": fields,
            "checkpoint_every": args.checkpoint_every, "static_timeout": 30.0, "seconds": args.seconds,
-           "elastic": {"outer_timeout": 10.0, "quorum_timeout": 120.0, "heartbeat_interval": 0.2,
+           "elastic": {"outer_timeout": args.outer_timeout, "quorum_timeout": 120.0, "heartbeat_interval": 0.2,
                        "heartbeat_timeout_ms": 5000, "join_timeout_ms": 5000, "min_workers": args.min_workers}}
     root = args.log_dir or f"/tmp/elastic-bench-{os.getpid()}"
     os.makedirs(root, exist_ok=True)
