@@ -164,10 +164,10 @@ def test_elastic_smoke(tmp_path):
     if not _have_torchft():
         pytest.skip("torchft is not installed")
     out = tmp_path / "elastic.json"
-    # 60 s: the fail-fast restart starts 3 processes (5 s on a quiet machine, 40 s at load average 17)
-    # the restart / continue 12 s after the kill / stop: longer than the outer timeout (3 s) and the lighthouse's
+    # 50 s: the fail-fast restart (at 20 s) starts 3 processes (5 s on a quiet machine, 40 s at load average 17)
+    # the restart / continue 12.5 s after the kill / stop: longer than the outer timeout (3 s) and the lighthouse's
     # heartbeat timeout (5 s), so the stopped job is dropped and heals when it is continued
-    r = _run([sys.executable, ELASTIC, "--smoke", "--seconds", "60", "--kill-at", "0.15", "--restart-after", "0.2",
+    r = _run([sys.executable, ELASTIC, "--smoke", "--seconds", "50", "--kill-at", "0.15", "--restart-after", "0.25",
               "--outer-timeout", "3",
               "--scenarios", "elastic-keep,fail-fast,elastic-stall", "--log-dir", str(tmp_path / "logs"),
               "--json", str(out)],

@@ -280,7 +280,7 @@ def test_tokenless_peers_never_make_an_honest_job_exit(tmp_path):
     ones present) with identical θ_outer."""
     good = make_token(tmp_path / "token", "the-run-secret-0123456789abcdef")
     bad = make_token(tmp_path / "other-token", "another-secret-0123456789abcdef")
-    tokenless = ["--min-workers", "3", "--deadline", "45"]
+    tokenless = ["--min-workers", "3", "--deadline", "30"]
     with Scenario(tmp_path, rounds=6, final_members=2, jobs=4, late=(1,), tokens=[good, good, bad, bad],
                   job_args={1: ["--veto-at-step", "3"], 2: tokenless + ["--veto-at-step", "0", "--veto-rounds", "1000"],
                             3: tokenless}) as sc:
