@@ -3,10 +3,10 @@
     python tests/elastic_exit_job.py ROLE INDEX LIGHTHOUSE TOKEN OUT_DIR
 
 Both jobs (one rank each, ``ElasticSession`` over a real lighthouse) meet in a round and start a
-1 MiB all-gather. ROLE ``stopper`` first touches ``OUT_DIR/ready.INDEX`` and sleeps before it (the
-test SIGSTOPs it there, then kills it); ROLE ``survivor`` touches ``OUT_DIR/ready.INDEX`` once the
-round began and issues the all-gather, which times out (outer timeout 1 s: the gloo work is left
-running), rolls back, closes the session and returns from ``main``: the process must exit 0.
+32 MiB all-gather; both touch ``OUT_DIR/ready.INDEX`` once the round began. ROLE ``stopper`` stops
+itself (SIGSTOP) 10 ms into the all-gather, while its part is on the wire (the test kills it later);
+ROLE ``survivor``'s all-gather times out (outer timeout 0.5 s: the gloo work is left running), it
+rolls back, closes the session and returns from ``main``: the process must exit 0.
 """
 import os
 import signal
@@ -27,7 +27,7 @@ def main(role: str, index: int, lighthouse: str, token: str, out: str) -> None:
                            quorum_timeout=60.0, connect_timeout=30.0, heartbeat_interval=0.2).validate()
     session = ElasticSession(config, group_rank=0, group_world_size=1, store_addr="127.0.0.1",
                              store_port=int(os.environ["MASTER_PORT"]), state_fn=lambda: {}, load_fn=lambda s: None,
-                             outer_timeout=1.0)
+                             outer_timeout=0.5)
     rnd = session.begin_round(contributes=True)
     assert rnd.size == 2, rnd.summary()
     open(os.path.join(out, f"ready.{index}"), "w").close()

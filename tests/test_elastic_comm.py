@@ -60,7 +60,7 @@ def test_a_member_lost_mid_round_fails_the_round_without_raising(results):
 @pytest.mark.timeout(600)
 def test_clean_exit_after_a_peer_stopped_mid_all_gather_20_times(tmp_path):
     """20 times: two one-rank jobs meet in a round and start a 32 MiB all-gather; one stops itself (SIGSTOP)
-    while its part is on the wire; the survivor's all-gather times out (1 s), it rolls back, closes its
+    while its part is on the wire; the survivor's all-gather times out (0.5 s), it rolls back, closes its
     session and must exit 0 — never -6 ("terminate called without an active exception": a gloo
     operation still holding its tensors at interpreter teardown). ``tests/elastic_exit_job.py``."""
     token = tmp_path / "token"
