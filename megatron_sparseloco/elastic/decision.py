@@ -169,7 +169,7 @@ def decide(headers: Sequence[Optional[dict]], me: int, min_workers: int, token_f
             f"worker index {mine['index']} is already held by a live job (participant {keeper}). Fix: give this job "
             "a free --sparseloco-worker-index, or stop the other job")
         return Decision(False, f"worker index held twice (participants {dup})", exit_message=msg, refused=refused)
-    healthy = [r for r, h in known.items() if h["ok"]]    # the others (e.g. a failed heal send) sit the round out
+    healthy = [r for r, h in known.items() if h["ok"]]    # the others (e.g. a failed heal receive) sit it out
     if len({known[r]["step"] for r in healthy}) > 1:
         return Decision(False, f"committed steps differ: {[known[r]['step'] for r in healthy]}", refused=refused)
     winners = _fingerprint_winners(known, healthy)
