@@ -132,10 +132,19 @@ def test_bad_token_files(tmp_path, token, case):
 @pytest.mark.parametrize("attr,value,flag", [
     ("sparseloco_aggregation", "reduce-scatter", "--sparseloco-aggregation"),
     ("sparseloco_aggregation", "hierarchical", "--sparseloco-aggregation"),
-    ("sparseloco_fragments", 2, "--sparseloco-fragments"),
-    ("sparseloco_overlap_steps", 1, "--sparseloco-overlap-steps"),
     ("sparseloco_inner_steps_per_worker", "30,30,15", "--sparseloco-inner-steps-per-worker"),
 ])
 def test_modes_not_membership_aware_are_refused(token, attr, value, flag):
     msg = refused(good(token), flag, **{attr: value})
     assert "elastic mode" in msg
+
+
+def test_elastic_overlap_and_fragments_and_grace_are_accepted(token):
+    """Delayed rounds (τ), fragments (P) and the straggler grace follow a changing membership."""
+    args = parse(good(token, "--sparseloco-elastic-grace", "1.5"), sparseloco_overlap_steps=2, sparseloco_fragments=2)
+    config = validate_elastic_args(args)
+    assert config is not None and config.grace == 1.5
+
+
+def test_a_negative_elastic_grace_is_refused(token):
+    assert ">= 0" in refused(good(token, "--sparseloco-elastic-grace", "-1"), "--sparseloco-elastic-grace")

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron_sparseloco.elastic.auth import derive_key
-from megatron_sparseloco.elastic.decision import ForkMemory, decide, fork_check, tally_verdicts
+from megatron_sparseloco.elastic.decision import ForkMemory, decide, fork_check, round_fragment, tally_verdicts
 from megatron_sparseloco.elastic.messages import (HEADER_BYTES, RoundBinding, make_header, make_verdict, read_header,
                                                   read_verdict, refusal_line)
 
@@ -17,9 +17,9 @@ BINDING = RoundBinding.of_nonces(NONCES, 7)
 
 
 def fields(index, **kw):
-    base = {"v": 2, "index": index, "group_rank": 0, "step": 5, "ok": True, "contributes": True, "finite": True,
+    base = {"v": 3, "index": index, "group_rank": 0, "step": 5, "ok": True, "contributes": True, "finite": True,
             "samples": 64, "tokens": 64 * 128, "commits": 3, "fingerprint": 1234, "extra": {"more": 0},
-            "newest": 5, "forgone": -1, "waited": 0}
+            "newest": 5, "forgone": -1, "waited": 0, "fragment": 0}
     base.update(kw)
     return base
 
@@ -42,7 +42,8 @@ def test_a_header_under_another_secret_or_altered_is_not_read():
 
 
 @pytest.mark.parametrize("edit", [{"index": "2"}, {"ok": 1}, {"extra": []}, {"fingerprint": 1.5}, {"v": 1},
-                                  {"samples": True}, {"newest": 1.0}, {"waited": None}])
+                                  {"samples": True}, {"newest": 1.0}, {"waited": None},
+                                  {"fragment": "0"}])
 def test_a_signed_header_of_the_wrong_shape_is_not_read(edit):
     body = dict(fields(2), **edit)
     assert read_header(KEY, make_header(KEY, body, BINDING, 1), BINDING, 1) is None
@@ -267,3 +268,18 @@ def test_an_unreachable_lighthouse_ends_the_job_with_one_message(tmp_path):
         ElasticSession(config, group_rank=0, group_world_size=1, store_addr="127.0.0.1", store_port=port,
                        state_fn=dict, load_fn=lambda state: None, outer_timeout=5.0)
     assert f"--sparseloco-lighthouse http://127.0.0.1:{dead}" in str(exc.value) and "Fix:" in str(exc.value)
+
+
+def test_a_round_syncs_the_fragment_most_participants_are_at_the_others_sit_it_out():
+    """Fragments: the round's fragment is the one most healthy headers name (a tie: the lowest; a start-up
+    round's -1 names none); a contributor at another fragment is not a contributor, one naming none is."""
+    assert round_fragment([fields(0, fragment=1), fields(1, fragment=1), fields(2, fragment=0)]) == 1
+    assert round_fragment([fields(0, fragment=1), fields(1, fragment=0)]) == 0
+    assert round_fragment([fields(0, fragment=-1), fields(1, fragment=-1)]) == 0
+    d = decide([fields(0, fragment=1), fields(1, fragment=1), fields(2, fragment=0)], 2, 2, "T")
+    assert d.proceed and d.fragment == 1 and d.contributors == [0, 1]
+    d = decide([fields(0, fragment=1), fields(1, fragment=-1, contributes=False), fields(2, fragment=-1)], 0, 2, "T")
+    assert d.proceed and d.fragment == 1 and d.contributors == [0, 2]
+    # leaving the other fragment's job out can drop the round below --sparseloco-min-workers
+    d = decide([fields(0, fragment=1), fields(1, fragment=0)], 0, 2, "T")
+    assert not d.proceed and d.fragment == 0 and d.contributors == [1] and "min-workers" in d.reason

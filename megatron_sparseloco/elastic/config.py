@@ -73,6 +73,14 @@ class ElasticConfig:
     handshake, the header, each --sparseloco-elastic-heal-chunk-mb message); instead of
     --sparseloco-outer-timeout, so a large state over a slow link can heal. A joiner that exceeds it is
     given up: the source logs it and goes on; the joining job exits, its restart heals again."""
+    grace: float = flag_field(0.0, flag="elastic-grace", low=0.0)
+    """Elastic mode: seconds S a round waits for the jobs that have not reached it, run with a lighthouse
+    started with ``--join_timeout_ms`` 1000·S (the lighthouse forms a round's quorum with the jobs that asked
+    within S seconds of the first, at least --sparseloco-min-workers). A job that arrives later does not
+    hold the round back: it catches up in place at its next quorum and its local progress, carried onto the
+    run's θ_outer, is its pseudo-gradient there (it contributes one round late instead of sitting that
+    round out). 0 (default): today's behaviour, a job that caught up contributes from its next round. Turn
+    it on when one site is slower (less compute, a slower link) than the others; docs/elastic.md §4.2."""
     after_failed_round: str = flag_field("keep", flag="elastic-after-failed-round", choices=AFTER_FAILED_ROUND)
     """Elastic mode: what a job does with its local progress when a round does not commit: "keep" it (the
     next pseudo-gradient Δ = θ_outer − θ_local spans both rounds' inner steps) or "discard" it
@@ -88,9 +96,6 @@ class ElasticConfig:
 REFUSED_MODES = (
     ("sparseloco_aggregation", ("allgather",), "aggregation",
      "reduce-scatter and hierarchical aggregation assign ranges / sites to a fixed set of workers"),
-    ("sparseloco_fragments", (1,), "fragments",
-     "fragments sync at staggered steps, a round of the elastic protocol covers the whole model"),
-    ("sparseloco_overlap_steps", (0,), "overlap-steps", "a delayed outer step would span two quorums"),
     ("sparseloco_inner_steps_per_worker", None, "inner-steps-per-worker",
      "per-worker step counts are indexed by a fixed worker list"),
     ("sparseloco_consistency_check_interval", (0,), "consistency-check-interval",

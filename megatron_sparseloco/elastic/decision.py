@@ -41,7 +41,15 @@ The rules among verified participants, in order (the first that applies decides)
   partition from both committing (docs/elastic.md).
 * a non-finite contributor, or fewer than ``min_workers`` contributors: no commit.
 
-Contributors = verified, healthy participants that contribute.
+Contributors = verified, healthy participants that contribute to the round's fragment.
+
+**The round's fragment** (``round_fragment``; with ``--sparseloco-fragments`` P > 1 every round syncs
+one of the model's P fragments, each header names the one its job's schedule is at, -1 for a
+start-up round that has none): the fragment most healthy participants name (a tie: the lowest;
+nobody names one: 0). Every participant runs that fragment's collectives; a participant whose
+schedule is at another fragment (a job that caught up in place keeps its own iteration, so its
+phase may differ from the run's) takes part without contributing and keeps its local progress; a
+contributor that names none (-1: a caller without fragments) contributes to whichever it is.
 """
 from __future__ import annotations
 
@@ -75,6 +83,15 @@ class Decision:
     alone: bool = False                                  # no other participant of several verified
     rewind: bool = False                                 # this job lost the fingerprint vote: heal in place
     fork: Optional[Fork] = None
+    fragment: int = 0                                    # the fragment this round syncs (``round_fragment``)
+
+
+def round_fragment(headers: Sequence[dict]) -> int:
+    """The fragment most of ``headers`` name (a tie: the lowest); 0 when none names one (all -1)."""
+    named = [h["fragment"] for h in headers if h["fragment"] >= 0]
+    if not named:
+        return 0
+    return min(set(named), key=lambda f: (-named.count(f), f))
 
 
 def fork_check(known: Mapping[int, dict], step: int, timeout: float) -> Optional[Fork]:
@@ -184,15 +201,16 @@ def decide(headers: Sequence[Optional[dict]], me: int, min_workers: int, token_f
                         f"(this round is at step {step}): waiting {fork.waited} of {fork_timeout:g} s "
                         "(--sparseloco-elastic-quorum-timeout) for a quorum with a job at that step", refused=refused,
                         fork=fork)
-    contributors = [r for r in healthy if known[r]["contributes"]]
+    fragment = round_fragment([known[r] for r in healthy])
+    contributors = [r for r in healthy if known[r]["contributes"] and known[r]["fragment"] in (fragment, -1)]
     nonfinite = [r for r in contributors if not known[r]["finite"]]
     if nonfinite:
         return Decision(False, f"non-finite pseudo-gradient on participant(s) {nonfinite}", contributors=contributors,
-                        nonfinite=nonfinite, refused=refused, fork=fork)
+                        nonfinite=nonfinite, refused=refused, fork=fork, fragment=fragment)
     if len(contributors) < min_workers:
         return Decision(False, f"{len(contributors)} contributing workers, fewer than --sparseloco-min-workers "
-                        f"{min_workers}", contributors=contributors, refused=refused, fork=fork)
-    return Decision(True, contributors=contributors, refused=refused, fork=fork)
+                        f"{min_workers}", contributors=contributors, refused=refused, fork=fork, fragment=fragment)
+    return Decision(True, contributors=contributors, refused=refused, fork=fork, fragment=fragment)
 
 
 # ---------------------------------------------------------------------- verdicts
@@ -226,4 +244,5 @@ def tally_verdicts(key: bytes, raws: Sequence[bytes], binding: RoundBinding, ver
     return out
 
 
-__all__ = ["Decision", "Fork", "ForkMemory", "Verdicts", "alone_reason", "decide", "fork_check", "tally_verdicts"]
+__all__ = ["Decision", "Fork", "ForkMemory", "Verdicts", "alone_reason", "decide", "fork_check", "round_fragment",
+           "tally_verdicts"]

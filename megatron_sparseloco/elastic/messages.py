@@ -44,12 +44,14 @@ from megatron_sparseloco.elastic.auth import mac, mac_ok
 NONCE_BYTES = 32
 #: bytes of one round header on the wire (JSON, space padded)
 HEADER_BYTES = 2048
-#: 2: headers bound to their round (``context``); the fork fields ``newest`` / ``forgone`` / ``waited``
-HEADER_VERSION = 2
+#: 2: headers bound to their round (``context``); the fork fields ``newest`` / ``forgone`` / ``waited``;
+#: 3: ``fragment``, the part of the model the participant's schedule syncs (-1: any, a start-up round)
+HEADER_VERSION = 3
 #: every field of a header body, none optional
 FIELDS = ("v", "index", "group_rank", "step", "ok", "contributes", "finite", "samples", "tokens", "commits",
-          "fingerprint", "extra", "newest", "forgone", "waited")
-_INTS = ("v", "index", "group_rank", "step", "samples", "tokens", "commits", "newest", "forgone", "waited")
+          "fingerprint", "extra", "newest", "forgone", "waited", "fragment")
+_INTS = ("v", "index", "group_rank", "step", "samples", "tokens", "commits", "newest", "forgone", "waited",
+         "fragment")
 _BOOLS = ("ok", "contributes", "finite")
 #: one verdict on the wire: the byte (1: ok, 0: not ok) and its MAC
 VERDICT_BYTES = 1 + 32

@@ -30,8 +30,9 @@ the run's secret) never pairs its collectives with different ones of the others:
    another position is refused, across lighthouse restarts too. The round's all-gathered payloads
    are tagged under the same binding (``TorchFTComm.authenticate``).
 3. **Round header**: every participant all-gathers a fixed-size signed JSON header: worker index,
-   committed step, whether it contributes (a job that healed in this quorum does not: its local
-   progress belongs to a stale θ_outer), whether its pseudo-gradient is finite, samples / tokens,
+   committed step, whether it contributes (a job that healed in this quorum does not, unless the
+   caller carries its local progress onto the healed θ_outer: ``contributes_after_heal``), the
+   fragment its schedule syncs, whether its pseudo-gradient is finite, samples / tokens,
    rounds it committed since it started, optionally a fingerprint of its θ_outer, the fork rule's
    fields (the newest step it knows the run committed, the newest it gave up on, how long it has
    waited), caller-defined integers (``extra``).
@@ -119,11 +120,19 @@ class Round:
     agreed: Optional[bool] = None
     seconds_quorum: float = 0.0
     seconds_header: float = 0.0
+    #: the fragment this round syncs (``elastic.decision.round_fragment``; 0 with one fragment)
+    fragment: int = 0
 
     @property
     def verified(self) -> List[int]:
         """The positions whose header verified this round (this job's own included)."""
         return [r for r, h in enumerate(self.peers) if h is not None]
+
+    @property
+    def contributing(self) -> bool:
+        """This job's pseudo-gradient enters the round (it offered one, for the round's fragment, and the
+        decision kept it)."""
+        return self.rank in self.contributors
 
     @property
     def samples(self) -> int:
@@ -137,7 +146,8 @@ class Round:
                 "agreed": self.agreed, "indices": [None if h is None else h["index"] for h in self.peers],
                 "fingerprint": None if self.fingerprint is None else f"{self.fingerprint & (2**64 - 1):016x}",
                 "fork": None if self.fork is None else vars(self.fork),
-                "seconds_quorum": round(self.seconds_quorum, 4), "seconds_header": round(self.seconds_header, 4)}
+                "seconds_quorum": round(self.seconds_quorum, 4), "seconds_header": round(self.seconds_header, 4),
+                "fragment": self.fragment}
 
 
 class ElasticSession:
@@ -219,7 +229,8 @@ class ElasticSession:
 
     def begin_round(self, *, contributes: bool = True, finite: bool = True, samples: int = 0, tokens: int = 0,
                     fingerprint: Optional[Callable[[], int]] = None, extra: Optional[Dict[str, int]] = None,
-                    ignores_non_contributors: bool = False) -> Round:
+                    ignores_non_contributors: bool = False, fragment: int = -1,
+                    contributes_after_heal: bool = False) -> Round:
         """Quorum (and heal), binding, header exchange, decision; raises ``ElasticExit`` when this job
         must leave (a failed heal, a worker index held by a veteran; never a refused header).
 
@@ -229,7 +240,11 @@ class ElasticSession:
         the strategy's communicate result depends only on the contributors' data whatever the other
         participants send (an all-gather whose payloads are decoded one by one, only the
         contributors' kept: SparseLoCo's); then a round with refused participants may commit with the
-        verified ones. False (sums, gossip): such a round does not commit."""
+        verified ones. False (sums, gossip): such a round does not commit. ``fragment``: the part of the
+        model this job's schedule syncs now (-1: any, a start-up round); the round syncs the one most
+        participants name (``Round.fragment``). ``contributes_after_heal``: a job that catches up in this
+        quorum still contributes (its local progress, carried onto the healed θ_outer by the caller, is
+        its pseudo-gradient: ``--sparseloco-elastic-grace``); default: it sits the round out."""
         if self.round is not None:
             raise RuntimeError("begin_round called twice without finish_round")
         t0 = time.perf_counter()
@@ -247,18 +262,21 @@ class ElasticSession:
         self.comm.sync_with_quorum()
         self.control.sync_with_quorum()
         t1 = time.perf_counter()
-        fields = self._header_fields(contributes, finite, samples, tokens, fingerprint, extra)
+        fields = self._header_fields(contributes, finite, samples, tokens, fingerprint, extra, fragment,
+                                     contributes_after_heal)
         rnd = self._decide(fields, self.step - before if self._healed else 0, ignores_non_contributors)
         rnd.seconds_quorum, rnd.seconds_header = t1 - t0, time.perf_counter() - t1
         self.round = rnd
         return rnd
 
     def _header_fields(self, contributes: bool, finite: bool, samples: int, tokens: int,
-                       fingerprint: Optional[Callable[[], int]], extra: Optional[Dict[str, int]]) -> Dict[str, Any]:
+                       fingerprint: Optional[Callable[[], int]], extra: Optional[Dict[str, int]], fragment: int,
+                      contributes_after_heal: bool) -> Dict[str, Any]:
         """This participant's header body (``elastic.messages.FIELDS``)."""
         ok = self.manager.errored() is None
+        offers = contributes and ok and (contributes_after_heal or not self._healed)
         return {"v": HEADER_VERSION, "index": self.config.worker_index, "group_rank": self.group_rank,
-                "step": self.step, "ok": ok, "contributes": bool(contributes and ok and not self._healed),
+                "step": self.step, "ok": ok, "contributes": bool(offers), "fragment": int(fragment),
                 "finite": bool(finite), "samples": int(samples), "tokens": int(tokens), "commits": self.commits,
                 "fingerprint": None if fingerprint is None else int(fingerprint()), "extra": dict(extra or {}),
                 **self.fork_memory.fields(self.step, time.monotonic())}
@@ -322,7 +340,7 @@ class ElasticSession:
         contributors = [r for r in decision.contributors if r not in decision.nonfinite]
         return Round(peers=headers, contributors=contributors, exchange=True, proceed=decision.proceed,
                      reason=decision.reason, refused=decision.refused, nonfinite=decision.nonfinite, fingerprint=agreed,
-                     fork=decision.fork, **base)
+                     fork=decision.fork, fragment=decision.fragment, **base)
 
     def _log_refusals(self, decision: Decision, raws: List[bytes]) -> None:
         """Name every refused participant (position, claimed worker index); a job that verified nobody

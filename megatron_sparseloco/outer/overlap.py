@@ -72,7 +72,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -105,6 +105,24 @@ class OverlapConfig:
         return self
 
 
+def merge_window(strategy: OuterStrategy, launch_params: Optional[torch.Tensor], config: OverlapConfig) -> None:
+    """θ_local ← merge(θ_outer, θ_local,now), bucket by bucket, with θ_outer the strategy's anchor now:
+    ``replay`` (``launch_params`` = θ_r,launch) θ_local ← θ_outer + (θ_local,now − θ_r,launch), else
+    ``lerp`` θ_local ← lerp(θ_outer, θ_local,now, α) (module docstring)."""
+    s = strategy
+    n, b = s.params.numel, s.config.bucket_numel
+    buf = torch.empty(min(n, b), dtype=torch.float32, device=s.device)
+    for lo in range(0, n, b):
+        hi = min(n, lo + b)
+        cur = s.params.read(lo, hi, buf[:hi - lo])
+        anchor = s.anchor_bucket(lo, hi)
+        if launch_params is not None:   # replay
+            cur.sub_(launch_params[lo:hi]).add_(anchor)   # (θ_now − θ_launch) + θ_outer,k+1
+        else:
+            cur.copy_(torch.lerp(anchor, cur, config.alpha))
+        s.params.write(lo, hi, cur)
+
+
 class CommThread:
     """One background thread (and, on CUDA, one stream) running launched rounds in submission order."""
 
@@ -113,16 +131,18 @@ class CommThread:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparseloco-outer-comm")
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
-    def submit(self, fn: Callable[[], None]) -> Future:
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the thread (after the current stream's kernels, on CUDA); the future holds its result."""
         if self.stream is None:
             return self.executor.submit(fn)
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the launch's kernels first
 
-        def run():
+        def run() -> Any:
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                fn()
+                out = fn()
             stream.synchronize()  # done means the data is there (blocks this thread only)
+            return out
 
         return self.executor.submit(run)
 
@@ -297,18 +317,7 @@ class DelayedOuter:
         if self._stats is not None:
             raise RuntimeError("merge() before wait()")
         t0 = time.perf_counter()
-        s = self.strategy
-        n, b = s.params.numel, s.config.bucket_numel
-        buf = torch.empty(min(n, b), dtype=torch.float32, device=s.device)
-        for lo in range(0, n, b):
-            hi = min(n, lo + b)
-            cur = s.params.read(lo, hi, buf[:hi - lo])
-            anchor = s.anchor_bucket(lo, hi)
-            if self.launch_params is not None:   # replay
-                cur.sub_(self.launch_params[lo:hi]).add_(anchor)   # (θ_now − θ_launch) + θ_outer,k+1
-            else:
-                cur.copy_(torch.lerp(anchor, cur, self.config.alpha))
-            s.params.write(lo, hi, cur)
+        merge_window(self.strategy, self.launch_params, self.config)
         self.merge_due = False
         return time.perf_counter() - t0
 
@@ -332,4 +341,4 @@ class DelayedOuter:
             self.comm.shutdown()
 
 
-__all__ = ["CommThread", "DelayedOuter", "MERGES", "OverlapConfig"]
+__all__ = ["CommThread", "DelayedOuter", "MERGES", "OverlapConfig", "merge_window"]

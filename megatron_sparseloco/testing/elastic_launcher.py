@@ -14,11 +14,13 @@ Hooks, each set by an environment variable of the job:
 - ``ELASTIC_BARRIER=<dir>:<n>``: before the start-up round, touch ``<dir>/<tag>.<rank>`` and wait until
   the directory holds n files (the jobs of a fresh run meet in one quorum);
 - ``ELASTIC_STARTUP_FILE=<path>``: touch ``path`` before the start-up round (a restarted job says it joins);
-- ``ELASTIC_HOLD=<path>``: before each contributing round, wait while ``path`` exists (a test holds
+- ``ELASTIC_HOLD=<path>``: before each contributing round (its quorum), wait while ``path`` exists (a test holds
   the survivors there until a restarted job joins);
 - ``ELASTIC_PAUSE=<step>:<path>``: rank 0, in the round after committed step ``step``, after the round
-  header and before its collectives, touches ``path`` and sleeps (a test kills or stops it there:
-  the other jobs are then waiting in the round's collectives).
+  header and before its exchange, touches ``path`` and sleeps (a test kills or stops it there:
+  the other jobs are then waiting in the round's collectives; with τ ≥ 1 the sleep is on the comm
+  thread, so the job trains on until its completion waits).
+- ``ELASTIC_SLOW=<seconds>``: every rank sleeps this long after each inner step (a slow site).
 - ``ELASTIC_FAIL_VOTE=<step>``: every rank, in the round after committed step ``step``, reports an error
   to the session after the round's verdicts agreed, just before the commit vote, so this job's vote
   fails while the others commit.
@@ -79,33 +81,33 @@ def _barrier_then_startup(orig):
 
 
 def _held_round(orig, hold):
-    def _round(self, contributes):
+    def _open(self, contributes, scheduled):
         deadline = time.monotonic() + 300
         while hold and contributes and os.path.exists(hold) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return orig(self, contributes)
-    return _round
+        return orig(self, contributes, scheduled)
+    return _open
 
 
-def _paused_communicate(orig, pause):
+def _paused_exchange(orig, pause):
     state = {"pause": pause}
 
-    def _communicate(self, rnd):
+    def _exchange(self, rnd, parts):
         due = state["pause"]
         if due is not None and rnd.step == due[0] and _rank() == 0:
             state["pause"] = None
             open(due[1], "w").close()
             time.sleep(3600)
-        return orig(self, rnd)
-    return _communicate
+        return orig(self, rnd, parts)
+    return _exchange
 
 
 def _failing_vote(orig, step):
     """After the round's verdicts agreed, just before the commit vote: an error only this job sees."""
     state = {"step": step}
 
-    def _communicate(self, rnd):
-        out = orig(self, rnd)
+    def _exchange(self, rnd, parts):
+        out = orig(self, rnd, parts)
         if state["step"] is not None and rnd.step == state["step"]:
             state["step"] = None
             session, finish = self.session, self.session.finish_round
@@ -116,13 +118,13 @@ def _failing_vote(orig, step):
                 return finish()
             session.finish_round = failing_finish
         return out
-    return _communicate
+    return _exchange
 
 
 def _recorded_end(orig):
-    def _end(self, committed, stats, rnd, t0):
+    def _end(self, committed, stats, rnd, t0, launch_s=None):
         heals = [vars(r) for r in self.session.transport.records]
-        orig(self, committed, stats, rnd, t0)
+        orig(self, committed, stats, rnd, t0, launch_s=launch_s)
         index = [None if h is None else h["index"] for h in rnd.peers]
         args = self.heal.args_fn()
         _write({"step": rnd.step, "after": self.session.step, "committed": committed, "healed": rnd.healed,
@@ -133,7 +135,9 @@ def _recorded_end(orig):
                 "iteration": getattr(args, "iteration", None), "inner_calls": self.heal.opt.inner_calls,
                 "catch_up": bool(rnd.healed and self.heal.in_iteration), "kept": self.heal.keep_progress,
                 "samples": getattr(args, "consumed_train_samples", None),
-                "seconds_quorum": rnd.seconds_quorum, "seconds_header": rnd.seconds_header})
+                "seconds_quorum": rnd.seconds_quorum, "seconds_header": rnd.seconds_header,
+                "fragment": rnd.fragment, "contributing": rnd.contributing, "delayed": launch_s is not None,
+                "launch_s": launch_s, "exposed_s": self.core.log.last.get("time_exposed_s")})
     return _end
 
 
@@ -164,15 +168,25 @@ def _install() -> None:
     from megatron_sparseloco.megatron.elastic.rounds import ElasticRounds
 
     hooks = (("startup", _barrier_then_startup(ElasticRounds.startup)),
-             ("_round", _held_round(ElasticRounds._round, os.environ.get("ELASTIC_HOLD"))),
-             ("_communicate", _paused_communicate(ElasticRounds._communicate, _spec("ELASTIC_PAUSE"))),
+             ("_open", _held_round(ElasticRounds._open, os.environ.get("ELASTIC_HOLD"))),
+             ("_exchange", _paused_exchange(ElasticRounds._exchange, _spec("ELASTIC_PAUSE"))),
              ("_end", _recorded_end(ElasticRounds._end)))
     for name, fn in hooks:
         setattr(ElasticRounds, name, fn)
     fail_vote = os.environ.get("ELASTIC_FAIL_VOTE")
     if fail_vote:
-        setattr(ElasticRounds, "_communicate", _failing_vote(ElasticRounds._communicate, int(fail_vote)))
+        setattr(ElasticRounds, "_exchange", _failing_vote(ElasticRounds._exchange, int(fail_vote)))
     mtrain.train = _recorded_train(mtrain.train)
+    slow = float(os.environ.get("ELASTIC_SLOW", "0") or 0)
+    if slow > 0:
+        from megatron_sparseloco.megatron.optimizer import OuterLoopOptimizer
+        step = OuterLoopOptimizer.step
+
+        def slow_step(self, *a, **kw):
+            out = step(self, *a, **kw)
+            time.sleep(slow)
+            return out
+        setattr(OuterLoopOptimizer, "step", slow_step)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ position (``elastic.heal``: raw tensors and a validated JSON header, nothing unp
                 and the strategy's round counter
     inner       per member optimizer: the inner optimizer's state of this rank's shard (Adam:
                 exp_avg, exp_avg_sq, step) and the param groups' own ``step`` where one is kept
-    loop        inner_calls, outer_steps (``OuterLoopOptimizer``)
+    loop        inner_calls, outer_steps, fragment_syncs (``OuterLoopOptimizer``)
     train       the run's counters (``Counters``): iteration, consumed train / valid samples
     scheduler   Megatron's LR scheduler ``state_dict`` (JSON scalars)
 
@@ -150,7 +150,8 @@ class HealState:
                  for s in opt.strategies]
         sched: Dict[str, Any] = self.scheduler.state_dict() if self.scheduler is not None else {}
         return {"outer": outer, "inner": [_inner_state(opt, m) for m in range(len(opt.shards))],
-                "loop": {"inner_calls": opt.inner_calls, "outer_steps": opt.outer_steps},
+                "loop": {"inner_calls": opt.inner_calls, "outer_steps": opt.outer_steps,
+                         "fragment_syncs": [int(n) for n in opt.fragment_syncs]},
                 "train": self.counters().extra(), "scheduler": {k: _scalar(v) for k, v in sched.items()}}
 
     def template(self) -> Dict[str, Any]:
@@ -209,7 +210,8 @@ class HealState:
         """Everything (module docstring); θ_local ← θ_outer."""
         opt = self.opt
         outer_steps = int(state["loop"]["outer_steps"])
-        opt.rounds.restore_counters(outer_steps, [outer_steps], int(state["loop"]["inner_calls"]))
+        syncs = [int(n) for n in state["loop"]["fragment_syncs"]]
+        opt.rounds.restore_counters(outer_steps, syncs, int(state["loop"]["inner_calls"]))
         self._load_outer(state)
         for s in opt.strategies:
             s.reset_to_anchor()

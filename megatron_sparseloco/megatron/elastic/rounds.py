@@ -3,50 +3,81 @@
 In elastic mode (``--sparseloco-lighthouse``) each worker is its own Megatron job; group rank g
 (this rank's ``torch.distributed`` rank in its job) of every live job forms the outer group of
 shard position g, which torchft rebuilds at every quorum. The plugin hands ``OuterLoopOptimizer``
-the factory ``elastic_rounds(config)``: it opens the session, builds the strategies on ``session.comm``
-(``RoundsHost.build_strategies``) and returns the ``ElasticRounds`` that owns the session and the heal
-state; the optimizer's blocking rounds (τ = 0, one fragment: what ``elastic.config`` accepts) go to
-``ElasticRounds.step``:
+the factory ``elastic_rounds(config)``: it opens the session, builds every fragment's strategies on
+``session.comm`` (``RoundsHost.build_strategies``) and returns the ``ElasticRounds`` that owns the
+session and the heal state. The schedule (``megatron/schedule.py``: H, τ, P) says when a round
+begins; each round syncs one fragment of the model (the whole model with P = 1) and is one round of
+the elastic protocol, with its own quorum, header, verdicts and vote:
 
     finite = every rank of the job finite              (one in-job all-reduce MAX)
-    rnd = session.begin_round(contributes, finite, samples, tokens, fingerprint(θ_outer), counters)
+    rnd = session.begin_round(contributes, finite, samples, tokens, fingerprint(θ_outer), counters,
+                              fragment p of the schedule)
           (quorum; a job behind the quorum heals: ``heal_state.HealState``; round binding; signed
-          headers; decision)
+          headers; decision, which also picks the round's fragment f: ``decision.round_fragment``)
     if rnd.exchange: comm.set_contributors(rnd.contributors);   (every participant: the same collectives)
-                     every strategy's plan (held, snapshot): compress_all, exchange_all, validate_all
+                     fragment f's strategies: plan (held, snapshot), compress_all   ← "prepare"
+                     exchange_all, validate_all                                      ← "exchange"
                      (payload tags, decode, codec checks, a finite aggregate: this job's verdict)
     session.agree(verdict)                             (signed verdicts: one "not ok" rolls every job back)
     committed = session.finish_round()                 (torchft's vote: the same on every rank of the job)
-    committed:  every plan commits the validated data (θ_outer update, θ_local ← θ_outer) →
+    committed:  every plan commits the validated data (θ_outer update) →
                 ``OuterRounds.finish_committed`` (tied params, publish: in-job collectives, safe since
                 the whole job got this vote)
-    otherwise:  every plan cancels (state exactly as before); θ_local kept (``keep``: the next Δ
-                spans both rounds) or ← θ_outer (``discard``, as torchft's DiLoCo;
-                ``--sparseloco-elastic-after-failed-round``); a non-finite job always discards
+    otherwise:  every plan cancels (state exactly as before: θ_outer, error feedback)
 
-``setup(scheduler, args)`` runs the job's first round (``startup``), before the data iterators exist: it
-contributes nothing; a (re)started job behind the run heals there (θ_outer, outer momentum, inner
-Adam state, iteration, consumed samples, LR schedule) and a job at the run's step takes the run's
-counters from the headers, so its data slot continues where the run is. A job that falls behind
-later (stopped or cut off past the timeouts, or its vote failed while the others committed) catches
-up in place at its next quorum, in the same process (``heal_state``): θ_outer and the outer state
-from a live peer, the error feedback restarting at zero; it keeps its own iteration, data position,
-LR schedule and inner optimizer state (megatron.training keeps them in local variables, and this
-way no sample of its slot is read twice or skipped: it finishes its iterations later than the run).
-Its local progress is carried onto the new θ_outer with ``--sparseloco-elastic-after-failed-round
+**Blocking** (τ = 0, ``step``): all of it after inner step t; a committed round writes θ_local ←
+θ_outer,k+1; a round that did not commit keeps θ_local (``keep``: the next Δ spans both rounds) or
+sets θ_local ← θ_outer (``discard``, as torchft's DiLoCo; ``--sparseloco-elastic-after-failed-round``);
+a non-finite job always discards.
+
+**Delayed** (τ ≥ 1, ``launch`` / ``complete``; Streaming DiLoCo's delayed outer step under a changing
+membership): the quorum, heal, header and decision and the prepare phase run at the launch, after
+inner step t, on the training thread; the exchange, the verdicts and torchft's vote run on the comm
+thread while inner steps t+1 … t+τ compute; at the completion, after inner step t+τ, the plans
+commit (θ_outer,k+1) or cancel, and θ_local is merged as in single-job mode (``outer/overlap.py``):
+
+    committed            replay θ_local ← θ_outer,k+1 + (θ_local,now − θ_r,launch), or lerp
+    not committed, keep  θ_local untouched (the next Δ covers the rounds since the last commit)
+    not committed, discard   the merge on θ_outer,k (replay keeps the τ steps of the window)
+
+A member lost between the launch and the completion fails that round only (its collectives time out
+on the comm thread: rolled back, nothing applied, error feedback restored). A job that is not a
+contributor of the round (it just healed, its schedule is at another fragment, or its params were
+not finite, reset to θ_outer,k at the launch) snapshots θ_outer,k instead of θ_r,launch, so the
+replay carries all of its local progress onto θ_outer,k+1. The same fragment's schedule never has
+two rounds in flight, and τ·P < H keeps one round in flight per job (``args.loop_config``). With
+τ = 0 and failure-free rounds, every rank computes bitwise what single-job mode computes; with τ ≥ 1
+the same holds against single-job mode with the same τ (tests/test_elastic_streaming.py).
+
+``setup(scheduler, args)`` runs the job's first round (``startup``, blocking), before the data
+iterators exist: it contributes nothing and runs the collectives of whichever fragment the others
+sync; a (re)started job behind the run heals there (θ_outer of every fragment, outer momentum,
+inner Adam state, iteration, consumed samples, LR schedule) and a job at the run's step takes the
+run's counters from the headers, so its data slot continues where the run is; a job that arrives
+while the others' delayed round is in flight waits in its quorum for their next launch. A job that
+falls behind later (stopped or cut off past the timeouts, its vote failed while the others
+committed, or late past the lighthouse's join window) catches up in place at its next quorum, in
+the same process (``heal_state``): θ_outer and the outer state from a live peer, the error feedback
+restarting at zero; it keeps its own iteration, data position, LR schedule and inner optimizer
+state. Its local progress is carried onto the new θ_outer with ``--sparseloco-elastic-after-failed-round
 keep``, unless its last pseudo-gradient may already be in the run's θ_outer (its last round
 proceeded with it as a contributor and it did not commit: a split commit), where it is discarded
-as with ``discard``. It takes part in that round as a non-contributor and contributes from the
-next one.
+as with ``discard``. By default it takes part in that round as a non-contributor and contributes
+from the next one; with ``--sparseloco-elastic-grace S`` > 0 (a run whose lighthouse forms each
+quorum with the jobs that asked within S seconds of the first, so a slow job is left out instead of
+waited for) its carried progress is its pseudo-gradient in that very round: a late job's inner steps
+enter θ_outer one round late instead of never.
 
-Consistency: every participant puts θ_outer's fingerprint (``consistency.fingerprint`` over this
-rank's strategies) in its signed header; the decision refuses a round whose fingerprints differ,
-and rank 0 of the job logs the fingerprint every participant agreed on (strategies whose workers
-differ by design, gossip, send none).
+Consistency: every participant puts θ_outer's fingerprint (``consistency.fingerprint`` over every
+fragment's strategies on this rank) in its signed header; the decision refuses a round whose
+fingerprints differ, and rank 0 of the job logs the fingerprint every participant agreed on
+(strategies whose workers differ by design, gossip, send none).
 """
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -59,14 +90,14 @@ from megatron_sparseloco.megatron.consistency import fingerprint
 from megatron_sparseloco.megatron.elastic.heal_state import Counters, HealState, heal_summary, megatron_args
 from megatron_sparseloco.megatron.rounds import OuterRounds, RoundsFactory, RoundsHost
 from megatron_sparseloco.outer.base import NonFiniteError, OuterStepStats, OuterStrategy
-from megatron_sparseloco.outer.overlap import OverlapConfig
+from megatron_sparseloco.outer.overlap import CommThread, OverlapConfig, merge_window
 from megatron_sparseloco.outer.round import RoundPlan
 
 if TYPE_CHECKING:
     from megatron_sparseloco.megatron.optimizer import OuterLoopOptimizer
 
-#: one strategy's part of a round: the strategy, its plan, its stats, the byte counters before it
-Part = Tuple[OuterStrategy, RoundPlan, OuterStepStats]
+#: one strategy's part of a round: the strategy, its plan, its stats, its byte counters before the round
+Part = Tuple[OuterStrategy, RoundPlan, OuterStepStats, Tuple[int, ...]]
 
 
 def _rank() -> int:
@@ -94,49 +125,94 @@ def elastic_rounds(config: ElasticConfig) -> RoundsFactory:
 
     def build(host: RoundsHost) -> "ElasticRounds":
         heal, session = open_session(host, config, host.outer_timeout_s)   # type: ignore[arg-type]
-        (strategies,) = host.build_strategies(session.comm)    # one fragment (``elastic.config``)
-        return ElasticRounds(strategies, host, session, config, heal)
+        return ElasticRounds(host.build_strategies(session.comm), host, session, config, heal)
 
     return build
 
 
-class ElasticRounds:
-    """Blocking rounds over the elastic session (module docstring). A committed round ends as a single
-    job's does (``OuterRounds.finish_committed`` of ``core``, which also keeps the counters)."""
+@dataclass
+class InFlight:
+    """A delayed round between its launch and its completion (τ ≥ 1)."""
 
-    def __init__(self, strategies: List[OuterStrategy], host: RoundsHost, session: ElasticSession,
+    scheduled: int                  # the fragment this job's schedule launched (its completion is keyed by it)
+    rnd: Round                      # the round (``rnd.fragment``: the fragment it syncs)
+    parts: List[Part]               # this rank's strategies of that fragment, prepared
+    finite: bool                    # the job's params were finite at the launch
+    future: Future                  # the exchange, verdicts and vote on the comm thread: committed or not
+    launch_s: float                 # the launch's exposed seconds
+    committed: Optional[bool] = None   # once settled (``ElasticRounds.wait``)
+
+
+class ElasticRounds:
+    """Every fragment's rounds over the elastic session (module docstring). A committed round ends as a
+    single job's does (``OuterRounds.finish_committed`` of ``core``, which also keeps the counters)."""
+
+    def __init__(self, fragment_strategies: List[List[OuterStrategy]], host: RoundsHost, session: ElasticSession,
                  config: ElasticConfig, heal: HealState):
-        self.core = OuterRounds([strategies], host.schedule, OverlapConfig(), 0, host.identical_across_workers,
+        self.core = OuterRounds(fragment_strategies, host.schedule, OverlapConfig(), 0, host.identical_across_workers,
                                 hooks=host)
-        self.strategies, self.hooks, self.session, self.config, self.heal = strategies, host, session, config, heal
+        self.strategies = [s for ss in fragment_strategies for s in ss]
+        self.hooks, self.session, self.config, self.heal = host, session, config, heal
         self.identical = host.identical_across_workers
         #: every strategy's result depends on its contributors' data alone (a refused participant's bytes are
         #: never decoded), so a round may commit with refused participants present (``begin_round``)
-        self.ignores_non_contributors = all(s.capabilities.ignores_non_contributors for s in strategies)
+        self.ignores_non_contributors = all(s.capabilities.ignores_non_contributors for s in self.strategies)
         #: samples and tokens a contributing round of this job carries (``setup``, from Megatron's args)
         self.samples_per_round = 0
         self.tokens_per_round = 0
         #: the last round (for logs and tests) and whether it committed
         self.last: Optional[Round] = None
         self.last_committed = False
+        # delayed rounds (τ ≥ 1): the comm thread, the launch snapshots (replay; checkpointed with the
+        # strategy, as single-job mode's), the round in flight, the merges due after a resume
+        self.overlap: OverlapConfig = host.overlap
+        self.comm_thread = (CommThread(self.strategies[0].device) if self.overlap.steps > 0 and self.strategies
+                            else None)
+        self.launch_params: Dict[int, torch.Tensor] = {}
+        if self.comm_thread is not None and self.overlap.merge == "replay":
+            for s in self.strategies:
+                buf = torch.zeros(s.params.numel, dtype=torch.float32, device=s.device)
+                s.attached_state["overlap_launch"] = self.launch_params.setdefault(id(s), buf)
+        self.in_flight: Optional[InFlight] = None
+        self.merge_due = [False] * len(fragment_strategies)
 
     # ------------------------------------------------------------------ the ``Rounds`` interface
     log = property(lambda self: self.core.log, doc="Counters for logging (``OuterLog``).")
-    fragments = property(lambda self: self.core.fragments, doc="The one fragment's strategies.")
-    fragment_syncs = property(lambda self: self.core.fragment_syncs, doc="Rounds begun (one fragment).")
-    delayed = property(lambda self: self.core.delayed, doc="None: elastic rounds are blocking.")
+    fragments = property(lambda self: self.core.fragments, doc="Every fragment's strategies.")
+    fragment_syncs = property(lambda self: self.core.fragment_syncs, doc="Rounds begun, per fragment.")
+    delayed = property(lambda self: [], doc="None: the delayed rounds are this object's own (``in_flight``).")
 
     def after_inner_step(self, calls: int, run_step: Callable[[int], None]) -> None:
-        self.core.after_inner_step(calls, run_step)
+        """The schedule's events after inner step ``calls``: completions first, then blocking steps (through
+        ``run_step``, the optimizer's ``outer_step``) or launches."""
+        for kind, p in self.core.schedule.events(calls):
+            if kind == "complete":
+                self.complete(p)
+                continue
+            self.core.begin(p)
+            if kind == "step":
+                run_step(p)
+            else:
+                self.launch(p)
 
     def wait(self, fragment: int) -> None:
-        """Nothing in flight (blocking rounds)."""
+        """Settle ``fragment``'s round in flight (commit or roll back; the merge stays due): a checkpoint
+        then holds θ_outer,k+1 and the launch snapshot, as in single-job mode."""
+        fl = self.in_flight
+        if fl is not None and fl.scheduled == fragment:
+            self._settle(fl)
 
     def wait_all(self) -> None:
-        """Nothing in flight (blocking rounds)."""
+        if self.in_flight is not None:
+            self._settle(self.in_flight)
 
     def restore_counters(self, outer_steps: int, fragment_syncs: List[int], inner_calls: int) -> None:
+        """After a checkpoint load or a heal: the counters (``OuterRounds.restore_counters``) and, with τ ≥ 1,
+        whether a merge is due (a checkpoint saved inside a window; ``startup`` clears it when its round
+        sets θ_local)."""
         self.core.restore_counters(outer_steps, fragment_syncs, inner_calls)
+        self.merge_due = [self.comm_thread is not None and self.core.schedule.merge_due(inner_calls, p)
+                          for p in range(len(self.core.fragments))]
 
     def state_dict(self) -> Dict[str, Any]:
         """The run's committed step as this job knows it (torchft's), kept in the checkpoint's facts."""
@@ -155,18 +231,20 @@ class ElasticRounds:
         self.tokens_per_round = self.samples_per_round * int(getattr(args, "seq_length", 0) or 0)
         self.startup()
 
-    # ------------------------------------------------------------------ rounds
+    # ------------------------------------------------------------------ blocking rounds
     @torch.no_grad()
     def startup(self) -> None:
         """The job's first round (module docstring); before the data iterators are built."""
         self.heal.in_iteration = False
         t0 = self.core.start_timer()
         step, start = self.session.step, self.heal.counters()
-        committed, stats, rnd = self._round(contributes=False)
+        committed, stats, rnd = self._round(contributes=False, scheduled=-1)
         if rnd.healed:
             self._say(f"worker {self.config.worker_index} started at step {step} (iteration {start.iteration}"
                       f"{', from its checkpoint' if start.iteration else ''}) but the run is at step {rnd.step}: "
                       "the run continues from the newest step a live job holds; this job healed from a live peer")
+        if rnd.healed or committed:   # θ_local set by this round: no window of a checkpoint left to merge
+            self.merge_due = [False] * len(self.merge_due)
         mine = self.heal.counters()
         run = max([c for c in (Counters.from_extra(h["extra"]) for h in rnd.peers if h is not None)
                    if c is not None] + [mine], key=lambda c: c.iteration)
@@ -177,11 +255,11 @@ class ElasticRounds:
         self._end(committed, stats, rnd, t0)
 
     def step(self, fragment: int) -> List[OuterStepStats]:
-        """The blocking round after H inner steps; a job behind the run catches up in place here."""
+        """The blocking round of ``fragment`` after its H inner steps; a job behind the run catches up in place."""
         self.heal.in_iteration = True
         self.heal.keep_progress = self._keeps_progress()
         t0 = self.core.start_timer()
-        committed, stats, rnd = self._round(contributes=True)
+        committed, stats, rnd = self._round(contributes=True, scheduled=fragment)
         self._end(committed, stats, rnd, t0)
         return stats
 
@@ -191,15 +269,25 @@ class ElasticRounds:
         last = self.last
         if self.config.after_failed_round != "keep":
             return False
-        return last is None or self.last_committed or not (last.proceed and last.contributes)
+        return last is None or self.last_committed or not (last.proceed and last.contributing)
 
-    def _round(self, contributes: bool) -> Tuple[bool, List[OuterStepStats], Round]:
+    def _open(self, contributes: bool, scheduled: int) -> Tuple[bool, Round]:
+        """The job's finiteness and ``session.begin_round`` (quorum, heal, header, decision); a job that
+        caught up with its progress held in the params gets it back on the healed θ_outer when it
+        contributes (``--sparseloco-elastic-grace``) or trains on during a delayed round."""
         finite = self._job_finite()
         fp = (lambda: fingerprint([s.anchor for s in self.strategies])) if self.identical else None
         rnd = self.session.begin_round(contributes=contributes, finite=finite, samples=self.samples_per_round,
                                        tokens=self.tokens_per_round, fingerprint=fp,
                                        extra=self.heal.counters().extra(),
-                                       ignores_non_contributors=self.ignores_non_contributors)
+                                       ignores_non_contributors=self.ignores_non_contributors, fragment=scheduled,
+                                       contributes_after_heal=self.config.grace > 0 and self.heal.keep_progress)
+        if self.heal.holds_progress and (rnd.contributing or self.comm_thread is not None):
+            self.heal.finish_catch_up()
+        return finite, rnd
+
+    def _round(self, contributes: bool, scheduled: int) -> Tuple[bool, List[OuterStepStats], Round]:
+        finite, rnd = self._open(contributes, scheduled)
         parts: List[Part] = []
         ok = True
         if rnd.exchange:    # every participant runs the same collectives (a non-contributor sends neutral data)
@@ -207,35 +295,54 @@ class ElasticRounds:
             parts, ok = self._communicate(rnd)
         self.session.agree(ok)    # the signed verdicts: one "not ok" rolls the round back on every job
         committed = self.session.finish_round()
-        for s, plan, stats in parts:
-            if committed:   # (a job catching up holds its progress in the params: not overwritten)
-                plan.commit(write_back=not self.heal.holds_progress)
-                s.outer_steps += 1
-            else:
+        carry = not rnd.contributing and self.heal.in_iteration and finite and not self.heal.holds_progress
+        for s, plan, stats, _ in parts:
+            if not committed:
                 plan.cancel()
+            elif carry:   # not its Δ: its own local progress goes onto θ_outer,k+1
+                s.hold_local_progress()
+                plan.commit(write_back=False)
+                s.apply_local_progress()
+            else:         # (a job catching up holds its progress in the params: not overwritten)
+                plan.commit(write_back=not self.heal.holds_progress)
+            s.outer_steps += int(committed)
         self.heal.finish_catch_up()
         if not finite and not committed:
             self._nonfinite()
         self.last, self.last_committed = rnd, committed
-        return committed, [stats for _, _, stats in parts], rnd
+        return committed, [part[2] for part in parts], rnd
 
     def _communicate(self, rnd: Round) -> Tuple[List[Part], bool]:
-        """Every strategy's compress, exchange and validation (held: nothing is applied before the vote);
-        returns the parts and this job's verdict.
+        """Blocking: prepare and exchange (below); returns the parts and this job's verdict."""
+        try:
+            parts = self._prepare(rnd)
+        except Exception as exc:  # any local error: the round rolls back
+            self.session.report_error(exc)
+            return [], False
+        return parts, self._exchange(rnd, parts)
+
+    def _prepare(self, rnd: Round) -> List[Part]:
+        """Every strategy of the round's fragment: its held plan (snapshot: nothing is applied before the
+        vote) and its compress phase (Δ, error feedback, payload; nothing for a non-contributor)."""
+        parts: List[Part] = []
+        for s in self.core.fragments[rnd.fragment].strategies:
+            s.outer_steps = rnd.step   # every participant numbers the round alike (gossip draws its graph by it)
+            stats = s.new_stats()
+            before = tuple(s.counter_marks())
+            plan = s.begin_round(stats, None, held=True, snapshot=True)
+            parts.append((s, plan, stats, before))
+            plan.compress_all()
+        return parts
+
+    def _exchange(self, rnd: Round, parts: List[Part]) -> bool:
+        """Every prepared plan's exchange and validation; returns this job's verdict.
 
         Validation decodes every received payload (whose tag ``TorchFTComm`` verified), runs the codec's
         checks and checks the aggregate is finite (``RoundPlan.validate_all`` / ``aggregate_finite``);
         any failure, like any local error, makes the verdict "not ok" (``session.agree``), so the round
         rolls back on every job. The commit that follows a vote only writes data that passed these checks."""
-        parts: List[Part] = []
         try:
-            for s in self.strategies:
-                s.outer_steps = rnd.step   # every participant numbers the round alike (gossip draws its graph by it)
-                stats = s.new_stats()
-                before = s.counter_marks()
-                plan = s.begin_round(stats, None, held=True, snapshot=True)
-                parts.append((s, plan, stats))
-                plan.compress_all()
+            for s, plan, stats, before in parts:
                 plan.exchange_all()
                 after = s.counter_marks()
                 stats.bytes_sent, stats.bytes_received, stats.collectives = (a - b for a, b in zip(after, before))
@@ -245,8 +352,110 @@ class ElasticRounds:
                                          f"({s.name}) holds a NaN or Inf; nothing applied")
         except Exception as exc:  # a payload that fails to decode or any local error: the round rolls back
             self.session.report_error(exc)
-            return parts, False
-        return parts, not self.session.comm.failed and self.session.comm.rejected is None
+            return False
+        return not self.session.comm.failed and self.session.comm.rejected is None
+
+    # ------------------------------------------------------------------ delayed rounds (τ ≥ 1)
+    @torch.no_grad()
+    def launch(self, scheduled: int) -> None:
+        """After inner step t: quorum, header, decision and the prepare phase here; the exchange, verdicts
+        and vote on the comm thread (module docstring)."""
+        assert self.comm_thread is not None
+        if self.in_flight is not None:
+            raise RuntimeError("elastic: a round is still in flight at the next launch (τ·P must be < H)")
+        self.heal.in_iteration = True
+        self.heal.keep_progress = self._keeps_progress()
+        t0 = self.core.start_timer()
+        finite, rnd = self._open(True, scheduled)
+        if not finite:   # its NaNs must not be trained on during the window
+            for s in self.strategies:
+                s.reset_to_anchor()
+        parts: List[Part] = []
+        prepared = True
+        if rnd.exchange:
+            self.session.comm.set_contributors(rnd.contributors)
+            try:
+                parts = self._prepare(rnd)
+            except Exception as exc:  # any local error: the round rolls back
+                self.session.report_error(exc)
+                prepared = False
+        for s in self.core.fragments[rnd.fragment].strategies:
+            self._snapshot(s, contributor=rnd.contributing)
+        future = self.comm_thread.submit(lambda: self._remote(rnd, parts, prepared))
+        if rnd.healed or not finite:   # θ_local changed here: the model trains on it during the window
+            if rnd.fragment == 0 or rnd.healed:
+                self.hooks.sync_tied()
+            self.hooks.publish()
+        self.in_flight = InFlight(scheduled, rnd, parts, finite, future, time.perf_counter() - t0)
+        timer = self.hooks.megatron_timer()
+        if timer is not None:
+            timer.stop()
+
+    def _snapshot(self, s: OuterStrategy, contributor: bool) -> None:
+        """θ_r,launch for the replay merge; θ_outer,k for a non-contributor (all its progress is carried)."""
+        buf = self.launch_params.get(id(s))
+        if buf is None:
+            return
+        if contributor:
+            s.params.read(0, s.params.numel, buf)
+            return
+        for lo, hi in s.buckets():
+            buf[lo:hi].copy_(s.anchor_bucket(lo, hi))
+
+    def _remote(self, rnd: Round, parts: List[Part], prepared: bool) -> bool:
+        """On the comm thread: the exchange, the verdicts, torchft's vote; whether the round committed."""
+        ok = prepared
+        if rnd.exchange and prepared:
+            ok = self._exchange(rnd, parts)
+        self.session.agree(ok)
+        return self.session.finish_round()
+
+    def _settle(self, fl: InFlight) -> None:
+        """Wait for the round on the comm thread; commit (θ_outer,k+1, no write-back) or cancel every plan."""
+        if fl.committed is not None:
+            return
+        assert self.comm_thread is not None
+        committed = fl.future.result()     # a failed round returns False; ElasticExit propagates
+        self.comm_thread.join()
+        fl.committed = committed
+        for s, plan, _, _ in fl.parts:
+            if committed:
+                plan.commit(write_back=False)
+                s.outer_steps += 1
+            else:
+                plan.cancel()
+        self.last, self.last_committed = fl.rnd, committed
+        if committed:
+            self.core.log.outer_steps += 1
+            stats = [part[2] for part in fl.parts]
+            if stats or len(self.core.fragments) == 1:
+                self.core.log.record(stats, self.core.round_numel)
+        if not fl.finite and not committed and any(s.config.nonfinite_policy == "abort" for s in self.strategies):
+            raise NonFiniteError(f"elastic worker {self.config.worker_index}: non-finite parameters before outer "
+                                 "step; θ_outer left untouched (--sparseloco-nonfinite-policy abort)")
+
+    @torch.no_grad()
+    def complete(self, scheduled: int) -> None:
+        """After inner step t+τ: settle the round launched after t, then the merge (module docstring)."""
+        fl = self.in_flight
+        if fl is None or fl.scheduled != scheduled:   # nothing launched here (a job that joined in the window)
+            if self.merge_due[scheduled]:             # a checkpoint saved inside the window: its merge
+                self.merge_due[scheduled] = False
+                for s in self.core.fragments[scheduled].strategies:
+                    merge_window(s, self.launch_params.get(id(s)), self.overlap)
+                if scheduled == 0:
+                    self.hooks.sync_tied()
+                self.hooks.publish()
+            return
+        t0 = self.core.start_timer()
+        self._settle(fl)
+        self.in_flight = None
+        committed, rnd = bool(fl.committed), fl.rnd
+        if committed or self.config.after_failed_round == "discard":
+            for s in self.core.fragments[rnd.fragment].strategies:
+                merge_window(s, self.launch_params.get(id(s)), self.overlap)
+        stats = [part[2] for part in fl.parts]
+        self._end(committed, stats, rnd, t0, launch_s=fl.launch_s)
 
     def _job_finite(self) -> bool:
         """Every rank of the job finite (so every rank's header says the same)."""
@@ -269,12 +478,15 @@ class ElasticRounds:
         self.hooks.sync_tied()
         self.hooks.publish()
 
-    def _end(self, committed: bool, stats: List[OuterStepStats], rnd: Round, t0: float) -> None:
-        """A committed round ends in ``_committed``; otherwise the local progress is kept or discarded."""
+    def _end(self, committed: bool, stats: List[OuterStepStats], rnd: Round, t0: float,
+             launch_s: Optional[float] = None) -> None:
+        """A committed round ends in ``OuterRounds.finish_committed``; otherwise the local progress is kept
+        or discarded (blocking) or was merged (delayed: ``launch_s`` given); then the round's log line."""
         if committed:
-            self.core.finish_committed(0, stats, t0, time.perf_counter)
+            self.core.finish_committed(rnd.fragment, stats if launch_s is None else None, t0, time.perf_counter,
+                                       launch_s=launch_s)
         else:
-            if rnd.healed:      # the heal set θ_local (joining: θ_outer; catching up: per the progress rule)
+            if rnd.healed or launch_s is not None:   # θ_local set by the heal or the merge
                 self.hooks.sync_tied()
                 self.hooks.publish()
             elif self.config.after_failed_round == "discard":
@@ -303,6 +515,8 @@ class ElasticRounds:
             outcome = "start-up round, nothing to commit"   # every header read, nobody contributed
         line = (f"round {self.session.step if committed else rnd.step + 1} of worker {self.config.worker_index}: "
                 f"{outcome}; participants workers [{workers}], contributors [{contributors}]")
+        if len(self.core.fragments) > 1:
+            line += f"; fragment {rnd.fragment} of {len(self.core.fragments)}"
         if rnd.fingerprint is not None:
             line += f"; θ_outer fingerprint {rnd.fingerprint & (2**64 - 1):016x} identical on all {rnd.size}"
         lrs = [s.extra["outer_lr"] for s in stats if "outer_lr" in s.extra]
@@ -321,8 +535,17 @@ class ElasticRounds:
         self._say(line)
 
     def close(self) -> None:
-        self.core.close()
-        self.session.close()
+        """Settle a round in flight (committed or rolled back, not merged), end the comm thread, the session."""
+        try:
+            if self.in_flight is not None:
+                self._settle(self.in_flight)
+        finally:
+            self.in_flight = None
+            if self.comm_thread is not None:
+                self.comm_thread.shutdown()
+                self.comm_thread = None
+            self.core.close()
+            self.session.close()
 
 
 __all__ = ["ElasticRounds", "elastic_rounds", "open_session"]
