@@ -122,7 +122,10 @@ class Run:
         recs = []
         for p in glob.glob(os.path.join(self.out, pattern)):
             att = int(os.path.basename(p).split(".")[1])
-            recs += [dict(json.loads(line), attempt=att) for line in open(p)]
+            with open(p) as f:
+                lines = f.read().split("\n")
+            # the last line may still be being written by the job (a poll while it runs): complete lines only
+            recs += [dict(json.loads(line), attempt=att) for line in lines[:-1]]
         return sorted(recs, key=lambda r: r["t"])
 
     def rounds(self, i, attempt=None, rank=0):

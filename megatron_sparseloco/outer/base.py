@@ -264,6 +264,10 @@ class OuterStrategy(abc.ABC, Generic[ConfigT]):
         #: per-element buffers other components keep over ``params`` and want checkpointed with the
         #: strategy (the launch snapshot of delayed application, ``outer/overlap.py``)
         self.attached_state: Dict[str, torch.Tensor] = {}
+        #: where ``pseudo_gradient`` reads θ_local from: None, the live params; else a flat copy of them
+        #: taken earlier (an elastic delayed round compresses on its comm thread from the launch snapshot
+        #: while training goes on in the params)
+        self.local_source: Optional[torch.Tensor] = None
         self.reset_anchor()
 
     @property
@@ -338,10 +342,14 @@ class OuterStrategy(abc.ABC, Generic[ConfigT]):
             self._anchor_copies_pending = False
 
     def pseudo_gradient(self, start: int, end: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Δ[start:end] = θ_outer − θ_local for one bucket (fresh buffer unless ``out``)."""
+        """Δ[start:end] = θ_outer − θ_local for one bucket (fresh buffer unless ``out``); θ_local from
+        ``local_source`` when set."""
         if out is None:
             out = torch.empty(end - start, dtype=torch.float32, device=self.device)
-        self.params.read(start, end, out)
+        if self.local_source is not None:
+            out.copy_(self.local_source[start:end])
+        else:
+            self.params.read(start, end, out)
         return torch.sub(self.anchor_bucket(start, end), out, out=out)
 
     def write_back(self, start: int, end: int, anchor: Optional[torch.Tensor] = None) -> None:

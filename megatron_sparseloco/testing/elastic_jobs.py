@@ -22,6 +22,10 @@ ranks are children of the server, not of the test: they are found as the process
 job's log (rank order = fork order = PID order). Every process is started in its own session;
 cleanup signals each recorded PID and each session's group.
 
+A directly launched job may run in a network namespace (``netns``, e.g. one of ``benchmarks/network.py``'s
+shaped links; ``ip netns exec`` keeps the PIDs, so kill / stop act on the ranks), its store at
+``host``; the lighthouse likewise (``Lighthouse(host=..., netns=...)``).
+
 Logs: ``<log_dir>/<job>.<attempt>.rank<r>.log`` (direct) or ``<job>.<attempt>.log`` (torchrun, prefork).
 """
 from __future__ import annotations
@@ -119,16 +123,29 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _wait_port(port: int, timeout: float, proc: subprocess.Popen) -> None:
+def netns_prefix(netns: Optional[str]) -> List[str]:
+    """The command prefix that runs a program in network namespace ``netns`` (none: [])."""
+    return ["ip", "netns", "exec", netns] if netns else []
+
+
+def _listening(host: str, port: int, netns: Optional[str]) -> bool:
+    if netns is None:
+        with socket.socket() as s:
+            return s.connect_ex((host, port)) == 0
+    probe = f"import socket; socket.create_connection(({host!r}, {port}), 1).close()"
+    return subprocess.run(netns_prefix(netns) + [sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+def _wait_port(port: int, timeout: float, proc: subprocess.Popen, host: str = "127.0.0.1",
+               netns: Optional[str] = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the process meant to listen on port {port} exited with status {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+        if _listening(host, port, netns):
+            return
+        time.sleep(0.05 if netns is None else 0.2)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout} s")
 
 
 def ensure_job_store():
@@ -155,15 +172,15 @@ class Lighthouse:
     ``torchft_lighthouse`` script, which imports torch first; default: the same code, started lean)."""
 
     def __init__(self, log_dir: str, min_replicas: int, join_timeout_ms: int = 500, heartbeat_timeout_ms: int = 2000,
-                 quorum_tick_ms: int = 50, binary: bool = False):
+                 quorum_tick_ms: int = 50, binary: bool = False, host: str = "127.0.0.1", netns: Optional[str] = None):
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         boot = os.path.join(log_dir, "lighthouse_boot.py")
         if not binary:
             with open(boot, "w") as f:
                 f.write(_LIGHTHOUSE_BOOT)
-        start = [lighthouse_binary()] if binary else [sys.executable, boot]
-        argv = start + ["--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{self.port}",
+        start = netns_prefix(netns) + ([lighthouse_binary()] if binary else [sys.executable, boot])
+        argv = start + ["--min_replicas", str(min_replicas), "--bind", f"{host}:{self.port}",
                         "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
                         "--quorum_tick_ms", str(quorum_tick_ms)]
         self.log_path = os.path.join(log_dir, "lighthouse.log")
@@ -171,7 +188,7 @@ class Lighthouse:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            _wait_port(self.port, 120.0, self.proc)
+            _wait_port(self.port, 120.0, self.proc, host, netns)
         except BaseException:
             self.stop()
             raise
@@ -186,10 +203,14 @@ class Job:
     """One worker job: a process tree started, signalled and restarted as a whole (module docstring)."""
 
     def __init__(self, name: str, argv: Sequence[str], ranks: int, log_dir: str, env: Dict[str, str],
-                 launcher: str = "direct"):
+                 launcher: str = "direct", netns: Optional[str] = None, host: str = "127.0.0.1"):
         if launcher not in ("direct", "torchrun", "prefork"):
             raise ValueError(f"launcher must be 'direct', 'torchrun' or 'prefork', got {launcher!r}")
+        if netns is not None and launcher != "direct":
+            raise ValueError("a job in a network namespace is launched directly (launcher='direct')")
         self.name, self.argv, self.ranks, self.launcher = name, list(argv), ranks, launcher
+        #: the network namespace the job's ranks run in (``ip netns exec``: the same PIDs), and its address
+        self.netns, self.host = netns, host
         self.log_dir, self.env = log_dir, env
         self.attempt = 0
         self.procs: List[subprocess.Popen] = []
@@ -203,7 +224,8 @@ class Job:
         self.attempt += 1
         port = free_port()
         if self.launcher == "direct":
-            self.procs = [self._popen(self._rank_env(r, port), [sys.executable, *self.argv], f"rank{r}")
+            self.procs = [self._popen(self._rank_env(r, port), netns_prefix(self.netns) + [sys.executable, *self.argv],
+                                      f"rank{r}")
                           for r in range(self.ranks)]
         elif self.launcher == "torchrun":
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
@@ -227,7 +249,7 @@ class Job:
 
     def _rank_env(self, rank: int, port: int) -> Dict[str, str]:
         return dict(self.env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.ranks),
-                    LOCAL_WORLD_SIZE=str(self.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                    LOCAL_WORLD_SIZE=str(self.ranks), MASTER_ADDR=self.host, MASTER_PORT=str(port))
 
     def _popen(self, env: Dict[str, str], argv: List[str], suffix: Optional[str]) -> subprocess.Popen:
         path = self.log_path(suffix)
@@ -336,8 +358,8 @@ class ElasticRun:
         self.lighthouse = Lighthouse(log_dir, min_replicas, **lighthouse_kw)
 
     def add_job(self, name: str, argv: Sequence[str], ranks: int = 1, launcher: str = "direct",
-                env: Optional[Dict[str, str]] = None) -> Job:
-        job = Job(name, argv, ranks, self.log_dir, dict(self.env, **(env or {})), launcher)
+                env: Optional[Dict[str, str]] = None, netns: Optional[str] = None, host: str = "127.0.0.1") -> Job:
+        job = Job(name, argv, ranks, self.log_dir, dict(self.env, **(env or {})), launcher, netns, host)
         self.jobs.append(job)
         return job
 

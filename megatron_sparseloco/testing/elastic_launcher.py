@@ -21,6 +21,9 @@ Hooks, each set by an environment variable of the job:
   the other jobs are then waiting in the round's collectives; with τ ≥ 1 the sleep is on the comm
   thread, so the job trains on until its completion waits).
 - ``ELASTIC_SLOW=<seconds>``: every rank sleeps this long after each inner step (a slow site).
+- ``ELASTIC_PACE=<seconds>``: every rank's iteration up to its optimizer step (forward, backward) takes at
+  least this long (a sleep before the step makes up the rest), so jobs sharing a machine's cores run at a
+  fixed speed; the inner step and the outer rounds after it add their own time.
 - ``ELASTIC_FAIL_VOTE=<step>``: every rank, in the round after committed step ``step``, reports an error
   to the session after the round's verdicts agreed, just before the commit vote, so this job's vote
   fails while the others commit.
@@ -81,11 +84,11 @@ def _barrier_then_startup(orig):
 
 
 def _held_round(orig, hold):
-    def _open(self, contributes, scheduled):
+    def _open(self, contributes, scheduled, *a, **kw):
         deadline = time.monotonic() + 300
         while hold and contributes and os.path.exists(hold) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return orig(self, contributes, scheduled)
+        return orig(self, contributes, scheduled, *a, **kw)
     return _open
 
 
@@ -125,6 +128,7 @@ def _recorded_end(orig):
     def _end(self, committed, stats, rnd, t0, launch_s=None):
         heals = [vars(r) for r in self.session.transport.records]
         orig(self, committed, stats, rnd, t0, launch_s=launch_s)
+        exposed = time.perf_counter() - t0 + (launch_s or 0.0)   # the training thread's time in this round
         index = [None if h is None else h["index"] for h in rnd.peers]
         args = self.heal.args_fn()
         _write({"step": rnd.step, "after": self.session.step, "committed": committed, "healed": rnd.healed,
@@ -137,7 +141,9 @@ def _recorded_end(orig):
                 "samples": getattr(args, "consumed_train_samples", None),
                 "seconds_quorum": rnd.seconds_quorum, "seconds_header": rnd.seconds_header,
                 "fragment": rnd.fragment, "contributing": rnd.contributing, "delayed": launch_s is not None,
-                "launch_s": launch_s, "exposed_s": self.core.log.last.get("time_exposed_s")})
+                "launch_s": launch_s, "exposed_s": exposed,
+                "bytes_sent": sum(st.bytes_sent for st in stats),
+                "bytes_received": sum(st.bytes_received for st in stats)})
     return _end
 
 
@@ -178,15 +184,20 @@ def _install() -> None:
         setattr(ElasticRounds, "_exchange", _failing_vote(ElasticRounds._exchange, int(fail_vote)))
     mtrain.train = _recorded_train(mtrain.train)
     slow = float(os.environ.get("ELASTIC_SLOW", "0") or 0)
-    if slow > 0:
+    pace = float(os.environ.get("ELASTIC_PACE", "0") or 0)
+    if slow > 0 or pace > 0:
         from megatron_sparseloco.megatron.optimizer import OuterLoopOptimizer
         step = OuterLoopOptimizer.step
+        last: dict = {"end": None}
 
-        def slow_step(self, *a, **kw):
+        def paced_step(self, *a, **kw):
+            if pace > 0 and last["end"] is not None:
+                time.sleep(max(0.0, pace - (time.perf_counter() - last["end"])))
             out = step(self, *a, **kw)
             time.sleep(slow)
+            last["end"] = time.perf_counter()
             return out
-        setattr(OuterLoopOptimizer, "step", slow_step)
+        setattr(OuterLoopOptimizer, "step", paced_step)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ never read twice).
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
@@ -98,6 +100,60 @@ class Counters:
             scheduler.step(increment=self.lr_steps)   # sets the LR and weight decay of that step
 
 
+class HealGate:
+    """Where a heal may touch a training job's state during a delayed round (τ ≥ 1).
+
+    The round's quorum runs on the comm thread while the training thread computes the window's inner
+    steps, and torchft heals inside the quorum: a source reads its live state (θ_outer, the inner
+    optimizer's state, the counters), a job catching up writes θ_outer and its params. Both must see the
+    training thread stopped at one point that every rank of the job reaches at the same iteration: the
+    round's completion. ``request`` (the heal, on the comm thread, from ``HealState.state`` / ``load``)
+    blocks until the training thread is parked there (``serve``, while it waits for the round), and the
+    training thread stays parked until ``release`` (the comm thread, once the quorum returned). A round
+    without a heal never parks anyone. ``timeout``: how long a heal waits for the training thread
+    (--sparseloco-elastic-heal-timeout)."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        #: a delayed round's quorum is running on the comm thread
+        self.active = False
+        self._requested = threading.Event()
+        self._parked = threading.Event()
+        self._released = threading.Event()
+
+    def arm(self) -> None:
+        """The training thread, at the launch: the round's quorum may heal."""
+        self._requested.clear()
+        self._parked.clear()
+        self._released.clear()
+        self.active = True
+
+    def request(self) -> None:
+        """The comm thread, before a heal reads or writes this job's state: wait for the training thread to
+        park (no-op outside a delayed round's quorum, or once parked)."""
+        if not self.active or self._parked.is_set():
+            return
+        self._requested.set()
+        if not self._parked.wait(self.timeout):
+            raise RuntimeError(f"the training thread did not reach the delayed round's completion within "
+                               f"{self.timeout:g} s (--sparseloco-elastic-heal-timeout)")
+
+    def release(self) -> None:
+        """The comm thread, once the quorum (and any heal) returned: the training thread goes on."""
+        self.active = False
+        self._released.set()
+
+    def serve(self, future: Future) -> None:
+        """The training thread, waiting at the completion for the round on the comm thread: park while a
+        heal runs (until ``release``), then go on waiting."""
+        while not future.done():
+            if self._requested.is_set() and not self._parked.is_set():
+                self._parked.set()
+                self._released.wait()     # the comm thread releases in a ``finally``
+            else:
+                wait([future], timeout=0.05)
+
+
 def megatron_args() -> Any:
     """megatron.training's args, or None outside its training loop (tests driving the optimizer directly)."""
     try:
@@ -135,6 +191,8 @@ class HealState:
         self.keep_progress = False
         #: a catch-up left the local progress in the params (``finish_catch_up`` puts it back)
         self.holds_progress = False
+        #: delayed rounds: where a heal inside the round's quorum may touch the state (``HealGate``)
+        self.gate: Optional[HealGate] = None
         # the inner optimizer's state exists from the start (Adam's zeros and step 0, which is what
         # its first step would create): a job that never stepped has the structure a heal fills
         ensure_adam_step_state(opt.members)
@@ -143,7 +201,10 @@ class HealState:
         return Counters.of(self.args_fn(), self.scheduler, self.in_iteration)
 
     def state(self) -> Dict[str, Any]:
-        """References to the live state (the quorum thread sends them while the training thread waits)."""
+        """References to the live state (the quorum thread sends them while the training thread waits: in a
+        blocking round inside its ``optimizer.step()``, in a delayed one parked by the gate)."""
+        if self.gate is not None:
+            self.gate.request()
         opt = self.opt
         outer = [{"steps": s.outer_steps, **{k: v for k, v in s.elementwise_state().items()
                                               if k not in s.heal_excluded_buffers and k not in s.attached_state}}
@@ -168,6 +229,8 @@ class HealState:
     def load(self, state: Dict[str, Any]) -> None:
         """Apply a received state (validated against ``template``): join or catch up (module docstring).
         No collective."""
+        if self.gate is not None:
+            self.gate.request()
         if self.in_iteration:
             self._catch_up(state)
         else:
@@ -243,4 +306,4 @@ def heal_summary(records: List[Any]) -> str:
     return f"{sum(r.nbytes for r in got)} bytes in {sum(r.seconds for r in got):.3f} s"
 
 
-__all__ = ["Counters", "HealState", "heal_summary", "megatron_args"]
+__all__ = ["Counters", "HealGate", "HealState", "heal_summary", "megatron_args"]

@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -87,7 +87,8 @@ from megatron_sparseloco.comm.collectives import collective_device
 from megatron_sparseloco.elastic.config import DEFAULT_OUTER_TIMEOUT_S, ElasticConfig
 from megatron_sparseloco.elastic.session import ElasticSession, Round
 from megatron_sparseloco.megatron.consistency import fingerprint
-from megatron_sparseloco.megatron.elastic.heal_state import Counters, HealState, heal_summary, megatron_args
+from megatron_sparseloco.megatron.elastic.heal_state import (Counters, HealGate, HealState, heal_summary,
+                                                                megatron_args)
 from megatron_sparseloco.megatron.rounds import OuterRounds, RoundsFactory, RoundsHost
 from megatron_sparseloco.outer.base import NonFiniteError, OuterStepStats, OuterStrategy
 from megatron_sparseloco.outer.overlap import CommThread, OverlapConfig, merge_window
@@ -135,12 +136,12 @@ class InFlight:
     """A delayed round between its launch and its completion (τ ≥ 1)."""
 
     scheduled: int                  # the fragment this job's schedule launched (its completion is keyed by it)
-    rnd: Round                      # the round (``rnd.fragment``: the fragment it syncs)
-    parts: List[Part]               # this rank's strategies of that fragment, prepared
     finite: bool                    # the job's params were finite at the launch
-    future: Future                  # the exchange, verdicts and vote on the comm thread: committed or not
+    future: Future                  # the round on the comm thread: (round, parts, committed)
     launch_s: float                 # the launch's exposed seconds
-    committed: Optional[bool] = None   # once settled (``ElasticRounds.wait``)
+    committed: Optional[bool] = None   # once settled (``ElasticRounds.wait``):
+    rnd: Optional[Round] = None        # the round (``rnd.fragment``: the fragment it synced)
+    parts: List[Part] = field(default_factory=list)   # this rank's strategies of that fragment
 
 
 class ElasticRounds:
@@ -168,11 +169,16 @@ class ElasticRounds:
         self.overlap: OverlapConfig = host.overlap
         self.comm_thread = (CommThread(self.strategies[0].device) if self.overlap.steps > 0 and self.strategies
                             else None)
-        self.launch_params: Dict[int, torch.Tensor] = {}
-        if self.comm_thread is not None and self.overlap.merge == "replay":
+        #: per strategy, θ_r,launch: the compress's θ_local and replay's snapshot (one fp32 copy of this rank's
+        #: params, as single-job mode's replay; checkpointed with the strategy for replay)
+        self.snapshots: Dict[int, torch.Tensor] = {}
+        if self.comm_thread is not None:
+            heal.gate = HealGate(config.heal_timeout)
             for s in self.strategies:
-                buf = torch.zeros(s.params.numel, dtype=torch.float32, device=s.device)
-                s.attached_state["overlap_launch"] = self.launch_params.setdefault(id(s), buf)
+                buf = self.snapshots.setdefault(id(s), torch.zeros(s.params.numel, dtype=torch.float32,
+                                                                    device=s.device))
+                if self.overlap.merge == "replay":
+                    s.attached_state["overlap_launch"] = buf
         self.in_flight: Optional[InFlight] = None
         self.merge_due = [False] * len(fragment_strategies)
 
@@ -271,23 +277,27 @@ class ElasticRounds:
             return False
         return last is None or self.last_committed or not (last.proceed and last.contributing)
 
-    def _open(self, contributes: bool, scheduled: int) -> Tuple[bool, Round]:
-        """The job's finiteness and ``session.begin_round`` (quorum, heal, header, decision); a job that
-        caught up with its progress held in the params gets it back on the healed θ_outer when it
-        contributes (``--sparseloco-elastic-grace``) or trains on during a delayed round."""
-        finite = self._job_finite()
+    def _open(self, contributes: bool, scheduled: int, finite: bool = True,
+              extra: Optional[Dict[str, int]] = None) -> Round:
+        """``session.begin_round`` (quorum, heal, header, decision); ``finite``: the job's params (checked by
+        the caller on the training thread), ``extra``: its counters (default: now). A job that caught up with
+        its progress held in the params gets it back on the healed θ_outer when it contributes
+        (``--sparseloco-elastic-grace``, blocking rounds) or trains on during a delayed round."""
         fp = (lambda: fingerprint([s.anchor for s in self.strategies])) if self.identical else None
+        delayed = self.comm_thread is not None
         rnd = self.session.begin_round(contributes=contributes, finite=finite, samples=self.samples_per_round,
                                        tokens=self.tokens_per_round, fingerprint=fp,
-                                       extra=self.heal.counters().extra(),
+                                       extra=self.heal.counters().extra() if extra is None else extra,
                                        ignores_non_contributors=self.ignores_non_contributors, fragment=scheduled,
-                                       contributes_after_heal=self.config.grace > 0 and self.heal.keep_progress)
-        if self.heal.holds_progress and (rnd.contributing or self.comm_thread is not None):
+                                       contributes_after_heal=(self.config.grace > 0 and self.heal.keep_progress
+                                                               and not delayed))
+        if self.heal.holds_progress and (rnd.contributing or delayed):
             self.heal.finish_catch_up()
-        return finite, rnd
+        return rnd
 
     def _round(self, contributes: bool, scheduled: int) -> Tuple[bool, List[OuterStepStats], Round]:
-        finite, rnd = self._open(contributes, scheduled)
+        finite = self._job_finite()
+        rnd = self._open(contributes, scheduled, finite=finite)
         parts: List[Part] = []
         ok = True
         if rnd.exchange:    # every participant runs the same collectives (a non-contributor sends neutral data)
@@ -358,64 +368,71 @@ class ElasticRounds:
     # ------------------------------------------------------------------ delayed rounds (τ ≥ 1)
     @torch.no_grad()
     def launch(self, scheduled: int) -> None:
-        """After inner step t: quorum, header, decision and the prepare phase here; the exchange, verdicts
-        and vote on the comm thread (module docstring)."""
+        """After inner step t: the job's finiteness and the launch snapshot here; the round itself (quorum,
+        header, decision, compress from the snapshot, exchange, verdicts, vote) on the comm thread while
+        the window's inner steps compute (module docstring)."""
         assert self.comm_thread is not None
         if self.in_flight is not None:
             raise RuntimeError("elastic: a round is still in flight at the next launch (τ·P must be < H)")
         self.heal.in_iteration = True
         self.heal.keep_progress = self._keeps_progress()
         t0 = self.core.start_timer()
-        finite, rnd = self._open(True, scheduled)
+        finite = self._job_finite()
         if not finite:   # its NaNs must not be trained on during the window
             for s in self.strategies:
                 s.reset_to_anchor()
-        parts: List[Part] = []
-        prepared = True
-        if rnd.exchange:
-            self.session.comm.set_contributors(rnd.contributors)
-            try:
-                parts = self._prepare(rnd)
-            except Exception as exc:  # any local error: the round rolls back
-                self.session.report_error(exc)
-                prepared = False
-        for s in self.core.fragments[rnd.fragment].strategies:
-            self._snapshot(s, contributor=rnd.contributing)
-        future = self.comm_thread.submit(lambda: self._remote(rnd, parts, prepared))
-        if rnd.healed or not finite:   # θ_local changed here: the model trains on it during the window
-            if rnd.fragment == 0 or rnd.healed:
-                self.hooks.sync_tied()
+            self.hooks.sync_tied()
             self.hooks.publish()
-        self.in_flight = InFlight(scheduled, rnd, parts, finite, future, time.perf_counter() - t0)
+        for s in self.core.fragments[scheduled].strategies:
+            s.params.read(0, s.params.numel, self.snapshots[id(s)])     # θ_r,launch
+        extra = self.heal.counters().extra()
+        assert self.heal.gate is not None
+        self.heal.gate.arm()
+        future = self.comm_thread.submit(lambda: self._remote(scheduled, finite, extra))
+        self.in_flight = InFlight(scheduled, finite, future, time.perf_counter() - t0)
         timer = self.hooks.megatron_timer()
         if timer is not None:
             timer.stop()
 
-    def _snapshot(self, s: OuterStrategy, contributor: bool) -> None:
-        """θ_r,launch for the replay merge; θ_outer,k for a non-contributor (all its progress is carried)."""
-        buf = self.launch_params.get(id(s))
-        if buf is None:
-            return
-        if contributor:
-            s.params.read(0, s.params.numel, buf)
-            return
-        for lo, hi in s.buckets():
-            buf[lo:hi].copy_(s.anchor_bucket(lo, hi))
-
-    def _remote(self, rnd: Round, parts: List[Part], prepared: bool) -> bool:
-        """On the comm thread: the exchange, the verdicts, torchft's vote; whether the round committed."""
-        ok = prepared
-        if rnd.exchange and prepared:
-            ok = self._exchange(rnd, parts)
+    @torch.no_grad()    # (grad mode is per thread)
+    def _remote(self, scheduled: int, finite: bool, extra: Dict[str, int]) -> Tuple[Round, List[Part], bool]:
+        """On the comm thread: the round after the launch; (the round, its parts, whether it committed)."""
+        assert self.heal.gate is not None
+        try:
+            rnd = self._open(True, scheduled, finite=finite, extra=extra)
+        finally:   # a heal inside the quorum ran with the training thread parked (``HealGate``)
+            self.heal.gate.release()
+        parts: List[Part] = []
+        ok = True
+        if rnd.exchange:
+            self.session.comm.set_contributors(rnd.contributors)
+            strategies = self.core.fragments[rnd.fragment].strategies
+            for s in strategies:
+                if rnd.contributing:     # Δ from θ_r,launch (training goes on in the params)
+                    s.local_source = self.snapshots[id(s)]
+                else:                    # not its Δ: the merge carries all its progress onto θ_outer,k+1
+                    for lo, hi in s.buckets():
+                        self.snapshots[id(s)][lo:hi].copy_(s.anchor_bucket(lo, hi))
+            try:
+                parts = self._prepare(rnd)
+            except Exception as exc:  # any local error: the round rolls back
+                self.session.report_error(exc)
+                ok = False
+            finally:
+                for s in strategies:
+                    s.local_source = None
+            ok = ok and self._exchange(rnd, parts)
         self.session.agree(ok)
-        return self.session.finish_round()
+        return rnd, parts, self.session.finish_round()
 
     def _settle(self, fl: InFlight) -> None:
-        """Wait for the round on the comm thread; commit (θ_outer,k+1, no write-back) or cancel every plan."""
+        """Wait for the round on the comm thread (parked while a heal runs); commit (θ_outer,k+1, no
+        write-back) or cancel every plan."""
         if fl.committed is not None:
             return
-        assert self.comm_thread is not None
-        committed = fl.future.result()     # a failed round returns False; ElasticExit propagates
+        assert self.comm_thread is not None and self.heal.gate is not None
+        self.heal.gate.serve(fl.future)
+        fl.rnd, fl.parts, committed = fl.future.result()     # ElasticExit, a failed heal's exit, propagate
         self.comm_thread.join()
         fl.committed = committed
         for s, plan, _, _ in fl.parts:
@@ -442,7 +459,7 @@ class ElasticRounds:
             if self.merge_due[scheduled]:             # a checkpoint saved inside the window: its merge
                 self.merge_due[scheduled] = False
                 for s in self.core.fragments[scheduled].strategies:
-                    merge_window(s, self.launch_params.get(id(s)), self.overlap)
+                    merge_window(s, self._replay_source(s), self.overlap)
                 if scheduled == 0:
                     self.hooks.sync_tied()
                 self.hooks.publish()
@@ -451,11 +468,16 @@ class ElasticRounds:
         self._settle(fl)
         self.in_flight = None
         committed, rnd = bool(fl.committed), fl.rnd
+        assert rnd is not None
         if committed or self.config.after_failed_round == "discard":
             for s in self.core.fragments[rnd.fragment].strategies:
-                merge_window(s, self.launch_params.get(id(s)), self.overlap)
+                merge_window(s, self._replay_source(s), self.overlap)
         stats = [part[2] for part in fl.parts]
         self._end(committed, stats, rnd, t0, launch_s=fl.launch_s)
+
+    def _replay_source(self, s: OuterStrategy) -> Optional[torch.Tensor]:
+        """The snapshot the merge replays from (None: ``lerp``)."""
+        return self.snapshots[id(s)] if self.overlap.merge == "replay" else None
 
     def _job_finite(self) -> bool:
         """Every rank of the job finite (so every rank's header says the same)."""
