@@ -191,8 +191,10 @@ class HealState:
         self.keep_progress = False
         #: a catch-up left the local progress in the params (``finish_catch_up`` puts it back)
         self.holds_progress = False
-        #: delayed rounds: where a heal inside the round's quorum may touch the state (``HealGate``)
+        #: delayed rounds: where a heal inside the round's quorum may touch the state (``HealGate``), and
+        #: each strategy's launch snapshot θ_r,launch (by ``id``), which a catch-up moves with θ_outer
         self.gate: Optional[HealGate] = None
+        self.snapshots: Dict[int, torch.Tensor] = {}
         # the inner optimizer's state exists from the start (Adam's zeros and step 0, which is what
         # its first step would create): a job that never stepped has the structure a heal fills
         ensure_adam_step_state(opt.members)
@@ -256,7 +258,12 @@ class HealState:
             for s in opt.strategies:
                 s.hold_local_progress()
             self.holds_progress = True
+        snaps = [(s, self.snapshots[id(s)]) for s in opt.strategies if id(s) in self.snapshots]
+        for s, snap in snaps:      # a delayed round's snapshot: θ_r,launch − θ_outer,old, the progress at the launch
+            snap.sub_(s.anchor.to(snap.device))
         self._load_outer(state)
+        for s, snap in snaps:      # ... carried onto the healed θ_outer (its Δ from it is that progress)
+            snap.add_(s.anchor.to(snap.device))
         if not self.keep_progress:
             for s in opt.strategies:
                 s.reset_to_anchor()

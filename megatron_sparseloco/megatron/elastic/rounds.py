@@ -174,6 +174,7 @@ class ElasticRounds:
         self.snapshots: Dict[int, torch.Tensor] = {}
         if self.comm_thread is not None:
             heal.gate = HealGate(config.heal_timeout)
+            heal.snapshots = self.snapshots
             for s in self.strategies:
                 buf = self.snapshots.setdefault(id(s), torch.zeros(s.params.numel, dtype=torch.float32,
                                                                     device=s.device))
@@ -289,8 +290,7 @@ class ElasticRounds:
                                        tokens=self.tokens_per_round, fingerprint=fp,
                                        extra=self.heal.counters().extra() if extra is None else extra,
                                        ignores_non_contributors=self.ignores_non_contributors, fragment=scheduled,
-                                       contributes_after_heal=(self.config.grace > 0 and self.heal.keep_progress
-                                                               and not delayed))
+                                       contributes_after_heal=self.config.grace > 0 and self.heal.keep_progress)
         if self.heal.holds_progress and (rnd.contributing or delayed):
             self.heal.finish_catch_up()
         return rnd
