@@ -82,11 +82,14 @@ PLAN: List[Bench] = (
                                     f"--hetero-methods {GASLOC_METHODS},{GASLOC_METHODS.split(',')[1]}:auto "
                                     "--json docs/results/network_gasloc_slow.json", "11 min", root=True)]
     + [Bench("elastic", "python benchmarks/elastic.py --json docs/results/elastic.json", "28 min"),
+       Bench("elastic_streaming", "python benchmarks/elastic_streaming.py --json docs/results/elastic_streaming.json",
+             "30 min", root=True),
        Bench("memory", "python benchmarks/memory.py --json docs/results/memory.json", "1 min")]
     + [_quality(W, f" --layers 4 --hidden 256 --sweep-grid {SIZE2_GRID[W]}", f"quality_4x256_w{W}",
                 "diloco,sparseloco:64") for W in SIZE2_W]
 )
 ELASTIC = "elastic"
+STREAMING = "elastic_streaming"
 MEMORY = "memory"
 
 
@@ -537,6 +540,25 @@ def elastic_section(docs: Dict[str, Dict]) -> List[str]:
         [(ELASTIC, doc)])
 
 
+def streaming_section(docs: Dict[str, Dict]) -> List[str]:
+    """benchmarks/elastic_streaming.py's tables: delayed rounds and fragments in elastic mode on shaped links."""
+    if STREAMING not in docs:
+        return not_measured(STREAMING)
+    import elastic_streaming
+    doc = docs[STREAMING]
+    cfg = doc["config"]
+    return [f"{cfg['workers']} elastic jobs of the real megatron.training loop (the demo's 446 k-parameter GPT), "
+            f"each in its own network namespace on its own {cfg['rate']} link to a hub (tbf, both directions), the "
+            f"lighthouse on the hub; H = {cfg['inner_steps']}, {cfg['iters']} iterations (+ τ), each iteration's "
+            f"forward and backward paced at {cfg['pace_s']:g} s; the plugin's default outer settings. *Exposed*: the "
+            "training thread's time in a round (blocking: the whole round; τ ≥ 1: the launch, a finite check and a "
+            "snapshot, plus the completion, the commit and merge), mean over the rounds and the jobs. *Kill*: one "
+            "job killed (SIGKILL) at 30 % of the run and restarted at 50 %; goodput against the failure-free row "
+            "with the same τ. *Slow*: one job at a third of the others' pace, with the grace off (the lighthouse "
+            "waits up to 60 s) and on. What each setting does: [elastic.md](elastic.md) §2.1, §4.2.", "",
+            elastic_streaming.markdown(doc), ""] + command_block([(STREAMING, doc)])
+
+
 def memory_section(docs: Dict[str, Dict]) -> List[str]:
     """benchmarks/memory.py's table: bytes per shard element of the outer state and its transients."""
     if MEMORY not in docs:
@@ -627,6 +649,7 @@ def render_page(docs: Dict[str, Dict]) -> str:
     if cmp_:
         L += ["", "Where the comparison moves with size (negative: SparseLoCo ahead):", ""] + cmp_
     L += ["", "## Elastic workers under a failure", ""] + elastic_section(docs)
+    L += ["", "## Streaming rounds in elastic mode", ""] + streaming_section(docs)
     L += ["", "## Memory of the outer step", ""] + memory_section(docs)
     L += ["", "## Sweeps", "", "Seed 0, held-out loss at every grid point; the chosen point is the lowest. A chosen "
           "point on the edge of its grid is flagged (the grid should be widened there). *(default)*: what the plugin "

@@ -334,3 +334,31 @@ def test_the_schema_check_names_what_is_wrong(broken, message):
     assert schema.check(doc) == []
     broken(doc)
     assert any(message in p for p in schema.check(doc)), schema.check(doc)
+
+
+def streaming_row(scenario, method, tau, P, exposed, loss, **kw):
+    row = {"scenario": scenario, "method": method, "mode": "blocking" if not tau and P == 1 else
+           ("overlap" if tau else "fragments"), "overlap_steps": tau, "fragments": P, "iterations": 300 + tau,
+           "wall_s": 90.0, "rounds_committed": 20, "rounds_failed": 0, "exposed_s_per_round": exposed,
+           "quorum_s_per_round": 0.05, "bytes_sent_per_round": 14736.0, "held_out_loss": loss,
+           "goodput_steps_s": 10.0, "grace_s": 0.0, "pace_s": 0.25}
+    row.update(kw)
+    return row
+
+
+def test_the_elastic_streaming_tables_compare_every_mode_with_blocking_and_the_kill_with_its_failure_free_row(tmp_path):
+    cfg = {"workers": 3, "iters": 300, "kill_iters": 600, "inner_steps": 15, "pace_s": 0.25, "rate": "100mbit"}
+    write(tmp_path, "elastic_streaming", schema.document("elastic_streaming", PLAN["elastic_streaming"], cfg, [
+        streaming_row("mode", "diloco", 0, 1, 0.40, 2.50),
+        streaming_row("mode", "diloco", 2, 1, 0.02, 2.51),
+        streaming_row("kill", "diloco", 2, 1, 0.03, 2.52, goodput_steps_s=9.2, killed_s=30.0, rejoin_s=35.0,
+                      rounds_failed=1),
+        streaming_row("slow", "sparseloco", 0, 1, 0.1, 2.6, grace_s=0.5, others_steps_s=8.0, slow_contributions=5,
+                      slow_rounds=6, slow_wall_s=80.0)], machine=dict(MACHINE)))
+    page = R.render_page(R.load_results(str(tmp_path)))
+    part = page.split("## Streaming rounds in elastic mode")[1].split("\n## ")[0]
+    assert "| diloco | blocking | 0 | 1 | 0.400 | 100.0% | 2.500 | +0.000 | 20 / 0 | 14.7 kB |" in part
+    assert "| diloco | overlap | 2 | 1 | 0.020 | 5.0% | 2.510 | +0.010 | 20 / 0 | 14.7 kB |" in part
+    assert "| diloco | 2 | 30.0 | 90.0 | 9.20 | 92.0% | 35.0 | 20 / 1 |" in part
+    assert "| 0.5 | 8.00 | 6 / 5 | 80.0 |" in part
+    assert PLAN["elastic_streaming"] in part and R.plan_problems(R.load_results(str(tmp_path))) == []

@@ -31,17 +31,25 @@ sets θ_local ← θ_outer (``discard``, as torchft's DiLoCo; ``--sparseloco-ela
 a non-finite job always discards.
 
 **Delayed** (τ ≥ 1, ``launch`` / ``complete``; Streaming DiLoCo's delayed outer step under a changing
-membership): the quorum, heal, header and decision and the prepare phase run at the launch, after
-inner step t, on the training thread; the exchange, the verdicts and torchft's vote run on the comm
-thread while inner steps t+1 … t+τ compute; at the completion, after inner step t+τ, the plans
-commit (θ_outer,k+1) or cancel, and θ_local is merged as in single-job mode (``outer/overlap.py``):
+membership): at the launch, after inner step t, the training thread only checks the job's params are
+finite and copies them (θ_r,launch, the snapshot); the whole round — quorum, header, decision, the
+prepare phase (Δ = θ_outer,k − θ_r,launch from the snapshot: ``OuterStrategy.local_source``), the
+exchange, the verdicts and torchft's vote — runs on the comm thread while inner steps t+1 … t+τ
+compute, so the quorum's wait for the slowest job is hidden too; at the completion, after inner step
+t+τ, the plans commit (θ_outer,k+1) or cancel, and θ_local is merged as in single-job mode
+(``outer/overlap.py``):
 
     committed            replay θ_local ← θ_outer,k+1 + (θ_local,now − θ_r,launch), or lerp
     not committed, keep  θ_local untouched (the next Δ covers the rounds since the last commit)
     not committed, discard   the merge on θ_outer,k (replay keeps the τ steps of the window)
 
 A member lost between the launch and the completion fails that round only (its collectives time out
-on the comm thread: rolled back, nothing applied, error feedback restored). A job that is not a
+on the comm thread: rolled back, nothing applied, error feedback restored). A heal inside the comm
+thread's quorum (this job the source of a joining job, or catching up itself) must not race the
+training thread: it waits until the training thread is parked at the round's completion, the same
+iteration on every rank of the job (``heal_state.HealGate``), so the state sent is the one at t+τ
+and a catch-up rewrites θ_outer, the params and the snapshot there; a round without a heal parks
+nobody. A job that is not a
 contributor of the round (it just healed, its schedule is at another fragment, or its params were
 not finite, reset to θ_outer,k at the launch) snapshots θ_outer,k instead of θ_r,launch, so the
 replay carries all of its local progress onto θ_outer,k+1. The same fragment's schedule never has
