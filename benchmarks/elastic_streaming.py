@@ -22,8 +22,8 @@ the inner step and the outer rounds add their own time.
 Scenarios (each a fresh lighthouse and fresh jobs, the same seeds; the clock starts when every job is
 ready):
 
-    mode rows        per method (sparseloco, diloco): blocking (τ = 0, P = 1), τ = 2, τ = 7 and P = 2;
-                     ``--iters`` + τ iterations (a delayed run's last launch completes)
+    mode rows        per method (sparseloco, diloco): blocking (τ = 0, P = 1), τ = 1, τ = 2, P = 2 and P = 2
+                     with τ = 1; ``--iters`` + τ iterations (a delayed run's last launch completes)
     kill             per method, τ = 2, ``--kill-iters`` iterations: job 2 killed (SIGKILL) at 30 % of the run,
                      restarted at 50 % (it heals at the survivors' next launch and contributes again)
     slow             sparseloco, blocking, min-workers 2: job 2 at 3x the pace (1/3 of the iterations, so it
@@ -69,7 +69,7 @@ W = 3
 HUB_ADDR = "10.77.0.254"
 METHODS = ("sparseloco", "diloco")
 #: (mode, τ, P) of the mode rows
-MODES = (("blocking", 0, 1), ("overlap", 2, 1), ("overlap", 7, 1), ("fragments", 0, 2))
+MODES = (("blocking", 0, 1), ("overlap", 1, 1), ("overlap", 2, 1), ("fragments", 0, 2), ("fragments", 1, 2))
 
 
 # ============================================================================ one scenario
@@ -243,7 +243,8 @@ def summarize(rows: List[dict]) -> Dict[str, Optional[float]]:
                 out[f"{key}_exposed_vs_blocking"] = round(r["exposed_s_per_round"] / base["exposed_s_per_round"], 4)
                 if r["held_out_loss"] is not None and base["held_out_loss"] is not None:
                     out[f"{key}_loss_delta"] = round(r["held_out_loss"] - base["held_out_loss"], 4)
-        free = next((r for r in rows if r["scenario"] == "mode" and r["method"] == m and r["overlap_steps"] == 2), None)
+        free = next((r for r in rows if r["scenario"] == "mode" and r["method"] == m and r["overlap_steps"] == 2
+                     and r["fragments"] == 1), None)
         kill = next((r for r in rows if r["scenario"] == "kill" and r["method"] == m), None)
         if free and kill and free["goodput_steps_s"] and kill["goodput_steps_s"]:
             out[f"{m}_kill_goodput_vs_failure_free"] = round(kill["goodput_steps_s"] / free["goodput_steps_s"], 4)
@@ -296,7 +297,7 @@ def markdown(doc: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--iters", type=int, default=300, help="iterations of a blocking run (a delayed run: + τ)")
+    p.add_argument("--iters", type=int, default=450, help="iterations of a blocking run (a delayed run: + τ)")
     p.add_argument("--kill-iters", type=int, default=600, help="iterations of the kill scenario (+ τ): its restart's "
                    "start-up (model build, imports) weighs less in a longer run")
     p.add_argument("--inner-steps", type=int, default=15, help="H")
