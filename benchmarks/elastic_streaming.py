@@ -161,7 +161,8 @@ def run_scenario(a, prefixes, method: str, tau: int, P: int, *, kill: bool = Fal
             codes = [job.wait(a.timeout) for job in jobs]
     recs = {i: records(out, i) for i in range(W)}
     row = measure(a, method, tau, P, recs, iters, held_out_loss(jobs[0].log_path("rank0")))
-    row.update(exit_codes=codes, log_dir=out, grace_s=grace, pace_s=a.pace)
+    row.update(exit_codes=codes, grace_s=grace, pace_s=a.pace)
+    print(f"elastic_streaming: logs of this scenario in {out}", flush=True)
     if kill:
         row.update(scenario="kill", killed_s=t_restart - t_kill,
                    rejoin_s=_first(recs[2], lambda r: r["attempt"] == 2 and r["committed"] and r["contributing"],
@@ -340,7 +341,7 @@ def main(argv=None) -> int:
         row = run_scenario(a, prefixes, log_dir=log_dir, **kw)
         row["scenario_wall_s"] = round(time.time() - t, 1)
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "log_dir"}), flush=True)
+        print(json.dumps(row), flush=True)
 
     for method in methods:
         for _, tau, P in modes if not a.no_modes else []:

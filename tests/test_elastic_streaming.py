@@ -7,7 +7,7 @@ through ``testing/elastic_launcher.py``, with a real torchft lighthouse (``tests
 
 * failure-free elastic mode with τ = 2 (sparseloco) and with P = 2 (diloco) equals single-job mode with
   the same τ / P bit for bit: 2 elastic jobs × 1 rank against one job of 2 workers;
-* kill -9 of a job while its delayed round is in flight (τ = 1): the survivors roll that round back
+* kill -9 of a job while its delayed round is in flight (τ = 1, P = 2): the survivors roll that round back
   (once), go on committing, and a restart heals into the τ ≥ 1 run and contributes again; all end with
   one θ_outer (θ_local differs by design: each job's last window of τ steps is its own);
 * a job slowed 3x with ``--sparseloco-elastic-grace``, blocking and τ = 1: the others' rounds do not wait
@@ -61,13 +61,14 @@ def test_elastic_overlap_and_fragments_equal_single_job_mode(tmp_path, mode):
 
 
 @pytest.mark.timeout(420)
-def test_elastic_overlap_kill_with_a_round_in_flight_then_a_restart_heals_into_the_delayed_run(tmp_path):
-    """sparseloco, τ = 1, H = 2, 3 jobs × 1 rank, 25 iterations. Job 2's comm thread pauses inside the round
-    after step 3 (its training goes on until the completion waits); it is killed there: the survivors roll
-    that round back (nothing applied, θ_outer unchanged) and commit without it; restarted, it heals from a
-    live peer at their next launch and contributes to delayed rounds again; all end with one θ_outer."""
-    with Run(tmp_path, algorithm="sparseloco", jobs=3, iters=25, ranks=1, outer_timeout=5,
-             extra=["--sparseloco-overlap-steps", "1"]) as run:
+def test_elastic_overlap_fragments_kill_with_a_round_in_flight_then_a_restart_heals_into_the_delayed_run(tmp_path):
+    """sparseloco, τ = 1 and P = 2 (a fragment's round every 2 steps), H = 4, 3 jobs × 1 rank, 49 iterations.
+    Job 2's comm thread pauses inside the round after step 3 (its training goes on until the completion
+    waits); it is killed there: the survivors roll that round back (nothing applied, θ_outer unchanged) and
+    commit without it; restarted, it heals (every fragment's state) from a live peer at their next launch and
+    contributes to delayed rounds of both fragments again; all end with one θ_outer."""
+    with Run(tmp_path, algorithm="sparseloco", jobs=3, iters=49, H=4, ranks=1, outer_timeout=5,
+             extra=["--sparseloco-overlap-steps", "1", "--sparseloco-fragments", "2"]) as run:
         a, b, c = run.jobs
         run.start_all(job0={"ELASTIC_HOLD": run.path("hold")}, job1={"ELASTIC_HOLD": run.path("hold")},
                       job2={"ELASTIC_PAUSE": "3:" + run.path("paused"), "ELASTIC_HOLD": run.path("hold")})
@@ -95,6 +96,7 @@ def test_elastic_overlap_kill_with_a_round_in_flight_then_a_restart_heals_into_t
     heals = [h for r in recs for h in r["heals"] if h["role"] == "received"]
     assert recs[0]["healed"] and recs[0]["behind"] > 0 and heals and heals[0]["nbytes"] > 0, recs[:2]
     assert not recs[0]["delayed"] and all(r["delayed"] for r in recs[1:]), recs   # start-up round, then τ = 1
+    assert {r["fragment"] for r in recs[1:] if r["committed"] and r["contributing"]} == {0, 1}, recs
     # θ_outer identical (each job's θ_local holds its own window of τ steps after the last merge)
     check_consistency(run, (0, 1, 2), ranks=(0,), finals_of=())
     assert len({run.final(i)["sha"] for i in range(3)}) == 1, [run.final(i) for i in range(3)]
