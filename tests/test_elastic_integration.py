@@ -162,16 +162,17 @@ def test_heal_state_never_carries_error_feedback_and_restarts_it_at_zero():
         rounds.restore_counters(seed, [seed], 10 * seed)
         s.outer_steps = seed
         opt = SimpleNamespace(strategies=[s], shards=[], members=[], inner_calls=10 * seed, outer_steps=seed,
-                              rounds=rounds, _anchor_at_first_step=True)
+                              fragment_syncs=[seed], rounds=rounds, _anchor_at_first_step=True)
         return s, opt, HealState(opt, lambda: None)
 
     peer, _, peer_heal = job(3)
     joiner, joiner_opt, joiner_heal = job(5)
     sent = peer_heal.state()
     assert "error_feedback" not in sent["outer"][0] and "anchor" in sent["outer"][0]
-    assert sent["loop"] == {"inner_calls": 30, "outer_steps": 3}
+    assert sent["loop"] == {"inner_calls": 30, "outer_steps": 3, "fragment_syncs": [3]}
     joiner_heal.load({k: v for k, v in sent.items()})
     assert torch.equal(joiner.anchor, peer.anchor) and not joiner.error_feedback.any()
     assert torch.equal(torch.cat([t.reshape(-1) for t in joiner.params.tensors]), joiner.anchor)
     assert (joiner.outer_steps, joiner_opt.inner_calls, joiner_opt.rounds.log.outer_steps) == (3, 30, 3)
+    assert joiner_opt.rounds.fragment_syncs == [3]     # every fragment's round counter comes with the heal
     assert joiner_opt._anchor_at_first_step is False
