@@ -5,8 +5,9 @@ Every worker is its own Megatron job (``examples/pretrain_gpt.py``, tiny GPT, mo
 through ``testing/elastic_launcher.py``, with a real torchft lighthouse (``tests/test_elastic_megatron.py``'s
 ``Run``).
 
-* failure-free elastic mode with τ = 2 (sparseloco) and with P = 2 (diloco) equals single-job mode with
-  the same τ / P bit for bit: 2 elastic jobs × 1 rank against one job of 2 workers;
+* failure-free elastic mode with τ = 2 (sparseloco, replay; diloco, lerp) and with P = 2 (diloco) equals
+  single-job mode with the same τ / P and merge bit for bit: 2 elastic jobs × 1 rank against one job of
+  2 workers;
 * kill -9 of a job while its delayed round is in flight (τ = 1, P = 2): the survivors roll that round back
   (once), go on committing, and a restart heals into the τ ≥ 1 run and contributes again; all end with
   one θ_outer (θ_local differs by design: each job's last window of τ steps is its own);
@@ -27,13 +28,15 @@ pytestmark = [pytest.mark.multirank, pytest.mark.megatron]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["overlap", "fragments"])
+@pytest.mark.parametrize("mode", ["overlap", "overlap-lerp", "fragments"])
 def test_elastic_overlap_and_fragments_equal_single_job_mode(tmp_path, mode):
-    """overlap: sparseloco, H = 4, τ = 2 (replay), 14 iterations (every launch completes); fragments: diloco,
-    H = 4, P = 2, 12 iterations. 2 elastic jobs × 1 rank (the lighthouse waits for both) against one job of 2
-    workers with the same arguments: the same model and θ_outer bit for bit."""
+    """overlap: sparseloco, H = 4, τ = 2 (replay; overlap-lerp: diloco with torchft's lerp merge, α 0.5),
+    14 iterations (every launch completes); fragments: diloco, H = 4, P = 2, 12 iterations. 2 elastic jobs ×
+    1 rank (the lighthouse waits for both) against one job of 2 workers with the same arguments: the same
+    model and θ_outer bit for bit."""
     algorithm, iters, flags = {
         "overlap": ("sparseloco", 14, ["--sparseloco-overlap-steps", "2"]),
+        "overlap-lerp": ("diloco", 14, ["--sparseloco-overlap-steps", "2", "--sparseloco-overlap-merge", "lerp"]),
         "fragments": ("diloco", 12, ["--sparseloco-fragments", "2"])}[mode]
     with Run(tmp_path / "elastic", algorithm=algorithm, jobs=2, iters=iters, H=4, min_workers=2, lighthouse_min=2,
              ranks=1, extra=flags) as run:
@@ -47,7 +50,7 @@ def test_elastic_overlap_and_fragments_equal_single_job_mode(tmp_path, mode):
     for i in range(2):
         rounds = run.rounds(i)[1:]
         assert rounds and all(r["committed"] and len(r["contributors"]) == 2 for r in rounds), rounds
-        if mode == "overlap":
+        if mode.startswith("overlap"):
             assert all(r["delayed"] for r in rounds) and len(rounds) == 3, rounds
         else:
             assert [r["fragment"] for r in rounds] == [1, 0, 1, 0, 1, 0], rounds
