@@ -166,6 +166,19 @@ class RunCfg:
     overlap_steps: int = 0                  # τ: delayed outer step (--sparseloco-overlap-steps), 0: blocking
     overlap_merge: str = "replay"           # replay | lerp (alpha 0.5)
     fragments: int = 1                      # P: Streaming-DiLoCo fragments (--sparseloco-fragments)
+    # the inner lr schedule, as Megatron's flags name it (OptimizerParamScheduler): linear warmup from 0 over
+    # lr_warmup_fraction of the steps, then constant or cosine decay to min_lr at the last step; clip_grad > 0:
+    # the inner step clips the global gradient norm (--clip-grad); 0: off
+    lr_warmup_fraction: float = 0.0
+    lr_decay_style: str = "constant"
+    min_lr: float = 0.0
+    clip_grad: float = 0.0
+
+    def schedule_tag(self) -> str:
+        """'' for the constant inner lr without clipping; else e.g. ' warmup0.1 cosine→0.0001 clip1'."""
+        tag = f" warmup{self.lr_warmup_fraction:g}" if self.lr_warmup_fraction else ""
+        tag += f" {self.lr_decay_style}→{self.min_lr:g}" if self.lr_decay_style != "constant" else ""
+        return tag + (f" clip{self.clip_grad:g}" if self.clip_grad else "")
 
     def label(self) -> str:
         if self.method == "sparseloco":
@@ -198,6 +211,7 @@ class RunCfg:
             tag += f" tau={self.overlap_steps}" + ("" if self.overlap_merge == "replay" else f" {self.overlap_merge}")
         if self.fragments > 1:
             tag += f" P={self.fragments}"
+        tag += self.schedule_tag()
         return tag if self.method in ("ddp", "local") else f"{tag} H={self.H}"
 
 
@@ -334,6 +348,25 @@ def _model_numel(chunks) -> int:
     return sum(p.numel() for c in chunks for p in c.parameters())
 
 
+def inner_lr_scheduler(opt, run: RunCfg):
+    """Megatron's own OptimizerParamScheduler over the inner optimizer for a run with a schedule (None for the
+    constant lr: those runs stay bitwise what they were). Warmup from 0 over ``lr_warmup_fraction`` of the
+    steps; decay over all the steps (Megatron's default --lr-decay-iters = --train-iters), to ``min_lr``."""
+    if run.lr_decay_style not in ("constant", "cosine", "linear"):
+        raise ValueError(f"lr_decay_style: constant, cosine or linear, got {run.lr_decay_style!r}")
+    if not run.lr_warmup_fraction and run.lr_decay_style == "constant":
+        return None
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    min_lr = run.min_lr if run.lr_decay_style != "constant" else run.lr
+    for group in opt.param_groups:   # the groups' own bounds win in the scheduler (Megatron sets them from --min-lr)
+        group["max_lr"], group["min_lr"] = run.lr, min_lr
+    return OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=run.lr, min_lr=min_lr,
+        lr_warmup_steps=int(round(run.lr_warmup_fraction * run.steps)), lr_decay_steps=run.steps,
+        lr_decay_style=run.lr_decay_style, start_wd=run.weight_decay, end_wd=run.weight_decay,
+        wd_incr_steps=run.steps, wd_incr_style="constant")
+
+
 def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dict[str, str],
                  time_budget_s: float = 1e9) -> Dict:
     """Train one method on this rank (one rank = one worker); return its held-out curve and counters."""
@@ -348,7 +381,8 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
     chunks = build_tiny_gpt(num_layers=model.layers, hidden=model.hidden, heads=model.heads,
                             vocab=model.vocab, seq_len=model.seq)
     ddp, opt = wrap_ddp_and_optimizer(chunks, optimizer="adam", lr=run.lr, weight_decay=run.weight_decay,
-                                      num_distributed_optimizer_instances=instances)
+                                      num_distributed_optimizer_instances=instances, clip_grad=run.clip_grad)
+    scheduler = inner_lr_scheduler(opt, run)
     numel = _model_numel(chunks)
     outer = None
     if run.method != "ddp":  # local: the outer loop's worker-local inner steps, its round never comes
@@ -397,6 +431,8 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
             loss = train_losses[-1] if train_losses else float("nan")
         else:
             loss = train_step(ddp, stepper, it, seq_len=model.seq, micro_batch_size=run.mbs)
+            if scheduler is not None:   # after the step, as Megatron's train loop advances it
+                scheduler.step(increment=1)
             if run.slow_compute > 1.0 and worker == W - 1:  # a slower GPU: stretch this worker's step
                 time.sleep((run.slow_compute - 1.0) * (time.perf_counter() - t0))
         if outer is not None and outer.outer_steps > len(sync_times):  # a round completed

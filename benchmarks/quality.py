@@ -11,7 +11,8 @@ setting is both). docs/results.md and its plots are rendered from the file by be
 Model: a megatron-core GPTModel (local layer spec, CPU, gloo), byte vocabulary 257, trained on the
 Python standard-library sources (megatron_sparseloco.data, split train / held-out by file).
 Every method runs W workers × 1 rank with the same seeds, the same per-worker token streams, the
-same inner AdamW (lr 1e-3, betas 0.9/0.95, wd 0.1, constant lr, no clipping) and the same number
+same inner AdamW (lr 1e-3, betas 0.9/0.95, wd 0.1; constant lr, no clipping unless Megatron's schedule flags
+--lr-warmup-fraction / --lr-decay-style / --min-lr / --clip-grad are given) and the same number
 of inner steps (so the same tokens):
 
   ddp             plain Megatron DDP + distributed optimizer, all W ranks one data-parallel group
@@ -154,8 +155,27 @@ def make_run(method, k, extra, H, seed, base, tuned):
     return RunCfg(method, **fields)
 
 
+def schedule_fields(args):
+    """The inner schedule's RunCfg fields from Megatron's flag names (--lr-warmup-fraction, --lr-decay-style,
+    --min-lr, --clip-grad); all unset: the constant lr without clipping every earlier result ran."""
+    return {"lr_warmup_fraction": getattr(args, "lr_warmup_fraction", 0.0),
+            "lr_decay_style": getattr(args, "lr_decay_style", "constant"), "min_lr": getattr(args, "min_lr", 0.0),
+            "clip_grad": getattr(args, "clip_grad", 0.0)}
+
+
+def inner_config(args, model):
+    """The results file's ``config.inner``: the inner optimizer and its schedule, as every run used them."""
+    schedule = ("constant" if args.lr_decay_style == "constant" and not args.lr_warmup_fraction else
+                f"linear warmup over {args.lr_warmup_fraction:g} of the steps from 0, then {args.lr_decay_style}"
+                + (f" decay to {args.min_lr:g} at the last step" if args.lr_decay_style != "constant" else ""))
+    return {"optimizer": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+            "schedule": schedule, "lr_warmup_fraction": args.lr_warmup_fraction,
+            "lr_decay_style": args.lr_decay_style, "min_lr": args.min_lr,
+            "clip_grad": args.clip_grad or None, "micro_batch": args.mbs, "seq": model.seq}
+
+
 def build_runs(args, tuned, seeds, steps):
-    base = dict(steps=steps, mbs=args.mbs, lr=args.lr, eval_windows=args.eval_windows)
+    base = dict(steps=steps, mbs=args.mbs, lr=args.lr, eval_windows=args.eval_windows, **schedule_fields(args))
     merges = common.overlap_merges(args.overlap_merges)
     runs, ft_runs = [], []
     for seed in seeds:
@@ -210,7 +230,8 @@ def _grid_key(key):
 
 
 def sweep_runs(args, steps):
-    base = dict(steps=steps, mbs=args.mbs, lr=args.lr, eval_windows=args.eval_windows, H=args.H, seed=1234, data_seed=0)
+    base = dict(steps=steps, mbs=args.mbs, lr=args.lr, eval_windows=args.eval_windows, H=args.H, seed=1234, data_seed=0,
+                **schedule_fields(args))
     grid = sweep_grid(args.sweep_grid)
     runs = [RunCfg("diloco", outer_lr=lr, outer_momentum=mu, **base) for lr, mu in grid.get("diloco", [])]
     runs += [RunCfg("sparseloco", k=64, outer_lr=lr, **base) for lr, _ in grid.get("sparseloco", [])]
@@ -444,6 +465,13 @@ def main(argv=None) -> int:
     ap.add_argument("--mbs", type=int, default=None)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-windows", type=int, default=None)
+    ap.add_argument("--lr-warmup-fraction", type=float, default=0.0,
+                    help="inner lr: linear warmup from 0 over this share of the steps (Megatron's flag; default 0)")
+    ap.add_argument("--lr-decay-style", default="constant", choices=("constant", "cosine", "linear"),
+                    help="inner lr after the warmup (Megatron's flag; decays over all the steps, to --min-lr)")
+    ap.add_argument("--min-lr", type=float, default=0.0, help="inner lr at the last step with a decay (Megatron's flag)")
+    ap.add_argument("--clip-grad", type=float, default=0.0,
+                    help="inner step: clip the global gradient norm to this (Megatron's flag; default 0: off)")
     ap.add_argument("--overlap-steps", default="",
                     help="comma-separated τ values: for every diloco / sparseloco method also a run with its outer "
                          "step delayed by τ inner steps (--sparseloco-overlap-steps, replay merge)")
@@ -534,7 +562,8 @@ def main(argv=None) -> int:
         tuned_w = tuned_per_w.get(W, tuned)
         runs, ft_runs = build_runs(args, tuned_w, seeds, steps)
         if args.long and W == workers[0]:
-            base = dict(steps=steps * args.long, mbs=args.mbs, lr=args.lr, eval_windows=args.eval_windows)
+            base = dict(steps=steps * args.long, mbs=args.mbs, lr=args.lr, eval_windows=args.eval_windows,
+                        **schedule_fields(args))
             runs += [make_run(m, k, None, args.H, 0, base, tuned_w) for m, k in (("diloco", None), ("sparseloco", 64))]
         known, reused, to_run = swept.get(W, {}), [], []
         for r in runs:   # a run the sweep already made at this W gives its row, not a second run
@@ -558,8 +587,7 @@ def main(argv=None) -> int:
     config = {"model": asdict(model), "numel": rows[0].get("numel") if rows else None,
               "corpus": args.corpus or "python stdlib", "steps": steps, "H": args.H, "workers": workers,
               "seeds": seeds, "methods": args.methods, "eval_windows": args.eval_windows,
-              "inner": {"optimizer": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
-                        "schedule": "constant", "clip_grad": None, "micro_batch": args.mbs, "seq": model.seq},
+              "inner": inner_config(args, model),
               "sweep": ({"grid": {m: [list(p) for p in pts] for m, pts in sweep_grid(args.sweep_grid).items()},
                          "seed": 0, "steps": args.sweep_steps or steps, "each_w": args.sweep_each_w}
                         if args.sweep else None),
