@@ -352,11 +352,14 @@ def main(argv=None) -> int:
         for grace in (0.0, 0.5):
             run(method="sparseloco", tau=0, P=1, slow=True, grace=grace)
     load.append(schema.loadavg())
+    from megatron_sparseloco.outer.sparseloco import default_outer_lr
     config = {"workers": W, "iters": a.iters, "kill_iters": a.kill_iters, "inner_steps": a.inner_steps, "pace_s": a.pace, "rate": a.rate,
               "outer_timeout_s": a.outer_timeout, "min_workers": 2, "model": "2 layers x 128 (446 k), seq 128, micro 4",
               "lighthouse": {"min_replicas": 2, "quorum_tick_ms": 100, "heartbeat_timeout_ms": 2000,
                              "join_timeout_ms": "5000; slow: 60000 (grace off) or 1000 x grace"},
-              "methods": methods, "modes": [list(m) for m in modes]}
+              "methods": methods, "modes": [list(m) for m in modes],
+              # the jobs set no outer flag: SparseLoCo's outer lr is the plugin's rule at W jobs (k = 64 of 4096)
+              "sparseloco_outer_lr": default_outer_lr(W, 64, 4096)}
     doc = schema.document("elastic_streaming", recorded_command(argv), config, rows, machine=machine,
                           wall_s=round(time.time() - t_start, 1), load=load, summary=summarize(rows))
     print(markdown(doc))

@@ -24,7 +24,7 @@ of inner steps (so the same tokens):
 
 Every outer setting a run does not set (outer lr / momentum: --sweep or --tuned set them) is the plugin's
 default, resolved for the run's W (common.strategy_fields): DiLoCo 0.7 / 0.9, SparseLoCo's lr rule
-0.375/√(W·k/C), GASLoC η 0.7, γ 0.6.
+0.265/√(W·k/C) (``default_outer_lr``), GASLoC η 0.7, γ 0.6.
 
 Held-out loss: mean token cross-entropy (nats) of the bare GPTModel on a fixed set of held-out
 windows. diloco / sparseloco / torchft: the synced model (after the last outer step every worker
@@ -60,9 +60,9 @@ METHODS_DEFAULT = "ddp,average,diloco,sparseloco:64,sparseloco:128,sparseloco:64
 #: The outer-lr sweep: every compared method tuned on its own grid with the same spacing, on seed 0 at each W.
 #: DiLoCo: lr × μ, lr in steps of about √2 around the plugin's 0.7 (1.0 added when 0.7 / 0.8 won at W = 4),
 #: μ ∈ {0.6, 0.8, 0.9} (the plugin's 0.9).
-#: SparseLoCo: lr in steps of √2, 0.53 … 3.0: the values of the plugin's default rule
-#: (``default_outer_lr``: 2.12 / 1.5 / 1.06 at W = 2 / 4 / 8 for k = 64, 1.5 / 1.06 / 0.75 for k = 128) and
-#: one step beyond them on each side; k = 128 is tuned on its own. A winner on an edge of its grid is
+#: SparseLoCo: lr in steps of √2, 0.53 … 3.0: the values of the plugin's default rule (``default_outer_lr``:
+#: 1.5 / 1.06 / 0.75 at W = 2 / 4 / 8 for k = 64, 1.06 / 0.75 / 0.53 for k = 128), the earlier rule's one step
+#: higher, and one step beyond them; k = 128 is tuned on its own. A winner on an edge of its grid is
 #: flagged by the results page (``render_results.py``): widen the grid then (``--sweep-grid``).
 SWEEP_SPARSELOCO_LRS = (0.53, 0.75, 1.06, 1.5, 2.12, 3.0)
 SWEEP = {

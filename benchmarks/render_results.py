@@ -40,7 +40,13 @@ SIZE2_W = (2, 4, 8)
 SIZE2_GRID = {2: "benchmarks/grids/4x256_w2.json", 4: "benchmarks/grids/4x256.json", 8: "benchmarks/grids/4x256.json"}
 METHODS = "diloco,sparseloco:64,sparseloco:128"
 KEYS = ("diloco", "sparseloco", "sparseloco:128")     # the tuned keys: DiLoCo, SparseLoCo k = 64, k = 128
-NAMES = {"diloco": "DiLoCo", "sparseloco": "SparseLoCo k = 64", "sparseloco:128": "SparseLoCo k = 128"}
+NAMES = {"diloco": "DiLoCo", "sparseloco": "SparseLoCo k = 64", "sparseloco:128": "SparseLoCo k = 128", "ddp": "DDP"}
+#: the third model size (6 layers × 384), measured at W = 4 only
+SIZE3_W = (4,)
+#: every model size the page shows: (file infix, name, the W it is measured at)
+SIZES = (("", "2 layers × 128", HEADLINE_W), ("_4x256", "4 layers × 256", SIZE2_W), ("_6x384", "6 layers × 384", SIZE3_W))
+#: what the plugin's default outer lr may cost over the tuned one at every measured size and W (seed 0)
+DEFAULT_COST_TARGET = 0.05
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,9 @@ def _network(W: int) -> Bench:
 
 
 GASLOC_METHODS = "diloco:lr0.7:mu0.6,gasloc:bandwidth:lap:r2:lr0.7:mu0.6"
+SCHEDULE = "quality_schedule_w4"        # the Megatron-style inner schedule check
+STREAMING_NET = "network_streaming_w4"  # overlap τ and fragments P on the shaped links
+AGGREGATION = "aggregation_bytes"       # received bytes of all-gather / reduce-scatter / hierarchical
 #: in the order `make bench` runs them (the most important first; a network file reads its quality file)
 PLAN: List[Bench] = (
     [_quality(2), _network(2),
@@ -87,6 +96,29 @@ PLAN: List[Bench] = (
        Bench("memory", "python benchmarks/memory.py --json docs/results/memory.json", "1 min")]
     + [_quality(W, f" --layers 4 --hidden 256 --sweep-grid {SIZE2_GRID[W]}", f"quality_4x256_w{W}",
                 "diloco,sparseloco:64") for W in SIZE2_W]
+    + [Bench("quality_ddp", "python benchmarks/quality.py --workers 2,4,8 --steps 900 --seeds 3 --methods ddp "
+                            "--timeout 20000 --json docs/results/quality_ddp.json", "15 min"),
+       Bench("quality_4x256_ddp", "python benchmarks/quality.py --workers 4 --steps 900 --seeds 3 --methods ddp "
+                                  "--layers 4 --hidden 256 --timeout 20000 --json docs/results/quality_4x256_ddp.json",
+             "20 min"),
+       Bench("quality_6x384_w4", "python benchmarks/quality.py --sweep --workers 4 --steps 900 --seeds 1 --methods "
+                                 "sparseloco:64 --layers 6 --hidden 384 --heads 6 --sweep-grid "
+                                 "benchmarks/grids/6x384_w4.json --timeout 30000 "
+                                 "--json docs/results/quality_6x384_w4.json", "50 min"),
+       Bench("quality_6x384_ddp", "python benchmarks/quality.py --workers 4 --steps 900 --seeds 1 --methods ddp "
+                                  "--layers 6 --hidden 384 --heads 6 --timeout 20000 "
+                                  "--json docs/results/quality_6x384_ddp.json", "25 min"),
+       Bench(SCHEDULE, "python benchmarks/quality.py --workers 4 --steps 900 --seeds 3 --methods "
+                       "ddp,diloco,sparseloco:64 --tuned benchmarks/grids/tuned_w4.json --lr-warmup-fraction 0.1 "
+                       "--lr-decay-style cosine --min-lr 0.0001 --clip-grad 1.0 --timeout 20000 "
+                       f"--json docs/results/{SCHEDULE}.json", "15 min"),
+       Bench(STREAMING_NET, "python benchmarks/network.py --no-hetero --no-ddp --links per-worker --workers 4 "
+                            "--rate 100mbit --layers 2 --hidden 128 --steps 900 --eval-windows 64 "
+                            "--uniform-methods diloco,sparseloco:64 --overlap-steps 2,7 --fragments 2 "
+                            "--tuned docs/results/quality_w4.json --timeout 9000 "
+                            f"--json docs/results/{STREAMING_NET}.json", "35 min", root=True),
+       Bench(AGGREGATION, "python benchmarks/aggregation_bytes.py --worlds 2,4,8,16 --site-groups 2,4 "
+                          f"--json docs/results/{AGGREGATION}.json", "2 min")]
 )
 ELASTIC = "elastic"
 STREAMING = "elastic_streaming"
@@ -141,6 +173,16 @@ def seed_group(doc: Dict, W: int, key: str) -> Optional[Dict]:
             "bytes_sent": max(r["bytes_sent_per_worker"] for r in rows),
             "bytes_received": max((r.get("bytes_received_per_worker") or 0) for r in rows) or None,
             "outer_steps": rows[0]["steps"] // rows[0]["H"], "numel": rows[0]["numel"], "steps": rows[0]["steps"]}
+
+
+def ddp_group(docs: Dict[str, Dict], size: str, W: int) -> Optional[Dict]:
+    """DDP's seeds at W for a model size: from the size's quality file at W where it ran DDP, else from the size's
+    DDP file (``quality<size>_ddp``)."""
+    for name in (f"quality{size}_w{W}", f"quality{size}_ddp"):
+        g = seed_group(docs[name], W, "ddp") if name in docs else None
+        if g is not None:
+            return dict(g, file=name)
+    return None
 
 
 def sweep_points(doc: Dict, W: int, key: str) -> List[Dict]:
@@ -262,12 +304,20 @@ def headline(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEAD
            "|---|---|---|---|---:|---:|---:" + ("|---:|---:|" if net else "|")]
     for W in widths:
         doc = docs.get(f"quality{size}_w{W}")
+        ddp = ddp_group(docs, size, W)
         if doc is None:
             out.append(f"| {W} | not measured yet | | | | | |" + (" | |" if net else ""))
+            if ddp is not None:
+                out.append(f"| {W} | DDP | every step | {ddp['mean']:.4f} ± {ddp['spread']:.3f} ({len(ddp['losses'])}) "
+                           f"|  |  | {fmt_bytes(ddp['bytes_sent'])} |" + (" | |" if net else ""))
             continue
         groups = {k: seed_group(doc, W, k) for k in KEYS}
         ref = groups["diloco"]
         ndoc = docs.get(f"network_w{W}") if net else None
+        if ddp is not None:   # the synchronous baseline first: gradients all-reduced every step, the same tokens
+            delta = "" if ref is None else f"{ddp['mean'] - ref['mean']:+.3f}"
+            out.append(f"| {W} | DDP | every step | {ddp['mean']:.4f} ± {ddp['spread']:.3f} ({len(ddp['losses'])}) | "
+                       f"{delta} |  | {fmt_bytes(ddp['bytes_sent'])} |" + (" | |" if net else ""))
         for k in KEYS:
             g = groups[k]
             if g is None:
@@ -432,8 +482,10 @@ def sweep_section(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> Li
 
 
 def default_setting(doc: Dict, W: int, k: str) -> tuple:
-    """(outer lr, μ) the plugin runs for ``k`` at W without the outer flags, as the file resolved them."""
-    d = (doc["config"].get("defaults") or {}).get(str(W), {}).get(k) or {}
+    """(outer lr, μ) today's plugin runs for ``k`` at W without the outer flags (its rule, resolved now: a file
+    swept before a default changed shows what today's default costs, from the sweep point at that lr)."""
+    import common
+    d = common.resolved_defaults([W])[str(W)].get(k) or {}
     return d.get("lr"), d.get("momentum") if k == "diloco" else None
 
 
@@ -521,6 +573,181 @@ def size_comparison(docs: Dict[str, Dict]) -> List[str]:
     return out
 
 
+def third_size_section(docs: Dict[str, Dict]) -> List[str]:
+    """The 6 × 384 model at W = 4: DDP, DiLoCo at its 3.26 M optimum, SparseLoCo k = 64 swept around the default."""
+    names = [f"quality_6x384_w{W}" for W in SIZE3_W]
+    have = [(n, docs[n]) for n in names if n in docs]
+    if not have:
+        return missing(names)
+    doc = have[0][1]
+    seeds = doc["config"]["seeds"]
+    methods = [NAMES[k] for k in KEYS if seed_group(doc, SIZE3_W[0], k) is not None]
+    out = [f"About 3× the second size ({fmt_params(doc['config']['numel'])} parameters), W = "
+           f"{fmt_and([str(W) for W in SIZE3_W])}, the same protocol otherwise; seed"
+           f"{'s ' + ', '.join(str(s) for s in seeds) if len(seeds) > 1 else ' ' + str(seeds[0])} at the chosen "
+           f"points. Measured: {fmt_and(methods)}, swept around the plugin's default outer lr (the question this size "
+           "answers: does the default hold as the model grows)"
+           + ("" if "DiLoCo" in methods else "; DiLoCo not measured at this size") + ".", ""]
+    out += headline(docs, "_6x384", SIZE3_W)
+    out += paragraph(reading(docs, "_6x384", SIZE3_W))
+    out += paragraph(ddp_reading(docs, "_6x384", SIZE3_W))
+    out += paragraph(default_cost(docs, "_6x384", SIZE3_W))
+    out += [""] + command_block(have + [(n, docs[n]) for n in ("quality_6x384_ddp",) if n in docs])
+    return out + (["", *missing(["quality_6x384_ddp"])] if "quality_6x384_ddp" not in docs else [])
+
+
+def default_lr_section(docs: Dict[str, Dict]) -> List[str]:
+    """SparseLoCo k = 64's default outer lr against the sweep's best at every measured size and W (seed 0), and
+    whether the default's cost stays within ``DEFAULT_COST_TARGET``."""
+    out = ["| model | parameters | W | default lr (today's rule) | best lr on the grid | default's loss over the best |",
+           "|---|---:|---:|---:|---:|---:|"]
+    costs = []
+    for size, name, widths in SIZES:
+        for W in widths:
+            doc = docs.get(f"quality{size}_w{W}")
+            gap = default_gap(doc, W, "sparseloco") if doc else None
+            if gap is None:
+                continue
+            cost = "not on the grid" if gap.cost is None else f"{gap.cost:+.3f}"
+            out.append(f"| {name} | {fmt_params(doc['config']['numel'])} | {W} | {gap.default[0]:g} | "
+                       f"{gap.chosen[0]:g} | {cost} |")
+            costs.append((gap.cost, f"{name} at W = {W}"))
+    if not costs:
+        return ["Not measured yet: the quality files above give this table."]
+    measured = [(c, at) for c, at in costs if c is not None]
+    over = [f"{at} ({c:+.3f})" for c, at in measured if c > DEFAULT_COST_TARGET]
+    off = [at for c, at in costs if c is None]
+    worst = max(measured) if measured else None
+    text = ("" if worst is None else
+            f"Today's default costs at most {worst[0]:+.3f} over the best lr on the grid ({worst[1]}), seed 0; "
+            f"the target is at most {DEFAULT_COST_TARGET:g} at every measured size and W: "
+            + ("met." if not over else "missed at " + fmt_and(over) + "."))
+    text += (" Not on the grid, so not measured: " + fmt_and(off) + ".") if off else ""
+    return out + paragraph(text) + paragraph(
+        "The rule and why it holds: [integration.md](integration.md), \"Outer lr and the number of workers\".")
+
+
+def schedule_section(docs: Dict[str, Dict]) -> List[str]:
+    """The Megatron-style inner schedule (warmup, cosine, clipping) against the constant lr, per method, and whether
+    the ranking of the means holds."""
+    if SCHEDULE not in docs:
+        return missing([SCHEDULE])
+    doc = docs[SCHEDULE]
+    W = doc["config"]["workers"][0]
+    inner = doc["config"]["inner"]
+    const = docs.get(f"quality_w{W}")
+    out = [f"The quality model at W = {W}, inner lr {inner['schedule']} (peak {inner['lr']:g}), gradient clipping at "
+           f"{inner['clip_grad']:g}, as Megatron's `--lr-warmup-fraction {inner['lr_warmup_fraction']:g} "
+           f"--lr-decay-style {inner['lr_decay_style']} --min-lr {inner['min_lr']:g} --clip-grad {inner['clip_grad']:g}` "
+           "give it; every method at the outer setting the constant-lr sweep chose at this W (not swept again "
+           f"under the schedule), {len(doc['config']['seeds'])} seeds. Beside it, the headline's constant-lr rows.", "",
+           "| method | outer lr (/ μ) | constant lr, no clipping | warmup + cosine + clip 1.0 | change |",
+           "|---|---|---:|---:|---:|"]
+    ranks: Dict[str, List[tuple]] = {"constant": [], "schedule": []}
+    for k in ("ddp",) + KEYS:
+        g = seed_group(doc, W, k) if k != "ddp" else seed_group(doc, W, "ddp")
+        if g is None:
+            continue
+        c = (ddp_group(docs, "", W) if k == "ddp" else seed_group(const, W, k) if const else None)
+        same = c is not None and (k == "ddp" or c["setting"] == g["setting"])
+        setting = "every step" if k == "ddp" else fmt_setting(k, g["setting"])
+        out.append(f"| {NAMES[k]} | {setting} | "
+                   + (f"{c['mean']:.4f} ± {c['spread']:.3f} ({len(c['losses'])})" if same and c else "not measured")
+                   + f" | {g['mean']:.4f} ± {g['spread']:.3f} ({len(g['losses'])}) | "
+                   + (f"{g['mean'] - c['mean']:+.3f}" if same and c else "") + " |")
+        ranks["schedule"].append((g["mean"], NAMES[k]))
+        if same and c:
+            ranks["constant"].append((c["mean"], NAMES[k]))
+    order = {key: " < ".join(n for _, n in sorted(v)) for key, v in ranks.items()}
+    if len(ranks["constant"]) == len(ranks["schedule"]) > 1:
+        text = (f"Ranking by mean held-out loss (lowest first): constant lr {order['constant']}; with the schedule "
+                f"{order['schedule']}: the ranking "
+                + ("holds." if order["constant"] == order["schedule"] else "changes."))
+    else:
+        text = f"Ranking with the schedule (lowest first): {order['schedule']}."
+    return out + paragraph(text) + [""] + command_block([(SCHEDULE, doc)])
+
+
+def streaming_net_section(docs: Dict[str, Dict]) -> List[str]:
+    """Overlap τ and fragments P on the shaped links: exposed outer time per H inner steps and held-out loss, every
+    row beside its method's blocking row from the same launch."""
+    if STREAMING_NET not in docs:
+        return missing([STREAMING_NET])
+    doc = docs[STREAMING_NET]
+    rows = [r for r in doc["rows"] if r["case"] == "uniform" and r["method"] in ("diloco", "sparseloco")]
+    out = ["| method | τ | P | held-out loss | Δ vs blocking | exposed outer time per H steps | vs blocking | "
+           "bytes sent / worker |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def exposed(r):   # the loop's time in outer steps per H inner steps (P fragment syncs per H steps)
+        if r["sync_outer_step_s"] is None:
+            return None
+        return r["sync_outer_step_s"] * r["outer_steps"] / (r["steps"] / r["H"])
+    for method in ("diloco", "sparseloco"):
+        mine = sorted((r for r in rows if r["method"] == method),
+                      key=lambda r: (r.get("fragments", 1), r.get("overlap_steps", 0)))
+        base = next((r for r in mine if not r.get("overlap_steps") and r.get("fragments", 1) == 1), None)
+        for r in mine:
+            e, b = exposed(r), exposed(base) if base else None
+            name = NAMES["sparseloco" if method == "sparseloco" else "diloco"]
+            out.append(f"| {name} | {r.get('overlap_steps', 0)} | {r.get('fragments', 1)} | {r['held_out_loss']:.4f} | "
+                       + ("" if r is base or base is None else f"{r['held_out_loss'] - base['held_out_loss']:+.3f}")
+                       + f" | {fmt_s(e, 3)} | "
+                       + ("" if r is base or not (e and b) else f"{100 * e / b:.0f} %")
+                       + f" | {fmt_bytes(r['bytes_sent_per_worker'])} |")
+    cfg = doc["config"]
+    return ([f"W = {rows[0]['workers'] if rows else ''}, the quality model, each worker on its own 100 Mbit/s link "
+             "(per-worker network namespaces, tbf both directions), seed 0, at the outer settings the quality sweep "
+             "chose; τ: `--sparseloco-overlap-steps` (replay merge), P: `--sparseloco-fragments`. *Exposed*: the "
+             "training loop's time in outer steps per H inner steps (blocking: the whole round; τ ≥ 1: the launch "
+             "and the completion), slowest worker, after the first round. Losses from one seed: differences below "
+             "the headline's seed spread are noise.", ""] + out + [""] + command_block([(STREAMING_NET, doc)])
+            if cfg is not None else out)
+
+
+def aggregation_section(docs: Dict[str, Dict]) -> List[str]:
+    """Bytes each worker receives per outer step, per aggregation mode and W, over its own payload."""
+    if AGGREGATION not in docs:
+        return missing([AGGREGATION])
+    doc = docs[AGGREGATION]
+    modes = list(dict.fromkeys(r["mode"] for r in doc["rows"]))
+    worlds = sorted({r["W"] for r in doc["rows"]})
+    out = ["| W | " + " | ".join(modes) + " |", "|---:|" + "---:|" * len(modes)]
+    for W in worlds:
+        cells = []
+        for m in modes:
+            r = next((x for x in doc["rows"] if x["W"] == W and x["mode"] == m), None)
+            cells.append("" if r is None else f"{r['received_over_payload']:.2f}×" + (
+                f" (WAN per site {r['site_wan_received'] / r['payload_bytes']:.0f}×, all-gather "
+                f"{r['allgather_site_wan_received'] / r['payload_bytes']:.0f}×)" if "site_wan_received" in r else ""))
+        out.append(f"| {W} | " + " | ".join(cells) + " |")
+    own = doc["rows"][0]["payload_bytes"]
+    return (["SparseLoCo k = 64 on a shard of Llama-like tensors (1.44 M elements, one worker's payload "
+             f"{fmt_bytes(own)}): bytes received per worker and outer step, over the worker's own payload, for "
+             "`--sparseloco-aggregation allgather` (every payload to every worker: W − 1), `reduce-scatter` (each "
+             "worker owns a range and re-encodes its aggregate) and `hierarchical` in G site groups (in parentheses: "
+             "the bytes entering one site over the WAN, against all-gather's). Counted by the strategies "
+             "(OuterStepStats), one outer step on W gloo ranks; the byte counts do not depend on the machine.", ""]
+            + out + [""] + command_block([(AGGREGATION, doc)]))
+
+
+def outer_lr_note(doc: Dict) -> List[str]:
+    """A file whose SparseLoCo jobs ran at the plugin's default outer lr of its day, where today's default for
+    its number of jobs differs, is marked superseded in part (empty where it is today's)."""
+    from megatron_sparseloco.outer.sparseloco import default_outer_lr
+    cfg = doc["config"]
+    jobs = cfg["workers"]
+    today = default_outer_lr(jobs, 64, 4096)
+    made = (cfg.get("outer") or {}).get("lr", cfg.get("sparseloco_outer_lr"))
+    if made == today:
+        return []
+    at = (f"outer lr {made:g}" if made is not None else
+          "the default outer lr of its day (the file predates recording it; the rule then gave 1.73)")
+    return [f"**Superseded in part**: SparseLoCo ran at {at}; today's default for {jobs} jobs is {today:g} "
+            "([integration.md](integration.md), \"Outer lr and the number of workers\"). The times, goodput, "
+            "rounds and bytes do not depend on the outer lr; the held-out losses are not at today's default. The "
+            "command below regenerates the file.", ""]
+
+
 def elastic_section(docs: Dict[str, Dict]) -> List[str]:
     """benchmarks/elastic.py's tables (the same as docs/elastic.md's)."""
     if ELASTIC not in docs:
@@ -536,8 +763,8 @@ def elastic_section(docs: Dict[str, Dict]) -> List[str]:
             "(it catches up in place: in parentheses, the continue → its first contribution). *Goodput*: inner steps "
             "whose Δ entered a committed θ_outer, summed over the workers, per wall second. *Fail-fast*: the same jobs "
             "in one world, every job restarting from the newest common checkpoint (today's single-job mode). "
-            "What each column means: [elastic.md](elastic.md).", "", elastic.markdown(doc), ""] + command_block(
-        [(ELASTIC, doc)])
+            "What each column means: [elastic.md](elastic.md).", "", elastic.markdown(doc), ""] + outer_lr_note(doc) \
+        + command_block([(ELASTIC, doc)])
 
 
 def streaming_section(docs: Dict[str, Dict]) -> List[str]:
@@ -557,7 +784,7 @@ def streaming_section(docs: Dict[str, Dict]) -> List[str]:
             "with the same τ. *Slow*: one job at a third of the others' pace, with the grace off (the lighthouse "
             "waits up to 60 s) and on. What each setting does: [elastic.md](elastic.md) §2.1, §4.2.", "",
             elastic_streaming.markdown(doc), ""] + ([f"Note: {doc['notes']}", ""] if doc.get("notes") else []) + \
-        command_block([(STREAMING, doc)])
+        outer_lr_note(doc) + command_block([(STREAMING, doc)])
 
 
 def memory_section(docs: Dict[str, Dict]) -> List[str]:
@@ -595,8 +822,8 @@ def render_page(docs: Dict[str, Dict]) -> str:
     L = ["# Results", "",
          "<!-- generated by `python benchmarks/render_results.py` from docs/results/*.json: edit the renderer, not "
          "this page (tests/test_results_page.py fails when they disagree) -->", "",
-         "What SparseLoCo gives instead of DiLoCo on the same Megatron model, data and tokens: held-out loss, bytes "
-         "and time. Every number below is computed from a file in [`results/`](results/) written by the command "
+         "What SparseLoCo gives instead of DiLoCo, and what both give up against plain data-parallel training (DDP), "
+         "on the same Megatron model, data and tokens: held-out loss, bytes and time. Every number below is computed from a file in [`results/`](results/) written by the command "
          "printed under its table, on the machine named there, at the plugin's current defaults (per-tensor "
          "chunking, 2-bit values, packed indices, error-feedback β 0.95). How the runs are made and why: "
          "[benchmarks.md](benchmarks.md). `make bench` regenerates every file and this page.", ""]
@@ -609,13 +836,19 @@ def render_page(docs: Dict[str, Dict]) -> str:
               f"H = {model['H']}. Both methods are tuned on their own grid at each W on seed 0 (tables at the end), "
               f"then run on seeds {', '.join(str(s) for s in model['seeds'])} at the chosen setting. Spread: max − min "
               "over the seeds.", ""]
-    L += ["## SparseLoCo against DiLoCo", ""]
+    L += ["## DDP, DiLoCo and SparseLoCo", "",
+          "*DDP*: Megatron's data-parallel training with the distributed optimizer, every step's gradients "
+          "all-reduced across the W ranks (no outer loop), the same inner AdamW and tokens: the synchronous baseline. "
+          "Its bytes: fp32 gradients handed to the reduction every step.", ""]
     L += headline(docs)
     L += paragraph(reading(docs))
+    L += paragraph(ddp_reading(docs))
     L += paragraph(default_cost(docs))
     L += ["", "Outer step and time: the same runs on one 100 Mbit/s link per worker (next section). "
           "*Seeds ahead*: on how many seeds SparseLoCo's loss is below DiLoCo's on the same seed.", ""]
-    L += command_block([(f"quality_w{W}", docs[f"quality_w{W}"]) for W in HEADLINE_W if f"quality_w{W}" in docs])
+    L += command_block([(f"quality_w{W}", docs[f"quality_w{W}"]) for W in HEADLINE_W if f"quality_w{W}" in docs]
+                       + [(n, docs[n]) for n in ("quality_ddp",) if n in docs])
+    L += ["", *missing(["quality_ddp"])] if "quality_ddp" not in docs else []
     L += [""] + plot_lines(docs)
     L += ["## Bytes", "",
           "Bytes sent per worker and outer step, against a dense fp32 all-reduce of the same model (DiLoCo's). "
@@ -640,15 +873,21 @@ def render_page(docs: Dict[str, Dict]) -> str:
           "3 seeds; both methods tuned on grids widened until the chosen point is inside (sweep tables below).", ""]
     L += headline(docs, "_4x256", SIZE2_W)
     L += paragraph(reading(docs, "_4x256", SIZE2_W))
+    L += paragraph(ddp_reading(docs, "_4x256", SIZE2_W))
     L += paragraph(default_cost(docs, "_4x256", SIZE2_W))
-    big = [(f"quality_4x256_w{W}", docs[f"quality_4x256_w{W}"]) for W in SIZE2_W if f"quality_4x256_w{W}" in docs]
+    big = [(n, docs[n]) for n in [f"quality_4x256_w{W}" for W in SIZE2_W] + ["quality_4x256_ddp"] if n in docs]
     if big:
         L += [""] + command_block(big)
-        absent = [f"quality_4x256_w{W}" for W in SIZE2_W if f"quality_4x256_w{W}" not in docs]
+        absent = [n for n in [f"quality_4x256_w{W}" for W in SIZE2_W] + ["quality_4x256_ddp"] if n not in docs]
         L += ["", *missing(absent)] if absent else []
     cmp_ = size_comparison(docs)
     if cmp_:
         L += ["", "Where the comparison moves with size (negative: SparseLoCo ahead):", ""] + cmp_
+    L += ["", "## A third model size: 6 layers × 384", ""] + third_size_section(docs)
+    L += ["", "## The default outer lr across model sizes", ""] + default_lr_section(docs)
+    L += ["", "## A Megatron-style schedule", ""] + schedule_section(docs)
+    L += ["", "## Overlap and fragments on 100 Mbit/s links", ""] + streaming_net_section(docs)
+    L += ["", "## Aggregation modes: bytes received", ""] + aggregation_section(docs)
     L += ["", "## Elastic workers under a failure", ""] + elastic_section(docs)
     L += ["", "## Streaming rounds in elastic mode", ""] + streaming_section(docs)
     L += ["", "## Memory of the outer step", ""] + memory_section(docs)
@@ -660,27 +899,54 @@ def render_page(docs: Dict[str, Dict]) -> str:
     L += (["Quality model:", ""] + sw + [""]) if sw else []
     sw = sweep_section(docs, "_4x256", SIZE2_W)
     L += (["4 layers × 256:", ""] + sw + [""]) if sw else []
+    sw = sweep_section(docs, "_6x384", SIZE3_W)
+    L += (["6 layers × 384:", ""] + sw + [""]) if sw else []
     return "\n".join(L).rstrip() + "\n"
 
 
 READING_LEAD = "Mean held-out loss against DiLoCo's (negative: SparseLoCo lower): "
+DDP_LEAD = ("Against DDP (every step's gradients all-reduced, the same tokens and inner optimizer; negative: "
+            "SparseLoCo lower): ")
 
 
-def reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADLINE_W, lead: str = READING_LEAD) -> str:
-    """One sentence per k, computed from the seeds: where SparseLoCo's mean is below / above DiLoCo's, and where
-    the difference is smaller than the larger of the two spreads (max − min over the seeds): level."""
+def ddp_reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADLINE_W) -> str:
+    """Where SparseLoCo stands against DDP for one model size, in one sentence from the seeds, with DiLoCo's gap to
+    DDP and the bytes DDP sends over SparseLoCo k = 64's."""
+    text = reading(docs, size, widths, lead=DDP_LEAD, against="ddp")
+    if not text:
+        return ""
+    gaps, ratios = [], []
+    for W in widths:
+        doc = docs.get(f"quality{size}_w{W}")
+        ddp = ddp_group(docs, size, W)
+        d, s = (seed_group(doc, W, "diloco"), seed_group(doc, W, "sparseloco")) if doc else (None, None)
+        if ddp is not None and d is not None:
+            gaps.append(f"{d['mean'] - ddp['mean']:+.3f} at W = {W}")
+        if ddp is not None and s is not None:
+            ratios.append(f"{ddp['bytes_sent'] / s['bytes_sent']:,.0f}× at W = {W}")
+    return (text + (f" DiLoCo against DDP: {', '.join(gaps)}." if gaps else "")
+            + (f" Bytes sent per worker, DDP over SparseLoCo k = 64: {', '.join(ratios)}." if ratios else ""))
+
+
+def reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADLINE_W, lead: str = READING_LEAD,
+            against: str = "diloco") -> str:
+    """One sentence per k, computed from the seeds: where SparseLoCo's mean is below / above the reference's
+    (DiLoCo, or ``against="ddp"``), and where the difference is smaller than the larger of the two spreads
+    (max − min over the seeds): level."""
     parts = []
+    ref_name = NAMES[against]
     for k in ("sparseloco", "sparseloco:128"):
-        found: Dict[str, List[str]] = {"ahead of DiLoCo": [], "level with DiLoCo (within the seeds' spread)": [],
-                                       "behind DiLoCo": []}
+        level = f"level with {ref_name} (within the seeds' spread)"
+        found: Dict[str, List[str]] = {f"ahead of {ref_name}": [], level: [], f"behind {ref_name}": []}
         for W in widths:
             doc = docs.get(f"quality{size}_w{W}")
-            g, d = (seed_group(doc, W, k), seed_group(doc, W, "diloco")) if doc else (None, None)
+            g = seed_group(doc, W, k) if doc else None
+            d = (ddp_group(docs, size, W) if against == "ddp" else seed_group(doc, W, against)) if doc else None
             if g is None or d is None:
                 continue
             delta = g["mean"] - d["mean"]
-            where = ("level with DiLoCo (within the seeds' spread)" if abs(delta) < max(g["spread"], d["spread"])
-                     else "ahead of DiLoCo" if delta < 0 else "behind DiLoCo")
+            where = (level if abs(delta) < max(g["spread"], d["spread"])
+                     else f"ahead of {ref_name}" if delta < 0 else f"behind {ref_name}")
             found[where].append(f"W = {W} ({delta:+.3f})")
         said = [f"{where} at {', '.join(at)}" for where, at in found.items() if at]
         if said:
@@ -708,8 +974,8 @@ def size_reading(docs: Dict[str, Dict]) -> str:
     where = ("" if set(cpus) == {small["machine"]["cpu"]} else
              " Measured on " + fmt_and([f"{cpu} at W = {', '.join(ws)}" for cpu, ws in cpus.items()]) + ".")
     gaps = {W: default_gap(doc, W, "sparseloco") for W, doc in bigs.items()}
-    over = {W: g for W, g in gaps.items() if g is not None and g.cost is not None and g.cost > 0}
-    lr_note = ("" if not over else " On it SparseLoCo's best outer lr is below the plugin's default ("
+    over = {W: g for W, g in gaps.items() if g is not None and g.cost is not None and g.cost > DEFAULT_COST_TARGET}
+    lr_note = ("" if not over else " On it SparseLoCo's best outer lr is not the plugin's default ("
                + ", ".join(f"{g.chosen[0]:g} vs {g.default[0]:g} at W = {W}" for W, g in over.items())
                + "; the default costs " + fmt_and([f"{g.cost:+.3f}" for g in over.values() if g.cost is not None])
                + " at seed 0): set `--sparseloco-outer-lr` there.")
@@ -724,29 +990,37 @@ def render_readme_block(docs: Dict[str, Dict]) -> str:
         L += ["Results: not measured yet (`make bench`; docs/results.md)."]
     else:
         q = docs[f"quality_w{have[0]}"]["config"]
-        L += [f"SparseLoCo against DiLoCo, both tuned on their own grid at each W, {len(q['seeds'])} seeds "
+        L += [f"DDP → DiLoCo → SparseLoCo: plain data-parallel training (gradients all-reduced every step), then both "
+              f"outer-loop methods tuned on their own grid at each W, {len(q['seeds'])} seeds "
               f"(held-out loss, mean ± spread; lower is better; a {fmt_params(q['numel'])}-parameter Megatron GPT, "
-              f"{q['steps']} inner steps per worker, H = {q['H']}). Bytes: sent per worker over the run. "
-              "Time: to DiLoCo's final loss with each worker on its own 100 Mbit/s link.", "",
-              "| W | DiLoCo | SparseLoCo k = 64 | SparseLoCo k = 128 | bytes / worker: DiLoCo → k = 64 | "
-              "time: DiLoCo → k = 64 |", "|---|---:|---:|---:|---:|---:|"]
+              f"{q['steps']} inner steps per worker, H = {q['H']}, the same tokens). Bytes: sent per worker over the "
+              "run. Time: to DiLoCo's final loss with each worker on its own 100 Mbit/s link.", "",
+              "| W | DDP | DiLoCo | SparseLoCo k = 64 | SparseLoCo k = 128 | bytes / worker: DDP → DiLoCo → k = 64 | "
+              "time: DiLoCo → k = 64 |", "|---|---:|---:|---:|---:|---:|---:|"]
         for W in have:
             doc = docs[f"quality_w{W}"]
             g = {k: seed_group(doc, W, k) for k in KEYS}
             if any(v is None for v in g.values()):
                 continue
+            ddp = ddp_group(docs, "", W)
             nd = docs.get(f"network_w{W}")
             nd_d, nd_s = network_row(nd, "diloco"), network_row(nd, "sparseloco")
             time_ = (f"{fmt_s(nd_d.get('time_to_diloco_s'), 0)} → {fmt_s(nd_s.get('time_to_diloco_s'), 0)}"
                      if nd_d and nd_s else "not measured yet")
-            L.append(f"| {W} | {g['diloco']['mean']:.3f} ± {g['diloco']['spread']:.3f} | "
+            L.append(f"| {W} | " + ("not measured yet" if ddp is None else f"{ddp['mean']:.3f} ± {ddp['spread']:.3f}")
+                     + f" | {g['diloco']['mean']:.3f} ± {g['diloco']['spread']:.3f} | "
                      f"{g['sparseloco']['mean']:.3f} ± {g['sparseloco']['spread']:.3f} | "
                      f"{g['sparseloco:128']['mean']:.3f} ± {g['sparseloco:128']['spread']:.3f} | "
-                     f"{fmt_bytes(g['diloco']['bytes_sent'])} → {fmt_bytes(g['sparseloco']['bytes_sent'])} | {time_} |")
+                     + ("" if ddp is None else f"{fmt_bytes(ddp['bytes_sent'])} → ")
+                     + f"{fmt_bytes(g['diloco']['bytes_sent'])} → {fmt_bytes(g['sparseloco']['bytes_sent'])} | {time_} |")
         m = docs[f"quality_w{have[0]}"]["machine"]
         size2 = size_reading(docs)
-        L += ["", reading(docs)] + (["", size2] if size2 else [])
-        L += ["", f"Measured on {m['cpu']} ({m['cpus']} CPUs); commands, machine, the bytes ratio on Llama-1B's "
+        against_ddp = ddp_reading(docs)
+        L += ["", reading(docs)] + (["", against_ddp] if against_ddp else []) + (["", size2] if size2 else [])
+        ddp_doc = docs.get("quality_ddp")
+        ddp_cpu = ("" if ddp_doc is None or ddp_doc["machine"]["cpu"] == m["cpu"]
+                   else f" (DDP: {ddp_doc['machine']['cpu']}, {ddp_doc['machine']['cpus']} CPUs)")
+        L += ["", f"Measured on {m['cpu']} ({m['cpus']} CPUs){ddp_cpu}; commands, machine, the bytes ratio on Llama-1B's "
               "tensors, a second model size and plots: [docs/results.md](docs/results.md)."]
     return "\n".join(L + ["", README_END])
 

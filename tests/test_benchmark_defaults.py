@@ -43,8 +43,8 @@ def test_an_unset_sparseloco_run_gets_the_plugins_config_at_its_w_and_k(W, k):
 
 
 def test_the_rules_values_are_the_ones_the_docs_quote():
-    assert [common.strategy_fields(common.RunCfg("sparseloco", k=64), W)["lr"] for W in (2, 4, 8)] == [2.12, 1.5, 1.06]
-    assert [common.strategy_fields(common.RunCfg("sparseloco", k=128), W)["lr"] for W in (2, 4, 8)] == [1.5, 1.06, 0.75]
+    assert [common.strategy_fields(common.RunCfg("sparseloco", k=64), W)["lr"] for W in (2, 4, 8)] == [1.5, 1.06, 0.75]
+    assert [common.strategy_fields(common.RunCfg("sparseloco", k=128), W)["lr"] for W in (2, 4, 8)] == [1.06, 0.75, 0.53]
 
 
 @pytest.mark.parametrize("algo", ["diloco", "gasloc"])
@@ -87,7 +87,7 @@ def test_the_quality_and_network_benchmarks_default_specs_run_the_plugins_defaul
 
 def test_the_results_config_block_records_the_resolved_defaults():
     d = common.resolved_defaults([2, 8])
-    assert d["2"]["sparseloco"]["lr"] == 2.12 and d["8"]["sparseloco:128"]["lr"] == 0.75
+    assert d["2"]["sparseloco"]["lr"] == 1.5 and d["8"]["sparseloco:128"]["lr"] == 0.53
     assert d["8"]["diloco"] == {"lr": DiLoCoConfig().lr, "momentum": DiLoCoConfig().momentum, "nesterov": True}
     assert d["2"]["gasloc"]["momentum"] == GASLoCConfig().momentum
 

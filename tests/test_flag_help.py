@@ -80,7 +80,7 @@ def test_stated_defaults_are_what_validation_resolves(algo, monkeypatch):
             continue
         text = flag_help.default_text(a.dest)
         if (algo, a.dest) == ("sparseloco", "sparseloco_outer_lr"):   # a rule of W (here 2) and k
-            assert f"{algo} 0.375/√(W·k/C)" in text and f"{value} at W = 2" in text, (a.dest, text)
+            assert f"{algo} 0.265/√(W·k/C)" in text and f"{value} at W = 2" in text, (a.dest, text)
         elif a.dest in ("sparseloco_outer_lr", "sparseloco_outer_momentum"):
             assert f"{algo} {value}" in text, (a.dest, text)
         elif a.dest == "sparseloco_outer_nesterov":

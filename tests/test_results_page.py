@@ -70,20 +70,21 @@ def _row(W, method, k, lr, mu, seed, loss, sweep, seed_run, bytes_=1000):
 
 
 def quality_doc(W, diloco_losses=(2.10, 2.12, 2.14), sl_losses=(2.05, 2.13, 2.08), command=None):
-    """A quality file: DiLoCo swept on 2 points, SparseLoCo k = 64 / 128 on 3 lrs, seeds 1 and 2 at the winners."""
+    """A quality file: DiLoCo swept on 2 points, SparseLoCo k = 64 on 3 lrs and k = 128 on 2 (today's default
+    rule's values at W = 2 and 4 among them), seeds 1 and 2 at the winners."""
     rows = [_row(W, "diloco", None, 0.5, 0.8, 0, diloco_losses[0], True, True, 100_000),
             _row(W, "diloco", None, 0.7, 0.9, 0, 2.3, True, False, 100_000)]
-    for lr, loss in ((1.0, 2.2), (1.5, sl_losses[0]), (2.0, 2.3)):
+    for lr, loss in ((1.06, 2.2), (1.5, sl_losses[0]), (2.12, 2.3)):
         rows.append(_row(W, "sparseloco", 64, lr, None, 0, loss, True, lr == 1.5, 800))
-    for lr, loss in ((1.0, 2.0), (1.5, 2.1)):      # k = 128's winner sits on its grid's low edge
-        rows.append(_row(W, "sparseloco", 128, lr, None, 0, loss, True, lr == 1.0, 1600))
+    for lr, loss in ((0.75, 2.0), (1.06, 2.1)):      # k = 128's winner sits on its grid's low edge
+        rows.append(_row(W, "sparseloco", 128, lr, None, 0, loss, True, lr == 0.75, 1600))
     for s in (1, 2):
         rows += [_row(W, "diloco", None, 0.5, 0.8, s, diloco_losses[s], False, True, 100_000),
                  _row(W, "sparseloco", 64, 1.5, None, s, sl_losses[s], False, True, 800),
-                 _row(W, "sparseloco", 128, 1.0, None, s, 2.01, False, True, 1600)]
+                 _row(W, "sparseloco", 128, 0.75, None, s, 2.01, False, True, 1600)]
     config = {"model": {"layers": 2, "hidden": 128, "heads": 4, "seq": 128, "vocab": 257}, "numel": 446_000,
               "steps": 900, "H": 15, "workers": [W], "seeds": [0, 1, 2], "inner": {"lr": 1e-3, "micro_batch": 4},
-              "tuned_per_w": {str(W): {"diloco": [0.5, 0.8], "sparseloco": [1.5, None], "sparseloco:128": [1.0, None]}},
+              "tuned_per_w": {str(W): {"diloco": [0.5, 0.8], "sparseloco": [1.5, None], "sparseloco:128": [0.75, None]}},
               "defaults": {str(W): {"diloco": {"lr": 0.7, "momentum": 0.9}, "sparseloco": {"lr": 2.0},
                                     "sparseloco:128": {"lr": 1.5}}}}
     command = command or PLAN[f"quality_w{W}"]
@@ -121,7 +122,7 @@ def test_the_headline_is_computed_from_the_seeds_at_the_chosen_settings(tmp_path
     # ahead of DiLoCo on seeds 0 and 2 only
     assert "| 4 | DiLoCo | 0.5 / 0.8 | 2.1200 ± 0.040 (3) |  |  | 100.0 kB |" in page
     assert "| 4 | SparseLoCo k = 64 | 1.5 | 2.0867 ± 0.080 (3) | -0.033 | 2 of 3 | 800 B |" in page
-    assert "| 4 | SparseLoCo k = 128 | 1 | 2.0067 ± 0.010 (3) | -0.113 | 3 of 3 | 1.6 kB |" in page
+    assert "| 4 | SparseLoCo k = 128 | 0.75 | 2.0067 ± 0.010 (3) | -0.113 | 3 of 3 | 1.6 kB |" in page
     assert "| 2 | not measured yet |" in page and "| 8 | not measured yet |" in page
     # k = 64's lead (0.033) is below the spreads (0.080, 0.040): level; k = 128's (0.113) is not
     assert ("SparseLoCo k = 64 is level with DiLoCo (within the seeds' spread) at W = 4 (-0.033). SparseLoCo k = 128 "
@@ -130,11 +131,12 @@ def test_the_headline_is_computed_from_the_seeds_at_the_chosen_settings(tmp_path
     assert "**125.0×**" in page and "1.7 kB" in page
     # the sweep table: every point, the chosen one bold, k = 128 flagged on its low edge, k = 64 inside
     assert "**1.5 2.0500**" in page and "2.12" not in page.split("## Sweeps")[1].split("k = 64")[0]
-    sweep_128 = next(l for l in page.splitlines() if l.startswith("| 4 | SparseLoCo k = 128 | **1 2.0000**"))
+    sweep_128 = next(l for l in page.splitlines() if l.startswith("| 4 | SparseLoCo k = 128 | **0.75 2.0000**"))
     assert sweep_128.endswith("**yes: lowest lr** |")
-    sweep_64 = next(l for l in page.splitlines() if l.startswith("| 4 | SparseLoCo k = 64 | 1 2.2000"))
+    sweep_64 = next(l for l in page.splitlines() if l.startswith("| 4 | SparseLoCo k = 64 | 1.06 2.2000"))
     assert sweep_64.endswith("| no |")
-    assert "2 2.3000 (default)" in sweep_64 and "1.5 2.1000 (default)" in sweep_128   # the plugin's own settings
+    # today's plugin defaults at W = 4 (the rule: 1.06 at k = 64, 0.75 at k = 128), not the file's record
+    assert "1.06 2.2000 (default)" in sweep_64 and "**0.75 2.0000** (default)" in sweep_128
     diloco_sweep = next(l for l in page.splitlines() if l.startswith("| 4 | DiLoCo | **0.5 / 0.8 2.1000**"))
     assert "**0.5 / 0.8 2.1000**," in diloco_sweep and "0.7 / 0.9 2.3000 (default)" in diloco_sweep
     # the command and the machine under the table
@@ -204,9 +206,9 @@ def test_the_readme_says_the_second_size_in_one_sentence_from_its_file(tmp_path)
     assert ("On a 7× larger model (3.26 M parameters, the same protocol on a grid widened for it, 3 seeds): "
             "SparseLoCo k = 64 is ahead of DiLoCo at W = 4 (-0.210).") in block
     assert "Bytes sent per worker: DiLoCo 100.0 kB → SparseLoCo k = 64 800 B (125× fewer)." in block
-    # the sweep's default lr (2.0, loss 2.3) is above the chosen 1.5 (seed 0: 1.90)
-    assert ("On it SparseLoCo's best outer lr is below the plugin's default (1.5 vs 2 at W = 4; the default costs "
-            "+0.400 at seed 0): set `--sparseloco-outer-lr` there.") in block
+    # today's default lr at W = 4 (1.06, loss 2.2) is below the chosen 1.5 (seed 0: 1.90)
+    assert ("On it SparseLoCo's best outer lr is not the plugin's default (1.5 vs 1.06 at W = 4; the default costs "
+            "+0.300 at seed 0): set `--sparseloco-outer-lr` there.") in block
     assert "Measured on Other CPU" not in block
     large["machine"]["cpu"] = "Other CPU"          # a machine other than the headline's is named
     write(tmp_path, "quality_4x256_w4", large)
@@ -217,23 +219,28 @@ def test_the_readme_says_the_second_size_in_one_sentence_from_its_file(tmp_path)
         write(tmp_path, f"quality_4x256_w{W}", doc)
     block = R.render_readme_block(R.load_results(str(tmp_path)))
     assert "Measured on Other CPU at W = 2, 4 and Test CPU at W = 8." in block
-    assert "(1.5 vs 2 at W = 2, 1.5 vs 2 at W = 4, 1.5 vs 2 at W = 8; the default costs +0.400, +0.400 and +0.400" in block
+    # the rule's value is the chosen 1.5 at W = 2; 0.75 at W = 8 is off the grid: only W = 4 is named
+    assert "(1.5 vs 1.06 at W = 4; the default costs +0.300 at seed 0)" in block
 
 
 def test_the_defaults_cost_is_read_from_the_sweep(tmp_path):
-    """Default point's seed-0 loss minus the chosen point's: DiLoCo 2.30 − 2.10, k = 64 2.30 − 2.05, k = 128 2.1 − 2.0."""
+    """Today's default point's seed-0 loss minus the chosen point's: DiLoCo 0.7 / 0.9 (2.30 − 2.10), k = 128 at the
+    rule's 1.06 (2.1 − 2.0); k = 64's rule gives the chosen 1.5 at W = 2. The file's recorded defaults (what the
+    plugin had when it ran) do not enter: the page says what running without the flags costs today."""
     doc = quality_doc(2)
     write(tmp_path, "quality_w2", doc)
     page = R.render_page(R.load_results(str(tmp_path)))
-    assert ("Without the outer lr / momentum flags (the plugin's defaults; seed 0 of the sweep): DiLoCo at W = 2: "
-            "0.7 / 0.9 → 2.3000, +0.200 over the chosen 0.5 / 0.8; SparseLoCo k = 64 at W = 2: 2 → 2.3000, +0.250 over "
-            "the chosen 1.5; SparseLoCo k = 128 at W = 2: 1.5 → 2.1000, +0.100 over the chosen 1.") in page
-    doc["config"]["defaults"]["2"] = {"diloco": {"lr": 0.9, "momentum": 0.99}, "sparseloco": {"lr": 1.5},
-                                      "sparseloco:128": {"lr": 1.5}}
+    expected = ("Without the outer lr / momentum flags (the plugin's defaults; seed 0 of the sweep): DiLoCo at W = 2: "
+                "0.7 / 0.9 → 2.3000, +0.200 over the chosen 0.5 / 0.8; SparseLoCo k = 128 at W = 2: 1.06 → 2.1000, "
+                "+0.100 over the chosen 0.75. The default is the chosen point for SparseLoCo k = 64 at W = 2.")
+    assert expected in page
+    doc["config"]["defaults"]["2"] = {"diloco": {"lr": 0.9, "momentum": 0.99}, "sparseloco": {"lr": 2.12},
+                                      "sparseloco:128": {"lr": 0.75}}
     write(tmp_path, "quality_w2", doc)
-    page = R.render_page(R.load_results(str(tmp_path)))
-    assert ("seed 0 of the sweep): SparseLoCo k = 128 at W = 2: 1.5 → 2.1000, +0.100 over the chosen 1. The default "
-            "is the chosen point for SparseLoCo k = 64 at W = 2. Not on the grid: the default of DiLoCo at W = 2.") in page
+    assert expected in R.render_page(R.load_results(str(tmp_path)))
+    doc["rows"] = [r for r in doc["rows"] if not (r["method"] == "diloco" and r["outer_lr"] == 0.7)]
+    write(tmp_path, "quality_w2", doc)
+    assert "Not on the grid: the default of DiLoCo at W = 2." in R.render_page(R.load_results(str(tmp_path)))
 
 
 def test_the_size_comparison_is_each_files_mean_difference(tmp_path):
@@ -260,7 +267,8 @@ def test_the_network_columns_and_the_readme_table_come_from_the_network_file(tmp
     assert "Communicating takes DiLoCo 0.400 s and SparseLoCo k = 64 0.050 s per outer step at W = 2 (50 % and 50 %" in page
     block = R.render_readme_block(docs)
     assert block.startswith(R.README_BEGIN) and block.endswith(R.README_END)
-    assert "| 2 | 2.120 ± 0.040 | 2.087 ± 0.080 | 2.007 ± 0.010 | 100.0 kB → 800 B | 60 s → 41 s |" in block
+    assert ("| 2 | not measured yet | 2.120 ± 0.040 | 2.087 ± 0.080 | 2.007 ± 0.010 | 100.0 kB → 800 B | 60 s → 41 s |"
+            in block)
     assert "docs/results.md" in block
 
 
@@ -362,3 +370,144 @@ def test_the_elastic_streaming_tables_compare_every_mode_with_blocking_and_the_k
     assert "| diloco | 2 | 30.0 | 90.0 | 9.20 | 92.0% | 35.0 | 20 / 1 |" in part
     assert "| 0.5 | 8.00 | 6 / 5 | 80.0 |" in part
     assert PLAN["elastic_streaming"] in part and R.plan_problems(R.load_results(str(tmp_path))) == []
+
+
+def ddp_doc(workers, losses=(1.90, 1.91, 1.92), size_args="", cpu="Test CPU"):
+    """A DDP file (quality.py --methods ddp): 3 seeds at every W, fp32 gradients every step as its bytes."""
+    rows = [{"method": "ddp", "k": None, "label": "ddp", "seed": s, "workers": W, "steps": 900, "H": 15,
+             "outer_lr": None, "outer_momentum": None, "held_out_loss": losses[s], "bytes_sent_per_worker": 1.6e9,
+             "bytes_received_per_worker": None, "numel": 446_000, "sweep": False, "seed_run": True,
+             "curve": [{"step": 900, "tokens": 1, "bytes_per_worker": 1.6e9, "held_out_loss": losses[s], "wall_s": 9.0}]}
+            for W in workers for s in range(3)]
+    config = {"model": {}, "numel": 446_000, "steps": 900, "H": 15, "workers": list(workers), "seeds": [0, 1, 2],
+              "inner": {"lr": 1e-3, "micro_batch": 4}, "tuned_per_w": {}}
+    return schema.document("quality", PLAN["quality_ddp"], config, rows, machine=dict(MACHINE, cpu=cpu))
+
+
+def test_ddp_sits_beside_diloco_and_sparseloco_in_the_headline_the_reading_and_the_readme(tmp_path):
+    write(tmp_path, "quality_w4", quality_doc(4))
+    docs = R.load_results(str(tmp_path))
+    assert "| 4 | DDP |" not in R.render_page(docs) and PLAN["quality_ddp"] in R.render_page(docs)
+    write(tmp_path, "quality_ddp", ddp_doc([2, 4, 8]))
+    docs = R.load_results(str(tmp_path))
+    page = R.render_page(docs)
+    # DDP 1.90 / 1.91 / 1.92 against DiLoCo's 2.12 mean: the synchronous baseline's row first, its gap to DiLoCo
+    assert ("| 4 | DDP | every step | 1.9100 ± 0.020 (3) | -0.210 |  | 1.6 GB | | |\n"
+            "| 4 | DiLoCo | 0.5 / 0.8 |") in page
+    assert "| 2 | not measured yet | | | | | | | |\n| 2 | DDP | every step | 1.9100 ± 0.020 (3) |" in page
+    # k = 64: 2.0867 − 1.91 = +0.177, beyond both spreads (0.080, 0.020); k = 128: 2.0067 − 1.91 = +0.097 (0.010, 0.020)
+    assert ("Against DDP (every step's gradients all-reduced, the same tokens and inner optimizer; negative: SparseLoCo "
+            "lower): SparseLoCo k = 64 is behind DDP at W = 4 (+0.177). SparseLoCo k = 128 is behind DDP at W = 4 "
+            "(+0.097). DiLoCo against DDP: +0.210 at W = 4. Bytes sent per worker, DDP over SparseLoCo k = 64: "
+            "2,000,000× at W = 4.") in page
+    block = R.render_readme_block(docs)
+    assert ("| 4 | 1.910 ± 0.020 | 2.120 ± 0.040 | 2.087 ± 0.080 | 2.007 ± 0.010 | 1.6 GB → 100.0 kB → 800 B | "
+            "not measured yet |") in block
+    assert "SparseLoCo k = 64 is behind DDP at W = 4 (+0.177)" in block and "(DDP: " not in block
+    write(tmp_path, "quality_ddp", ddp_doc([2, 4, 8], cpu="Other CPU"))   # measured elsewhere: said so
+    assert "Measured on Test CPU (2 CPUs) (DDP: Other CPU, 2 CPUs);" in R.render_readme_block(R.load_results(str(tmp_path)))
+    # a size's quality file that ran DDP itself gives DDP's row from there
+    q = quality_doc(4)
+    q["rows"] += ddp_doc([4], losses=(2.2, 2.3, 2.4))["rows"]
+    write(tmp_path, "quality_w4", q)
+    assert "| 4 | DDP | every step | 2.3000 ± 0.200 (3) | +0.180 |" in R.render_page(R.load_results(str(tmp_path)))
+
+
+def test_the_default_lr_table_measures_todays_rule_at_every_size_against_the_target(tmp_path):
+    write(tmp_path, "quality_w2", quality_doc(2))            # the rule's 1.5 is the chosen point at W = 2
+    docs = R.load_results(str(tmp_path))
+    section = R.render_page(docs).split("## The default outer lr across model sizes")[1].split("\n## ")[0]
+    assert "| 2 layers × 128 | 446 k | 2 | 1.5 | 1.5 | +0.000 |" in section
+    assert "Today's default costs at most +0.000 over the best lr on the grid (2 layers × 128 at W = 2), seed 0; " \
+           "the target is at most 0.05 at every measured size and W: met." in section
+    large = quality_doc(4, sl_losses=(1.90, 1.92, 1.91))    # W = 4: the rule's 1.06 (2.2) against the chosen 1.5 (1.90)
+    large["config"]["numel"] = 3_258_112
+    write(tmp_path, "quality_4x256_w4", large)
+    third = quality_doc(8)                                   # W = 8: the rule's 0.75 is not on this grid
+    third["config"]["numel"] = 10_900_000
+    write(tmp_path, "quality_6x384_w8", third)
+    section = R.render_page(R.load_results(str(tmp_path))).split("## The default outer lr across")[1].split("\n## ")[0]
+    assert "| 4 layers × 256 | 3.26 M | 4 | 1.06 | 1.5 | +0.300 |" in section
+    assert "6 layers × 384" not in section                   # W = 8 is not a W the page measures the third size at
+    assert "missed at 4 layers × 256 at W = 4 (+0.300)." in section
+
+
+def test_the_third_size_has_its_section_with_ddp_from_its_own_file(tmp_path):
+    page = R.render_page(R.load_results(str(tmp_path)))
+    third = page.split("## A third model size: 6 layers × 384")[1].split("\n## ")[0]
+    assert PLAN["quality_6x384_w4"] in third and "Not measured yet" in third
+    doc = quality_doc(4)
+    doc["config"]["numel"], doc["config"]["seeds"] = 10_900_000, [0]
+    doc["rows"] = [r for r in doc["rows"] if r["seed"] == 0]
+    write(tmp_path, "quality_6x384_w4", doc)
+    third = R.render_page(R.load_results(str(tmp_path))).split("## A third model size")[1].split("\n## ")[0]
+    assert "About 3× the second size (10.90 M parameters), W = 4, the same protocol otherwise; seed 0" in third
+    assert "| 4 | SparseLoCo k = 64 | 1.5 | 2.0500 ± 0.000 (1) |" in third
+    assert PLAN["quality_6x384_ddp"] in third                 # DDP's file is not there yet: its command
+    ddp = ddp_doc([4])
+    ddp["command"] = PLAN["quality_6x384_ddp"]
+    write(tmp_path, "quality_6x384_ddp", ddp)
+    third = R.render_page(R.load_results(str(tmp_path))).split("## A third model size")[1].split("\n## ")[0]
+    assert "| 4 | DDP | every step | 1.9100 ± 0.020 (3) | -0.190 |" in third and "Not measured yet" not in third
+
+
+def test_an_elastic_file_made_at_another_default_outer_lr_is_marked_superseded():
+    from megatron_sparseloco.outer.sparseloco import default_outer_lr
+    today = default_outer_lr(3, 64, 4096)
+    assert R.outer_lr_note({"config": {"workers": 3, "outer": {"lr": today}}}) == []
+    assert R.outer_lr_note({"config": {"workers": 3, "sparseloco_outer_lr": today}}) == []
+    note = R.outer_lr_note({"config": {"workers": 3, "outer": {"lr": 1.73}}})[0]
+    assert note.startswith(f"**Superseded in part**: SparseLoCo ran at outer lr 1.73; today's default for 3 jobs is "
+                           f"{today:g}")
+    assert "the file predates recording it" in R.outer_lr_note({"config": {"workers": 3}})[0]
+
+
+def test_the_schedule_section_compares_each_method_with_its_constant_lr_rows_and_says_if_the_ranking_holds(tmp_path):
+    write(tmp_path, "quality_w4", quality_doc(4))                         # DiLoCo 2.12, k = 64 2.0867
+    write(tmp_path, "quality_ddp", ddp_doc([4]))                          # DDP 1.91
+    sched = quality_doc(4, diloco_losses=(2.0, 2.02, 2.04), sl_losses=(1.95, 1.97, 1.99))
+    sched["rows"] = [r for r in sched["rows"] if r["k"] != 128] + ddp_doc([4], losses=(1.80, 1.81, 1.82))["rows"]
+    sched["config"]["inner"] = {"lr": 1e-3, "micro_batch": 4, "lr_warmup_fraction": 0.1, "lr_decay_style": "cosine",
+                                "min_lr": 1e-4, "clip_grad": 1.0,
+                                "schedule": "linear warmup over 0.1 of the steps from 0, then cosine decay to 0.0001"}
+    sched["command"] = PLAN["quality_schedule_w4"]
+    write(tmp_path, "quality_schedule_w4", sched)
+    section = R.render_page(R.load_results(str(tmp_path))).split("## A Megatron-style schedule")[1].split("\n## ")[0]
+    assert "| DDP | every step | 1.9100 ± 0.020 (3) | 1.8100 ± 0.020 (3) | -0.100 |" in section
+    assert "| DiLoCo | 0.5 / 0.8 | 2.1200 ± 0.040 (3) | 2.0200 ± 0.040 (3) | -0.100 |" in section
+    assert "| SparseLoCo k = 64 | 1.5 | 2.0867 ± 0.080 (3) | 1.9700 ± 0.040 (3) | -0.117 |" in section
+    assert ("constant lr DDP < SparseLoCo k = 64 < DiLoCo; with the schedule DDP < SparseLoCo k = 64 < DiLoCo: "
+            "the ranking holds.") in section
+    sched["rows"] = [dict(r, held_out_loss=2.5) if r["method"] == "ddp" else r for r in sched["rows"]]
+    write(tmp_path, "quality_schedule_w4", sched)
+    assert "the ranking changes." in R.render_page(R.load_results(str(tmp_path)))
+
+
+def test_the_streaming_table_puts_every_overlap_and_fragment_row_beside_its_blocking_row(tmp_path):
+    def row(method, tau, P, loss, outer_s, outer_steps):
+        return {"case": "uniform", "method": method, "k": 64 if method == "sparseloco" else None, "workers": 4,
+                "label": method, "overlap_steps": tau, "fragments": P, "held_out_loss": loss, "H": 15, "steps": 900,
+                "outer_steps": outer_steps, "sync_outer_step_s": outer_s, "bytes_sent_per_worker": 1000,
+                "curve": [{"step": 900, "wall_s": 9.0, "held_out_loss": loss}]}
+    rows = [row("diloco", 0, 1, 2.00, 1.0, 60), row("diloco", 2, 1, 2.01, 0.1, 60),
+            row("diloco", 0, 2, 2.02, 0.6, 120), row("sparseloco", 0, 1, 2.05, 0.2, 60)]
+    write(tmp_path, "network_streaming_w4", schema.document("network", PLAN["network_streaming_w4"], {"model": {}}, rows,
+                                                            machine=dict(MACHINE)))
+    section = R.render_page(R.load_results(str(tmp_path))).split("## Overlap and fragments")[1].split("\n## ")[0]
+    assert "| DiLoCo | 0 | 1 | 2.0000 |  | 1.000 s |  | 1.0 kB |" in section
+    assert "| DiLoCo | 2 | 1 | 2.0100 | +0.010 | 0.100 s | 10 % | 1.0 kB |" in section
+    # P = 2: two fragment syncs per H steps, 0.6 s each: 1.2 s per H steps, 120 % of blocking
+    assert "| DiLoCo | 0 | 2 | 2.0200 | +0.020 | 1.200 s | 120 % | 1.0 kB |" in section
+    assert "| SparseLoCo k = 64 | 0 | 1 | 2.0500 |  | 0.200 s |  | 1.0 kB |" in section
+
+
+def test_the_aggregation_table_reads_received_over_own_payload_and_the_sites_wan_bytes(tmp_path):
+    rows = [{"W": 8, "mode": "allgather", "bytes_received_max": 700, "payload_bytes": 100.0,
+             "received_over_payload": 7.0},
+            {"W": 8, "mode": "hierarchical G=2", "bytes_received_max": 700, "payload_bytes": 100.0,
+             "received_over_payload": 7.0, "site_wan_received": 400, "allgather_site_wan_received": 1600}]
+    write(tmp_path, "aggregation_bytes", schema.document("aggregation_bytes", PLAN["aggregation_bytes"], {}, rows,
+                                                         machine=dict(MACHINE)))
+    section = R.render_page(R.load_results(str(tmp_path))).split("## Aggregation modes")[1].split("\n## ")[0]
+    assert "| W | allgather | hierarchical G=2 |" in section
+    assert "| 8 | 7.00× | 7.00× (WAN per site 4×, all-gather 16×) |" in section

@@ -21,18 +21,19 @@ values, β 0.95, contributors mean, no momentum, per-tensor chunking, 1-D tensor
 lr that depends on W and k (the reference uses 1 at every W):
 
     u  = W·k / C                      the share of a chunk that the W selections can cover
-    lr = 0.375 / √u ,  u clamped to [1/32, 1/4]        (``default_outer_lr``)
+    lr = 0.265 / √u ,  u clamped to [1/32, 1/4]        (``default_outer_lr``, ``DEFAULT_LR_SCALE``)
 
-i.e. 1.5 at W = 4, k = 64 of 4096; 2.12 at W = 2; 1.06 at W = 8 (0.75 with k = 128). This is our
-quality benchmark's measurement, not a derivation: the best lr of the 900-step sweep at W ∈ {2, 4, 8}
-× k ∈ {64, 128} was the grid point nearest this rule at all six points on the 446 k-parameter model
-(docs/results.md, "Sweeps"); on the 3.26 M-parameter model it was one grid step (÷ √2) lower
-(docs/integration.md, "Outer lr and the number of workers"). Outside the measured u the end value is
-held. A reading: under the contributors mean a coordinate chosen by one worker moves θ_outer by that
-worker's whole value, so the update's norm grows with the union of the selections, and the step that
-works shrinks with it. The rule is the default
-only with the contributors mean and no outer momentum; otherwise the default is 1.5 (the rule's value
-at u = 1/16). An explicit ``--sparseloco-outer-lr`` (``lr=``) always wins.
+i.e. 1.5 at W = 2, 1.06 at W = 4, 0.75 at W = 8 for k = 64 of 4096 (1.06 / 0.75 / 0.53 with k = 128).
+This is our quality benchmark's measurement, not a derivation (docs/integration.md, "Outer lr and the
+number of workers"): on the 3.26 M-parameter model it is the best point of the 900-step sweep at
+W = 2, 4 and 8; on the 446 k-parameter model the best point is one grid step (× √2) higher, and the
+rule's value costs at most 0.05 held-out loss there. The step that works shrinks with the model, and
+one step too high costs up to ten times more than one step too low, so the rule follows the larger
+models. Outside the measured u the end value is held. A reading of the 1/√u: under the contributors
+mean a coordinate chosen by one worker moves θ_outer by that worker's whole value, so the update's norm
+grows with the union of the selections, and the step that works shrinks with it. The rule is the
+default only with the contributors mean and no outer momentum; otherwise the default is 1.5 (not
+measured with the rule). An explicit ``--sparseloco-outer-lr`` (``lr=``) always wins.
 
 ``peer_norm_clip``: before summing, worker w's decoded values in a bucket are scaled by
 min(1, median_w' ‖v_w'‖ / ‖v_w‖) (the lower median, ``torch.median``, of the W peers' norms in
@@ -118,14 +119,16 @@ VALUE_BITS = QUANTISED_VALUE_BITS + RAW_VALUE_BITS
 
 #: the union shares u = W·k/C over which the default lr rule was measured (W·k = 128 … 1024 at C = 4096)
 DEFAULT_LR_MEASURED_U = (1 / 32, 1 / 4)
+#: the rule's scale: lr = DEFAULT_LR_SCALE / √u (module docstring; docs/integration.md for the measurements)
+DEFAULT_LR_SCALE = 0.265
 
 
 def default_outer_lr(num_workers: int, k: int, chunk: int) -> float:
-    """The default outer lr, 0.375 / √u with u = W·k/C held inside ``DEFAULT_LR_MEASURED_U``, to 2 decimals
-    (module docstring: 1.5 at W = 4, k = 64 of 4096)."""
+    """The default outer lr, ``DEFAULT_LR_SCALE`` / √u with u = W·k/C held inside ``DEFAULT_LR_MEASURED_U``, to 2
+    decimals (module docstring: 1.06 at W = 4, k = 64 of 4096)."""
     low, high = DEFAULT_LR_MEASURED_U
     u = min(max(num_workers * k / chunk, low), high)
-    return round(0.375 / math.sqrt(u), 2)
+    return round(DEFAULT_LR_SCALE / math.sqrt(u), 2)
 
 
 @dataclass
@@ -178,7 +181,8 @@ class SparseLoCoConfig(OuterConfig):
     feedback) or "workers" (back into each contributor's e, as Ok-Topk does; module docstring)."""
 
     default_rules: ClassVar[Mapping[str, Tuple[str, str]]] = {
-        "lr": ("0.375/√(W·k/C) with W·k/C held in [1/32, 1/4]",
+        "lr": (f"{DEFAULT_LR_SCALE:g}/√(W·k/C) with W·k/C held in [1/32, 1/4], the best outer lr measured on "
+               "the 3.26 M-parameter model (docs/integration.md)",
                ", ".join(f"{default_outer_lr(W, 64, 4096):g} at W = {W}" for W in (2, 4, 8))
                + " (k = 64 of 4096); 1.5 with reduce 'all' or an outer momentum")}
 
