@@ -172,7 +172,7 @@ def seed_group(doc: Dict, W: int, key: str) -> Optional[Dict]:
             "mean": sum(losses) / len(losses), "spread": max(losses) - min(losses),
             "bytes_sent": max(r["bytes_sent_per_worker"] for r in rows),
             "bytes_received": max((r.get("bytes_received_per_worker") or 0) for r in rows) or None,
-            "outer_steps": rows[0]["steps"] // rows[0]["H"], "numel": rows[0]["numel"], "steps": rows[0]["steps"]}
+            "outer_steps": rows[0]["steps"] // rows[0]["H"] if rows[0].get("H") else None, "numel": rows[0]["numel"], "steps": rows[0]["steps"]}
 
 
 def ddp_group(docs: Dict[str, Dict], size: str, W: int) -> Optional[Dict]:
@@ -923,9 +923,12 @@ def ddp_reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = H
         if ddp is not None and d is not None:
             gaps.append(f"{d['mean'] - ddp['mean']:+.3f} at W = {W}")
         if ddp is not None and s is not None:
-            ratios.append(f"{ddp['bytes_sent'] / s['bytes_sent']:,.0f}× at W = {W}")
+            ratios.append((f"{ddp['bytes_sent'] / s['bytes_sent']:,.0f}×", W))
+    said = [f"{r} at W = {W}" for r, W in ratios]
+    if len({r for r, _ in ratios}) == 1 and len(ratios) > 1:   # the ratio of two fixed payloads: one value
+        said = [f"{ratios[0][0]} at W = {fmt_and([str(W) for _, W in ratios])}"]
     return (text + (f" DiLoCo against DDP: {', '.join(gaps)}." if gaps else "")
-            + (f" Bytes sent per worker, DDP over SparseLoCo k = 64: {', '.join(ratios)}." if ratios else ""))
+            + (f" Bytes sent per worker, DDP over SparseLoCo k = 64: {', '.join(said)}." if said else ""))
 
 
 def reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADLINE_W, lead: str = READING_LEAD,

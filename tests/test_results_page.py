@@ -374,7 +374,7 @@ def test_the_elastic_streaming_tables_compare_every_mode_with_blocking_and_the_k
 
 def ddp_doc(workers, losses=(1.90, 1.91, 1.92), size_args="", cpu="Test CPU"):
     """A DDP file (quality.py --methods ddp): 3 seeds at every W, fp32 gradients every step as its bytes."""
-    rows = [{"method": "ddp", "k": None, "label": "ddp", "seed": s, "workers": W, "steps": 900, "H": 15,
+    rows = [{"method": "ddp", "k": None, "label": "ddp", "seed": s, "workers": W, "steps": 900, "H": None,
              "outer_lr": None, "outer_momentum": None, "held_out_loss": losses[s], "bytes_sent_per_worker": 1.6e9,
              "bytes_received_per_worker": None, "numel": 446_000, "sweep": False, "seed_run": True,
              "curve": [{"step": 900, "tokens": 1, "bytes_per_worker": 1.6e9, "held_out_loss": losses[s], "wall_s": 9.0}]}
