@@ -601,7 +601,8 @@ def default_lr_section(docs: Dict[str, Dict]) -> List[str]:
     whether the default's cost stays within ``DEFAULT_COST_TARGET``."""
     out = ["| model | parameters | W | default lr (today's rule) | best lr on the grid | default's loss over the best |",
            "|---|---:|---:|---:|---:|---:|"]
-    costs = []
+    costs: List[tuple] = []
+    edges: List[str] = []
     for size, name, widths in SIZES:
         for W in widths:
             doc = docs.get(f"quality{size}_w{W}")
@@ -609,9 +610,13 @@ def default_lr_section(docs: Dict[str, Dict]) -> List[str]:
             if gap is None:
                 continue
             cost = "not on the grid" if gap.cost is None else f"{gap.cost:+.3f}"
-            out.append(f"| {name} | {fmt_params(doc['config']['numel'])} | {W} | {gap.default[0]:g} | "
-                       f"{gap.chosen[0]:g} | {cost} |")
+            edge = on_edge(sweep_points(doc, W, "sparseloco"), gap.chosen)
+            best = f"{gap.chosen[0]:g}" + (f" ({', '.join(edge)} on the grid)" if edge else "")
+            out.append(f"| {name} | {fmt_params(doc['config']['numel'])} | {W} | {gap.default[0]:g} | {best} | "
+                       f"{cost}{' or more' if edge and gap.cost else ''} |")
             costs.append((gap.cost, f"{name} at W = {W}"))
+            if edge:
+                edges.append(f"{name} at W = {W}")
     if not costs:
         return ["Not measured yet: the quality files above give this table."]
     measured = [(c, at) for c, at in costs if c is not None]
@@ -623,8 +628,11 @@ def default_lr_section(docs: Dict[str, Dict]) -> List[str]:
             f"the target is at most {DEFAULT_COST_TARGET:g} at every measured size and W: "
             + ("met." if not over else "missed at " + fmt_and(over) + "."))
     text += (" Not on the grid, so not measured: " + fmt_and(off) + ".") if off else ""
+    text += (" The best point is on the edge of its grid at " + fmt_and(edges) + ": the best lr may lie beyond it, "
+             "and the default's cost there is a lower bound.") if edges else ""
     return out + paragraph(text) + paragraph(
-        "The rule and why it holds: [integration.md](integration.md), \"Outer lr and the number of workers\".")
+        "The rule and the measurements behind it: [integration.md](integration.md), \"Outer lr and the number of "
+        "workers\".")
 
 
 def schedule_section(docs: Dict[str, Dict]) -> List[str]:

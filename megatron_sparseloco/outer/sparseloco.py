@@ -27,9 +27,10 @@ i.e. 1.5 at W = 2, 1.06 at W = 4, 0.75 at W = 8 for k = 64 of 4096 (1.06 / 0.75 
 This is our quality benchmark's measurement, not a derivation (docs/integration.md, "Outer lr and the
 number of workers"): on the 3.26 M-parameter model it is the best point of the 900-step sweep at
 W = 2, 4 and 8; on the 446 k-parameter model the best point is one grid step (× √2) higher, and the
-rule's value costs at most 0.05 held-out loss there. The step that works shrinks with the model, and
-one step too high costs up to ten times more than one step too low, so the rule follows the larger
-models. Outside the measured u the end value is held. A reading of the 1/√u: under the contributors
+rule's value costs at most 0.05 held-out loss there. The step that works shrinks with the model (on
+a 10.8 M-parameter model at W = 4 the best measured point is one more step lower, 0.75), and one step
+too high costs up to ten times more than one step too low, so the rule follows the larger models.
+Outside the measured u the end value is held. A reading of the 1/√u: under the contributors
 mean a coordinate chosen by one worker moves θ_outer by that worker's whole value, so the update's norm
 grows with the union of the selections, and the step that works shrinks with it. The rule is the
 default only with the contributors mean and no outer momentum; otherwise the default is 1.5 (not
