@@ -305,19 +305,17 @@ def headline(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEAD
     for W in widths:
         doc = docs.get(f"quality{size}_w{W}")
         ddp = ddp_group(docs, size, W)
+        groups = {k: seed_group(doc, W, k) for k in KEYS} if doc is not None else {}
+        ref = groups.get("diloco")
         if doc is None:
             out.append(f"| {W} | not measured yet | | | | | |" + (" | |" if net else ""))
-            if ddp is not None:
-                out.append(f"| {W} | DDP | every step | {ddp['mean']:.4f} ± {ddp['spread']:.3f} ({len(ddp['losses'])}) "
-                           f"|  |  | {fmt_bytes(ddp['bytes_sent'])} |" + (" | |" if net else ""))
-            continue
-        groups = {k: seed_group(doc, W, k) for k in KEYS}
-        ref = groups["diloco"]
-        ndoc = docs.get(f"network_w{W}") if net else None
         if ddp is not None:   # the synchronous baseline first: gradients all-reduced every step, the same tokens
             delta = "" if ref is None else f"{ddp['mean'] - ref['mean']:+.3f}"
             out.append(f"| {W} | DDP | every step | {ddp['mean']:.4f} ± {ddp['spread']:.3f} ({len(ddp['losses'])}) | "
                        f"{delta} |  | {fmt_bytes(ddp['bytes_sent'])} |" + (" | |" if net else ""))
+        if doc is None:
+            continue
+        ndoc = docs.get(f"network_w{W}") if net else None
         for k in KEYS:
             g = groups[k]
             if g is None:
@@ -653,7 +651,7 @@ def schedule_section(docs: Dict[str, Dict]) -> List[str]:
            "|---|---|---:|---:|---:|"]
     ranks: Dict[str, List[tuple]] = {"constant": [], "schedule": []}
     for k in ("ddp",) + KEYS:
-        g = seed_group(doc, W, k) if k != "ddp" else seed_group(doc, W, "ddp")
+        g = seed_group(doc, W, k)
         if g is None:
             continue
         c = (ddp_group(docs, "", W) if k == "ddp" else seed_group(const, W, k) if const else None)
