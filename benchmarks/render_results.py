@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import os
 import re
 import shlex
@@ -482,9 +483,15 @@ def sweep_section(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> Li
 def default_setting(doc: Dict, W: int, k: str) -> tuple:
     """(outer lr, μ) today's plugin runs for ``k`` at W without the outer flags (its rule, resolved now: a file
     swept before a default changed shows what today's default costs, from the sweep point at that lr)."""
-    import common
-    d = common.resolved_defaults([W])[str(W)].get(k) or {}
+    d = _todays_defaults(W).get(k) or {}
     return d.get("lr"), d.get("momentum") if k == "diloco" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _todays_defaults(W: int) -> Dict:
+    """The plugin's resolved defaults at W, computed once per W (the page asks per sweep cell)."""
+    import common
+    return common.resolved_defaults([W])[str(W)]
 
 
 class DefaultGap(NamedTuple):
