@@ -267,6 +267,39 @@ def test_catch_up_in_place_after_a_stop_and_after_a_failed_vote(tmp_path):
             run.jobs[i].output()[-3000:]
 
 
+@pytest.mark.timeout(300)
+def test_a_job_a_round_behind_ends_with_the_run_instead_of_waiting_for_a_quorum(tmp_path):
+    """sparseloco, 3 jobs × 1 rank, H = 2, 16 iterations, min-workers 2 (a lighthouse join window of 2 s).
+    Job 0 is held before one round while jobs 1 and 2 commit without it; released, it catches up in place
+    at its next quorum, keeping its own iteration, so it stays a round behind them. Jobs 1 and 2 end at
+    iteration 16 in a round whose headers say it is their last; job 0 (at iteration 14) is left with
+    nobody to reach min-workers: it ends there with the run's last θ_outer and exit 0 (before this rule
+    it waited --sparseloco-elastic-quorum-timeout for a quorum and exited 1)."""
+    with Run(tmp_path, algorithm="sparseloco", jobs=3, iters=16, ranks=1, min_workers=2, lighthouse_min=2,
+             join_timeout_ms=2000, extra=["--sparseloco-elastic-quorum-timeout", "30"]) as run:
+        run.start_all(job0={"ELASTIC_HOLD": run.path("hold0")})
+        run.wait(lambda: sum(r["committed"] for r in run.rounds(0)) >= 2, 180, "two commits of job 0")
+        t_hold = time.time()
+        open(run.path("hold0"), "w").close()
+        run.wait(lambda: any(r["committed"] and r["participants"] == [1, 2] and r["t"] > t_hold
+                             for r in run.rounds(1)), 90, "jobs 1 and 2 to commit a round without job 0")
+        os.remove(run.path("hold0"))
+        codes = [job.wait(240) for job in run.jobs]
+    assert codes == [[0], [0], [0]], run.logs()
+    caught = [r for r in run.rounds(0) if r["catch_up"]]
+    assert caught and caught[0]["kept"], run.rounds(0)
+    behind = 2 * caught[0]["behind"]          # iterations: H per round it was not in
+    ends = [run.final(i)["iteration"] for i in range(3)]
+    assert ends == [16 - behind, 16, 16], (ends, caught[0])
+    last = run.rounds(0)[-1]
+    assert last["committed"] and 0 in last["participants"] and len(last["participants"]) >= 2, last
+    said = "the run ends at this round"
+    assert said in run.jobs[0].output() and said not in run.jobs[1].output() + run.jobs[2].output(), run.logs()
+    assert "no quorum" not in run.jobs[0].output()
+    assert len({run.final(i)["sha"] for i in range(3)}) == 1, [run.final(i) for i in range(3)]
+    assert len({run.final(i)["params"] for i in range(3)}) == 1    # blocking: θ_local = θ_outer after a commit
+
+
 # ------------------------------------------------------------------------------------------ = single job
 @pytest.mark.timeout(300)
 def test_failure_free_elastic_run_equals_single_job_mode(tmp_path):

@@ -113,7 +113,8 @@ def test_elastic_grace_a_slow_job_does_not_hold_the_others_back_and_still_contri
     (about 3x slower) and trains 8 iterations while the others train 80; ``--sparseloco-elastic-grace 0.3``
     with a lighthouse join window of 300 ms. Jobs 0 and 1 commit most of their rounds without job 2; job 2
     catches up in place at each of its rounds and contributes there; every step committed by several jobs
-    has one θ_outer, and jobs 0 and 1 end with one θ_outer (and, blocking, one model)."""
+    has one θ_outer, and jobs 0 and 1 end with one θ_outer (and, blocking, one model); a fast job that was left
+    out of one quorum itself ends with the other's last round (``ElasticRounds._end_with_the_run``)."""
     overlap = ["--sparseloco-overlap-steps", "1"] if tau else []
     with Run(tmp_path, algorithm="sparseloco", jobs=3, iters=80, iters_of={2: 8}, ranks=1, min_workers=2,
              lighthouse_min=2, join_timeout_ms=300,
@@ -129,7 +130,10 @@ def test_elastic_grace_a_slow_job_does_not_hold_the_others_back_and_still_contri
     assert sum(2 in r["contributors"] for r in fast) >= 2, fast    # its Δ entered the run's θ_outer
     check_consistency(run, (0, 1, 2), ranks=(0,), finals_of=(0, 1) if not tau else (), iterations=False)
     assert run.final(0)["sha"] == run.final(1)["sha"]
-    assert [run.final(i)["iteration"] for i in range(3)] == [80, 80, 8]
+    ends = [run.final(i)["iteration"] for i in range(3)]
+    assert ends[2] == 8 and max(ends[:2]) == 80, ends
+    for i in (0, 1):   # a fast job left out of one quorum (a loaded machine) stays a round behind: it ends with the run
+        assert ends[i] == 80 or "the run ends at this round" in run.jobs[i].output(), (ends, run.logs())
     t_slow = [r["t"] for r in run.rounds(2)]
     t_fast = [r["t"] for r in run.rounds(0)]
     assert (t_slow[-1] - t_slow[0]) / 7 > 2 * (t_fast[-1] - t_fast[0]) / 79, "job 2 was not slower"

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sparseloco.megatron.fragments import fragment_offsets, layer_fragment, round_in_flight, syncs_at
+from megatron_sparseloco.megatron.schedule import RoundSchedule
 from megatron_sparseloco.testing.multirank import run_ranks
 
 SEQ, MBS, VOCAB = 32, 2, 128
@@ -44,6 +45,10 @@ def test_schedule_helpers():
     assert [t for t in range(0, 16) if round_in_flight(t, 2, 6, 1)] == [2, 8, 14]
     assert [t for t in range(0, 16) if round_in_flight(t, 0, 6, 2)] == [6, 7, 12, 13]
     assert not any(round_in_flight(t, 0, 6, 0) for t in range(20))
+    # the next inner step after which any fragment's round launches (an elastic header's ``last_round``)
+    s = RoundSchedule(6, 1, 3)   # offsets 0, 2, 4
+    assert [s.next_launch(t) for t in (0, 1, 2, 3, 4, 5, 6, 13)] == [2, 2, 4, 4, 6, 6, 8, 14]
+    assert [RoundSchedule(5).next_launch(t) for t in (0, 4, 5, 9)] == [5, 5, 10, 10]
 
 
 def _fragment_run(P, H, tau, steps, algorithm, fields, tp=1, pp=1, W=2, num_layers=4):

@@ -256,7 +256,9 @@ class ElasticSession:
             self.close()
             raise ElasticExit(f"elastic worker {self.worker_index}: no quorum ({exc}). Fix: check the lighthouse "
                               f"{self.config.lighthouse} is up; raise --sparseloco-elastic-quorum-timeout "
-                              f"({self.config.quorum_timeout:g} s) if the other workers' rounds take longer") from None
+                              f"({self.config.quorum_timeout:g} s) if the other workers' rounds take longer; if the "
+                              "other jobs have ended their training (--train-iters), this job had nobody left to "
+                              "sync with") from None
         if self.transport.receive_error is not None:
             self._heal_failed(self.transport.receive_error, joining=not contributes)
         self.comm.sync_with_quorum()

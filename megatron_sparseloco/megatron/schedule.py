@@ -64,6 +64,11 @@ class RoundSchedule:
         start = "step" if self.overlap_steps == 0 else "launch"
         return [("complete", p) for p in self.completions(calls)] + [(start, p) for p in self.launches(calls)]
 
+    def next_launch(self, calls: int) -> int:
+        """The first inner step t > ``calls`` after which some fragment's round launches (or runs, τ = 0)."""
+        H = self.inner_steps
+        return min(calls + ((o - calls) % H or H) for o in self.offsets)
+
     def merge_due(self, calls: int, fragment: int) -> bool:
         """After inner step ``calls``, a round of ``fragment`` launched and its merge still to come."""
         return round_in_flight(calls, self.offsets[fragment], self.inner_steps, self.overlap_steps)

@@ -76,6 +76,12 @@ quorum with the jobs that asked within S seconds of the first, so a slow job is 
 waited for) its carried progress is its pseudo-gradient in that very round: a late job's inner steps
 enter θ_outer one round late instead of never.
 
+The run's end: every header says whether it is its job's last round (no later round of its schedule
+fits before its ``--train-iters``). A job whose round had only such peers, with ``--sparseloco-min-workers``
+> 1, has nobody left to sync with: it ends its training after that iteration, with the run's last
+θ_outer, instead of waiting for a quorum that never forms (a job that fell one round behind the others
+ends a round short of its ``--train-iters``; ``_end_with_the_run``).
+
 Consistency: every participant puts θ_outer's fingerprint (``consistency.fingerprint`` over every
 fragment's strategies on this rank) in its signed header; the decision refuses a round whose
 fingerprints differ, and rank 0 of the job logs the fingerprint every participant agreed on
@@ -296,7 +302,7 @@ class ElasticRounds:
         delayed = self.comm_thread is not None
         rnd = self.session.begin_round(contributes=contributes, finite=finite, samples=self.samples_per_round,
                                        tokens=self.tokens_per_round, fingerprint=fp,
-                                       extra=self.heal.counters().extra() if extra is None else extra,
+                                       extra=self._header_extra() if extra is None else extra,
                                        ignores_non_contributors=self.ignores_non_contributors, fragment=scheduled,
                                        contributes_after_heal=self.config.grace > 0 and self.heal.keep_progress)
         if self.heal.holds_progress and (rnd.contributing or delayed):
@@ -393,7 +399,7 @@ class ElasticRounds:
             self.hooks.publish()
         for s in self.core.fragments[scheduled].strategies:
             s.params.read(0, s.params.numel, self.snapshots[id(s)])     # θ_r,launch
-        extra = self.heal.counters().extra()
+        extra = self._header_extra()
         assert self.heal.gate is not None
         self.heal.gate.arm()
         future = self.comm_thread.submit(lambda: self._remote(scheduled, finite, extra))
@@ -487,6 +493,36 @@ class ElasticRounds:
         """The snapshot the merge replays from (None: ``lerp``)."""
         return self.snapshots[id(s)] if self.overlap.merge == "replay" else None
 
+    def _header_extra(self) -> Dict[str, int]:
+        """The header's ``extra``: this job's counters (where its loop is) and ``last_round``, 1 when no later
+        round of its schedule fits before its ``--train-iters`` (this job ends after this round)."""
+        counters = self.heal.counters()
+        train_iters = getattr(self.heal.args_fn(), "train_iters", None) or 0
+        last = train_iters > 0 and self.core.schedule.next_launch(counters.iteration) > int(train_iters)
+        return {**counters.extra(), "last_round": int(last)}
+
+    def _end_with_the_run(self, rnd: Round) -> None:
+        """Every other participant of this round said it is its last (``last_round``) and this job cannot
+        commit a round alone (``--sparseloco-min-workers`` > 1): nobody is left to sync with, so
+        this job's training ends after this iteration (``args.train_iters``, which Megatron's loop reads
+        at every iteration, is set to it) instead of waiting ``--sparseloco-elastic-quorum-timeout`` for a
+        quorum and exiting with an error. A job that fell a round behind the others (left out of one
+        quorum, then caught up in place with its own iteration kept) ends here with the run's last
+        θ_outer; its checkpoint keeps its own counters."""
+        mine = rnd.peers[rnd.rank] if 0 <= rnd.rank < len(rnd.peers) else None
+        others = [h for r, h in enumerate(rnd.peers) if r != rnd.rank and h is not None]
+        args = self.heal.args_fn()
+        if (self.config.min_workers <= 1 or not self.heal.in_iteration or args is None or mine is None
+                or mine["extra"].get("last_round") or not others
+                or not all(h["extra"].get("last_round") == 1 for h in others)):
+            return
+        iteration = self.heal.counters().iteration
+        self._say(f"worker {self.config.worker_index}: the run ends at this round (workers "
+                  f"[{','.join(str(h['index']) for h in others)}] ended their training with it, and a round needs "
+                  f"{self.config.min_workers} jobs); this job stops at iteration {iteration} of "
+                  f"--train-iters {args.train_iters} with the run's last θ_outer")
+        args.train_iters = iteration
+
     def _job_finite(self) -> bool:
         """Every rank of the job finite (so every rank's header says the same)."""
         bad = any(s.first_nonfinite_tensor() is not None for s in self.strategies)
@@ -525,6 +561,7 @@ class ElasticRounds:
             if timer is not None:
                 timer.stop()
         self._log(rnd, committed, stats)
+        self._end_with_the_run(rnd)
 
     # ------------------------------------------------------------------ logs
     def _say(self, text: str) -> None:
