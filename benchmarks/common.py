@@ -131,6 +131,15 @@ class ModelCfg:
     vocab: int = 257          # 256 bytes + EOD (NullTokenizer --vocab-size 257)
 
 
+def model_numel(model: ModelCfg) -> int:
+    """The parameters of the benchmarks' GPT (``testing.megatron_harness.build_tiny_gpt``: learned positions, tied
+    output layer, biases, FFN 4h): V·h + S·h + L·(12h² + 13h) + 2h — 446,080 for the quality model (2 × 128),
+    3,258,112 for 4 × 256, 10,795,392 for 6 × 384, as the runs count them. What the outer-lr rule's size term
+    gets, known before any rank builds the model."""
+    h = model.hidden
+    return model.vocab * h + model.seq * h + model.layers * (12 * h * h + 13 * h) + 2 * h
+
+
 @dataclass
 class RunCfg:
     method: str                       # ddp | diloco | sparseloco | gasloc | torchft_diloco | local (W workers, never synced)
@@ -215,10 +224,11 @@ class RunCfg:
         return tag if self.method in ("ddp", "local") else f"{tag} H={self.H}"
 
 
-def strategy_fields(run: RunCfg, workers: int) -> Dict:
-    """The outer strategy's config fields for a run on ``workers`` workers: the run's settings, and for every
-    setting the run leaves unset the plugin's own default, resolved as the Megatron flags resolve it
-    (``SparseLoCoConfig.resolve_for_workers``: the outer-lr rule of W and k)."""
+def strategy_fields(run: RunCfg, workers: int, numel: int = 0) -> Dict:
+    """The outer strategy's config fields for a run on ``workers`` workers of a model of ``numel`` parameters:
+    the run's settings, and for every setting the run leaves unset the plugin's own default, resolved as the
+    Megatron integration resolves it (``SparseLoCoConfig.resolve_for_workers`` / ``resolve_for_model``: the
+    outer-lr rule of W, k and N; N = 0: unknown, the rule's 3.26 M scale)."""
     if run.method in ("average", "local"):  # local: a strategy that never runs
         return dict()
     if run.method == "diloco":
@@ -243,6 +253,9 @@ def strategy_fields(run: RunCfg, workers: int) -> Dict:
             from megatron_sparseloco.outer.sparseloco import SparseLoCoConfig
             config = SparseLoCoConfig(**fields)
             config.resolve_for_workers(workers, set(fields))
+            if numel:
+                config.resolve_for_model(workers, numel)
+                fields["model_numel"] = numel
             fields["lr"] = config.lr
             fields["rule_fields"] = config.rule_fields     # as the flags record it: the lr came from the rule
         return fields
@@ -261,19 +274,20 @@ def strategy_fields(run: RunCfg, workers: int) -> Dict:
     raise ValueError(run.method)
 
 
-def outer_settings(run: RunCfg, workers: int) -> Optional[Dict]:
+def outer_settings(run: RunCfg, workers: int, numel: int = 0) -> Optional[Dict]:
     """``strategy_fields`` for a run of the plugin's outer loop; None for ddp and torchft_diloco (no outer strategy
     of ours: ddp has no outer step, torchft's is its own SGD, lr 0.7, momentum 0.9, Nesterov)."""
-    return None if run.method in ("ddp", "torchft_diloco") else strategy_fields(run, workers)
+    return None if run.method in ("ddp", "torchft_diloco") else strategy_fields(run, workers, numel)
 
 
-def resolved_defaults(workers: Sequence[int]) -> Dict:
-    """What a run that sets no outer setting gets at each W (for a results file's config block)."""
+def resolved_defaults(workers: Sequence[int], numel: int = 0) -> Dict:
+    """What a run that sets no outer setting gets at each W on a model of ``numel`` parameters (for a results
+    file's config block)."""
     out = {}
     for W in workers:
         out[str(W)] = {"diloco": strategy_fields(RunCfg("diloco"), W),
-                       "sparseloco": strategy_fields(RunCfg("sparseloco"), W),
-                       "sparseloco:128": strategy_fields(RunCfg("sparseloco", k=128), W),
+                       "sparseloco": strategy_fields(RunCfg("sparseloco"), W, numel),
+                       "sparseloco:128": strategy_fields(RunCfg("sparseloco", k=128), W, numel),
                        "gasloc": strategy_fields(RunCfg("gasloc"), W)}
     return out
 
@@ -388,7 +402,7 @@ def train_method(rank: int, world: int, model: ModelCfg, run: RunCfg, paths: Dic
     if run.method != "ddp":  # local: the outer loop's worker-local inner steps, its round never comes
         from megatron_sparseloco.megatron.optimizer import OuterLoopConfig, OuterLoopOptimizer
         from megatron_sparseloco.outer.registry import build_outer_strategy
-        fields_ = strategy_fields(run, W)
+        fields_ = strategy_fields(run, W, numel)
 
         def factory(params, group, names, slices=None):
             return build_outer_strategy("average" if run.method == "local" else run.method, params, group, names=names, slices=slices, **fields_)

@@ -713,7 +713,7 @@ def main(argv=None) -> int:
         args.checkpoint_every = min(args.checkpoint_every, 2)
     args.startup_timeout, args.stop_timeout, args.inject_timeout = 300.0, 120.0, 1800.0
     from megatron_sparseloco.outer.registry import build_outer_config   # noqa: F401 (fail early on a bad install)
-    fields = common.strategy_fields(common.RunCfg("sparseloco", k=64), args.workers)
+    fields = common.strategy_fields(common.RunCfg("sparseloco", k=64), args.workers, common.model_numel(model))
     cfg = {"model": vars(model), "mbs": mbs, "lr": 1e-3, "weight_decay": 0.1, "seed": 1234, "H": args.H,
            "step_seconds": args.step_seconds,
            "eval_windows": eval_windows, "paths": common.ensure_data(), "outer": fields,

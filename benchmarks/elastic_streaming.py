@@ -357,9 +357,10 @@ def main(argv=None) -> int:
               "outer_timeout_s": a.outer_timeout, "min_workers": 2, "model": "2 layers x 128 (446 k), seq 128, micro 4",
               "lighthouse": {"min_replicas": 2, "quorum_tick_ms": 100, "heartbeat_timeout_ms": 2000,
                              "join_timeout_ms": "5000; slow: 60000 (grace off) or 1000 x grace"},
-              "methods": methods, "modes": [list(m) for m in modes],
+              "methods": methods, "modes": [list(m) for m in modes], "numel": common.model_numel(common.ModelCfg()),
               # the jobs set no outer flag: SparseLoCo's outer lr is the plugin's rule at W jobs (k = 64 of 4096)
-              "sparseloco_outer_lr": default_outer_lr(W, 64, 4096)}
+              # and the model's size
+              "sparseloco_outer_lr": default_outer_lr(W, 64, 4096, common.model_numel(common.ModelCfg()))}
     doc = schema.document("elastic_streaming", recorded_command(argv), config, rows, machine=machine,
                           wall_s=round(time.time() - t_start, 1), load=load, summary=summarize(rows))
     print(markdown(doc))

@@ -330,7 +330,7 @@ def summarise(res, world, case):
         steps = curve[-1]["step"]
         wall = max(p["wall_s"] for p in per_rank)
         row = {"case": case, "label": RunCfg(**run).label(), "method": run["method"], "k": run["k"], "H": run["H"] if run["method"] not in ("ddp", "local") else None,
-               "outer": common.outer_settings(RunCfg(**run), world),
+               "outer": common.outer_settings(RunCfg(**run), world, per_rank[0]["numel"]),
                "workers": world, "overlap_steps": run.get("overlap_steps", 0), "fragments": run.get("fragments", 1),
                "numel": per_rank[0]["numel"], "steps": steps, "tokens": curve[-1]["tokens"],
                "held_out_loss": curve[-1]["held_out_loss"],
@@ -674,7 +674,8 @@ def main(argv=None) -> int:
                   f"outer step {r['sync_outer_step_s']}  step {r['step_s']:.3f}s", flush=True)
     total = time.perf_counter() - t0
     config["tuned"] = {case: {k: list(v) for k, v in t.items()} for case, t in tuned.items()} or None
-    config["defaults"] = common.resolved_defaults(sorted({r["workers"] for r in out["results"]}))
+    config["defaults"] = common.resolved_defaults(sorted({r["workers"] for r in out["results"]}),
+                                                  next((r["numel"] for r in out["results"] if r.get("numel")), 0))
     doc = schema.document("network", schema.command_line("network.py", argv), config, out["results"],
                           machine=machine, wall_s=total, load=load_before + " -> " + (schema.loadavg() or ""))
     if args.json:

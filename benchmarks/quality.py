@@ -24,7 +24,7 @@ of inner steps (so the same tokens):
 
 Every outer setting a run does not set (outer lr / momentum: --sweep or --tuned set them) is the plugin's
 default, resolved for the run's W (common.strategy_fields): DiLoCo 0.7 / 0.9, SparseLoCo's lr rule
-0.265/√(W·k/C) (``default_outer_lr``), GASLoC η 0.7, γ 0.6.
+s(N)/√(W·k/C) (``default_outer_lr``, N the model's parameters), GASLoC η 0.7, γ 0.6.
 
 Held-out loss: mean token cross-entropy (nats) of the bare GPTModel on a fixed set of held-out
 windows. diloco / sparseloco / torchft: the synced model (after the last outer step every worker
@@ -276,7 +276,7 @@ def row_of(results, W):
         "outer_lr": run["outer_lr"],
         "outer_momentum": run["outer_momentum"],
         # the outer strategy's settings as run: the run's own, the plugin's defaults for the rest (resolved at W)
-        "outer": common.outer_settings(common.RunCfg(**run), W),
+        "outer": common.outer_settings(common.RunCfg(**run), W, results[0]["numel"]),
         "chunking": run["chunking"] if run["method"] == "sparseloco" else None,
         "k": run["k"],
         "index_coding": run["index_coding"] if run["method"] == "sparseloco" else None,
@@ -593,7 +593,7 @@ def main(argv=None) -> int:
                         if args.sweep else None),
               # the outer settings each W ran at (the sweep's choice, or the --tuned file; unset: the plugin's)
               "tuned_per_w": {str(W): {k: list(v) for k, v in tuned_per_w.get(W, tuned).items()} for W in workers},
-              "defaults": common.resolved_defaults(workers)}
+              "defaults": common.resolved_defaults(workers, rows[0].get("numel") or 0 if rows else 0)}
     recorded = argv if argv is not None else sys.argv[1:]
     for option in ("--reuse", "--journal", "--journal-cpu"):   # how this launch found runs, not what it measured
         recorded = strip_option(recorded, option)

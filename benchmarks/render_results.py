@@ -483,15 +483,16 @@ def sweep_section(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> Li
 def default_setting(doc: Dict, W: int, k: str) -> tuple:
     """(outer lr, μ) today's plugin runs for ``k`` at W without the outer flags (its rule, resolved now: a file
     swept before a default changed shows what today's default costs, from the sweep point at that lr)."""
-    d = _todays_defaults(W).get(k) or {}
+    d = _todays_defaults(W, int(doc["config"].get("numel") or 0)).get(k) or {}
     return d.get("lr"), d.get("momentum") if k == "diloco" else None
 
 
 @functools.lru_cache(maxsize=None)
-def _todays_defaults(W: int) -> Dict:
-    """The plugin's resolved defaults at W, computed once per W (the page asks per sweep cell)."""
+def _todays_defaults(W: int, numel: int) -> Dict:
+    """The plugin's resolved defaults at W on a model of ``numel`` parameters (the SparseLoCo lr rule's size
+    term), computed once per (W, N) (the page asks per sweep cell)."""
     import common
-    return common.resolved_defaults([W])[str(W)]
+    return common.resolved_defaults([W], numel)[str(W)]
 
 
 class DefaultGap(NamedTuple):
@@ -743,18 +744,38 @@ def aggregation_section(docs: Dict[str, Dict]) -> List[str]:
             + out + [""] + command_block([(AGGREGATION, doc)]))
 
 
+#: the outer lr the first elastic-streaming file ran at (the plugin's rule at 3 jobs then; it did not record it)
+ELASTIC_STREAMING_FIRST_LR = 1.73
+
+
+def _model_numel_of(cfg: Dict) -> int:
+    """The model's parameters of a results file's config: recorded (``numel``), or from its model (the
+    benchmarks' GPT: a ``ModelCfg`` dict, or a description "L layers x H ...")."""
+    import re
+
+    import common
+    if cfg.get("numel"):
+        return int(cfg["numel"])
+    model = cfg.get("model")
+    if isinstance(model, dict):
+        return common.model_numel(common.ModelCfg(**model))
+    m = re.match(r"(\d+) layers x (\d+)", str(model or ""))
+    return common.model_numel(common.ModelCfg(layers=int(m.group(1)), hidden=int(m.group(2)))) if m else 0
+
+
 def outer_lr_note(doc: Dict) -> List[str]:
     """A file whose SparseLoCo jobs ran at the plugin's default outer lr of its day, where today's default for
     its number of jobs differs, is marked superseded in part (empty where it is today's)."""
     from megatron_sparseloco.outer.sparseloco import default_outer_lr
     cfg = doc["config"]
     jobs = cfg["workers"]
-    today = default_outer_lr(jobs, 64, 4096)
+    today = default_outer_lr(jobs, 64, 4096, _model_numel_of(cfg))
     made = (cfg.get("outer") or {}).get("lr", cfg.get("sparseloco_outer_lr"))
-    if made == today:
+    if (made if made is not None else ELASTIC_STREAMING_FIRST_LR) == today:
         return []
     at = (f"outer lr {made:g}" if made is not None else
-          "the default outer lr of its day (the file predates recording it; the rule then gave 1.73)")
+          f"the default outer lr of its day (the file predates recording it; the rule then gave "
+          f"{ELASTIC_STREAMING_FIRST_LR:g})")
     return [f"**Superseded in part**: SparseLoCo ran at {at}; today's default for {jobs} jobs is {today:g} "
             "([integration.md](integration.md), \"Outer lr and the number of workers\"). The times, goodput, "
             "rounds and bytes do not depend on the outer lr; the held-out losses are not at today's default. The "

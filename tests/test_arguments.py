@@ -55,7 +55,8 @@ def test_algorithm_defaults_resolved(algo, lr, mom, nesterov, monkeypatch):
     (8, ["--sparseloco-reduce", "all"], 1.5), (8, ["--sparseloco-outer-momentum", "0.5"], 1.5),
 ])
 def test_sparseloco_default_outer_lr_follows_workers_and_topk(W, extra, lr, monkeypatch):
-    """Unset, the outer lr is 0.265/√(W·k/C) held in the measured range; given, or with reduce 'all' or a
+    """Unset (the model's size not known yet: the 3.26 M scale), the outer lr is 0.265/√(W·k/C) held in the
+    measured range; given, or with reduce 'all' or a
     momentum, it is the flag's value or 1.5; the resolved value is what the strategy gets."""
     args = parse(BASE + ["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", str(W), *extra], monkeypatch)
     validate_sparseloco_args(args, world_size=W)
@@ -70,6 +71,40 @@ def test_default_outer_lr_rule():
     assert default_outer_lr(8, 64, 4096) == round(0.265 / (8 * 64 / 4096) ** 0.5, 2) == 0.75
     assert default_outer_lr(2, 64, 4096) == default_outer_lr(1, 64, 4096) == 1.5   # held at W·k/C = 1/32
     assert default_outer_lr(1000, 64, 4096) == default_outer_lr(16, 64, 4096) == 0.53   # held at 1/4
+
+
+def test_default_outer_lr_size_term():
+    """s(N) at the measured sizes, log-linear in log N between them, the end values held outside; N = 0
+    (unknown) is the 3.26 M model's scale."""
+    import math
+
+    from megatron_sparseloco.outer.sparseloco import DEFAULT_LR_SCALES, default_lr_scale, default_outer_lr
+    (n0, s0), (n1, s1), (n2, s2) = DEFAULT_LR_SCALES
+    assert [default_outer_lr(W, 64, 4096, n1) for W in (2, 4, 8)] == [default_outer_lr(W, 64, 4096) for W in (2, 4, 8)]
+    assert default_lr_scale(0) == default_lr_scale(n1) == s1
+    assert default_lr_scale(n0) == default_lr_scale(n0 // 100) == s0 and default_lr_scale(n2) == default_lr_scale(10**12) == s2
+    mid = int(math.sqrt(n0 * n1))   # the geometric middle: the geometric mean of the two scales
+    assert math.isclose(default_lr_scale(mid), math.sqrt(s0 * s1), rel_tol=1e-6)
+    assert s0 > default_lr_scale(1_000_000) > s1 > default_lr_scale(5_000_000) > s2   # falls with N
+    assert default_outer_lr(4, 64, 4096, n0) == round(s0 / math.sqrt(4 * 64 / 4096), 2)
+    assert default_outer_lr(4, 64, 4096, n2) == round(s2 / math.sqrt(4 * 64 / 4096), 2)
+
+
+def test_the_size_term_follows_the_built_model_and_an_explicit_lr_wins(monkeypatch):
+    """``resolve_for_model`` (the plugin calls it with the built model's N) moves a rule lr, also at fewer
+    contributors, and leaves an explicit --sparseloco-outer-lr alone."""
+    from megatron_sparseloco.outer.sparseloco import DEFAULT_LR_SCALES, default_outer_lr
+    big = DEFAULT_LR_SCALES[-1][0]
+    args = parse(BASE + ["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "4"], monkeypatch)
+    validate_sparseloco_args(args, world_size=4)
+    config = args.sparseloco_outer_config
+    assert config.resolve_for_model(4, big) == ("lr",)
+    assert config.lr == default_outer_lr(4, 64, 4096, big) < default_outer_lr(4, 64, 4096)
+    assert config.outer_lr(2) == default_outer_lr(2, 64, 4096, big)
+    args = parse(BASE + ["--sparseloco-algorithm", "sparseloco", "--sparseloco-workers", "4",
+                         "--sparseloco-outer-lr", "0.9"], monkeypatch)
+    validate_sparseloco_args(args, world_size=4)
+    assert args.sparseloco_outer_config.resolve_for_model(4, big) == () and args.sparseloco_outer_config.lr == 0.9
 
 
 def test_workers_default_to_megatron_instances(monkeypatch):
@@ -212,8 +247,9 @@ def test_reduce_scatter_needs_tensor_chunking_and_packed_indices(extra, monkeypa
 
 
 @pytest.mark.parametrize("extra,shown", [
-    ([], "0.75 (default for W = 8: 0.265/√(W·k/C) with W·k/C held in [1/32, 1/4], the best outer lr measured on "
-         "the 3.26 M-parameter model (docs/integration.md))"),
+    ([], "0.75 (default for W = 8: s(N)/√(W·k/C) with W·k/C held in [1/32, 1/4] and s = 0.375 / 0.265 / 0.1875 "
+         "at N = 0.446 / 3.26 / 10.8 M parameters (log-interpolated, the end values held outside), the best outer "
+         "lr measured at each size (docs/integration.md))"),
     (["--sparseloco-outer-lr", "0.75"], 0.75),
 ])
 def test_startup_block_says_when_the_outer_lr_came_from_the_rule(extra, shown, monkeypatch):

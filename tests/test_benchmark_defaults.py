@@ -42,9 +42,40 @@ def test_an_unset_sparseloco_run_gets_the_plugins_config_at_its_w_and_k(W, k):
     assert built.lr == default_outer_lr(W, k, SparseLoCoConfig().chunk)
 
 
+@pytest.mark.parametrize("layers,hidden", [(2, 128), (4, 256), (6, 384), (3, 200)])
+def test_a_run_gets_the_plugins_lr_for_its_models_size(layers, hidden):
+    """The benchmarks resolve the rule's size term as the plugin does once the model is built
+    (``resolve_for_model``), with N from ``common.model_numel`` (the benchmarks' GPT, counted before building it)."""
+    numel = common.model_numel(common.ModelCfg(layers=layers, hidden=hidden))
+    for W in (2, 4, 8):
+        run = common.RunCfg("sparseloco", k=64)
+        expected = plugin_default("sparseloco", W, k=64)
+        expected.resolve_for_model(W, numel)
+        built = built_config("sparseloco", common.strategy_fields(run, W, numel))
+        assert asdict(built) == asdict(expected) and built.lr == default_outer_lr(W, 64, 4096, numel)
+        assert common.resolved_defaults([W], numel)[str(W)]["sparseloco"]["lr"] == built.lr
+
+
+def test_model_numel_counts_the_built_model():
+    """``common.model_numel`` against the parameters of the GPT the runs build (one rank, 3 × 96)."""
+    from megatron_sparseloco.testing.multirank import run_ranks
+    model = common.ModelCfg(layers=3, hidden=96, heads=4, seq=64, vocab=257)
+    assert run_ranks(_count_built, 1, args=(model,), timeout=300)[0] == common.model_numel(model)
+
+
+def _count_built(rank, world, model):
+    from megatron_sparseloco.testing.megatron_harness import build_tiny_gpt, init_megatron
+    init_megatron()
+    chunks = build_tiny_gpt(num_layers=model.layers, hidden=model.hidden, heads=model.heads, vocab=model.vocab,
+                            seq_len=model.seq)
+    return sum(p.numel() for c in chunks for p in c.parameters())
+
+
 def test_the_rules_values_are_the_ones_the_docs_quote():
     assert [common.strategy_fields(common.RunCfg("sparseloco", k=64), W)["lr"] for W in (2, 4, 8)] == [1.5, 1.06, 0.75]
     assert [common.strategy_fields(common.RunCfg("sparseloco", k=128), W)["lr"] for W in (2, 4, 8)] == [1.06, 0.75, 0.53]
+    sizes = [common.model_numel(common.ModelCfg(layers=L, hidden=h)) for L, h in ((2, 128), (4, 256), (6, 384))]
+    assert [common.strategy_fields(common.RunCfg("sparseloco", k=64), 4, n)["lr"] for n in sizes] == [1.5, 1.06, 0.75]
 
 
 @pytest.mark.parametrize("algo", ["diloco", "gasloc"])

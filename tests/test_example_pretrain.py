@@ -98,6 +98,13 @@ def test_example_pretrain_runs_unmodified_with_outer_loop(tmp_path, monkeypatch)
     assert sorted(len(w["ranks"]) for w in s["workers"].values()) == [2, 2]
     assert s["bytes_sent_per_worker"] > 0
     assert s["bytes_sent_per_worker"] == s["outer_steps"] * s["bytes_sent_per_step_per_worker"]
+    if algorithm == "sparseloco":   # the start-up block: the outer lr the rule resolved for W = 2 and the built model
+        from megatron_sparseloco.outer.sparseloco import default_outer_lr
+        counted = [ln for ln in res["log_lines"] if "> number of parameters on (tensor" in ln]
+        numel = int(counted[0].rsplit(":", 1)[1])   # Megatron's own count: TP = PP = 1, so the whole model
+        line = next(ln for ln in res["log_lines"] if "(default for W = 2" in ln)
+        assert f" {default_outer_lr(2, 64, 4096, numel):g} (default for W = 2 and N = {numel / 1e6:.3g} M parameters" \
+            in line, (line, numel)
     for c in s["per_rank"]:
         assert c["inner_calls"] == ITERS and c["outer_steps"] == ITERS // H
         assert c["bytes_sent"] == c["outer_steps"] * c["last"]["bytes_sent"] > 0

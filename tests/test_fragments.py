@@ -54,6 +54,7 @@ def test_schedule_helpers():
 def _fragment_run(P, H, tau, steps, algorithm, fields, tp=1, pp=1, W=2, num_layers=4):
     from megatron.core import parallel_state
 
+    from megatron_sparseloco.megatron.args.model_size import model_parameter_count
     from megatron_sparseloco.megatron.optimizer import OuterLoopConfig, OuterLoopOptimizer
     from megatron_sparseloco.outer.registry import build_outer_strategy
     from megatron_sparseloco.testing.megatron_harness import (build_tiny_gpt, init_megatron, params_fingerprint,
@@ -95,7 +96,7 @@ def _fragment_run(P, H, tau, steps, algorithm, fields, tp=1, pp=1, W=2, num_laye
             "params": params_fingerprint(ddp), "tied": tied, "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
             "group": sorted(dist.get_process_group_ranks(outer.group)), "fragment_syncs": list(outer.fragment_syncs),
             "log_outer_steps": outer.log.outer_steps,
-            "worker": outer.worker_index}
+            "worker": outer.worker_index, "model_numel": model_parameter_count(ddp)}
 
 
 def _dp_rank(rank, world):
@@ -151,6 +152,15 @@ def _pp_rank(rank, world):
     return _fragment_run(2, 4, 1, 8, "sparseloco", {}, pp=2, num_layers=2)
 
 
+def _whole_model_numel(rank, world):
+    """The 2-layer model of ``_pp_rank`` on one rank: every parameter, the tied embedding once."""
+    from megatron_sparseloco.megatron.args.model_size import model_parameter_count
+    from megatron_sparseloco.testing.megatron_harness import build_tiny_gpt, init_megatron
+    init_megatron(tp=1, pp=1)
+    chunks = build_tiny_gpt(num_layers=2, seq_len=SEQ, vocab=VOCAB)
+    return sum(p.numel() for c in chunks for p in c.parameters()), model_parameter_count(chunks)
+
+
 @pytest.mark.timeout(1600)
 def test_fragments_pp2_global_layers_and_tied_copies():
     res = run_ranks(_pp_rank, 4, timeout=1500)
@@ -175,6 +185,10 @@ def test_fragments_pp2_global_layers_and_tied_copies():
         out = [t for r in res if r["worker"] == w and r["pp_rank"] == 1 for t in r["tied"].values()]
         assert len(emb) == len(out) == 1, (w, len(emb), len(out))
         assert torch.equal(emb[0], out[0]), w
+    # N of the outer-lr rule (megatron/args/model_size.py): the whole model's parameters on every rank of both stages,
+    # the last stage's tied copy not counted twice
+    whole, counted = run_ranks(_whole_model_numel, 1, timeout=300)[0]
+    assert whole == counted and {r["model_numel"] for r in res} == {whole}, (whole, [r["model_numel"] for r in res])
 
 
 # ---------------------------------------------------------------------------- flags

@@ -69,7 +69,7 @@ def _row(W, method, k, lr, mu, seed, loss, sweep, seed_run, bytes_=1000):
                       {"step": 900, "tokens": 1, "bytes_per_worker": bytes_, "held_out_loss": loss, "wall_s": 9.0}]}
 
 
-def quality_doc(W, diloco_losses=(2.10, 2.12, 2.14), sl_losses=(2.05, 2.13, 2.08), command=None):
+def quality_doc(W, diloco_losses=(2.10, 2.12, 2.14), sl_losses=(2.05, 2.13, 2.08), command=None, numel=446_000):
     """A quality file: DiLoCo swept on 2 points, SparseLoCo k = 64 on 3 lrs and k = 128 on 2 (today's default
     rule's values at W = 2 and 4 among them), seeds 1 and 2 at the winners."""
     rows = [_row(W, "diloco", None, 0.5, 0.8, 0, diloco_losses[0], True, True, 100_000),
@@ -82,7 +82,7 @@ def quality_doc(W, diloco_losses=(2.10, 2.12, 2.14), sl_losses=(2.05, 2.13, 2.08
         rows += [_row(W, "diloco", None, 0.5, 0.8, s, diloco_losses[s], False, True, 100_000),
                  _row(W, "sparseloco", 64, 1.5, None, s, sl_losses[s], False, True, 800),
                  _row(W, "sparseloco", 128, 0.75, None, s, 2.01, False, True, 1600)]
-    config = {"model": {"layers": 2, "hidden": 128, "heads": 4, "seq": 128, "vocab": 257}, "numel": 446_000,
+    config = {"model": {"layers": 2, "hidden": 128, "heads": 4, "seq": 128, "vocab": 257}, "numel": numel,
               "steps": 900, "H": 15, "workers": [W], "seeds": [0, 1, 2], "inner": {"lr": 1e-3, "micro_batch": 4},
               "tuned_per_w": {str(W): {"diloco": [0.5, 0.8], "sparseloco": [1.5, None], "sparseloco:128": [0.75, None]}},
               "defaults": {str(W): {"diloco": {"lr": 0.7, "momentum": 0.9}, "sparseloco": {"lr": 2.0},
@@ -115,7 +115,7 @@ def write(tmp_path, name, doc):
 
 
 def test_the_headline_is_computed_from_the_seeds_at_the_chosen_settings(tmp_path):
-    write(tmp_path, "quality_w4", quality_doc(4))
+    write(tmp_path, "quality_w4", quality_doc(4, numel=3_258_112))   # the lr rule's 3.26 M scale
     docs = R.load_results(str(tmp_path))
     page = R.render_page(docs)
     # DiLoCo 2.10 / 2.12 / 2.14: mean 2.12, spread 0.04; SparseLoCo k = 64 2.05 / 2.13 / 2.08: mean 2.0867,
@@ -135,7 +135,8 @@ def test_the_headline_is_computed_from_the_seeds_at_the_chosen_settings(tmp_path
     assert sweep_128.endswith("**yes: lowest lr** |")
     sweep_64 = next(l for l in page.splitlines() if l.startswith("| 4 | SparseLoCo k = 64 | 1.06 2.2000"))
     assert sweep_64.endswith("| no |")
-    # today's plugin defaults at W = 4 (the rule: 1.06 at k = 64, 0.75 at k = 128), not the file's record
+    # today's plugin defaults at W = 4 on a 3.26 M model (the rule: 1.06 at k = 64, 0.75 at k = 128), not the
+    # file's record
     assert "1.06 2.2000 (default)" in sweep_64 and "**0.75 2.0000** (default)" in sweep_128
     diloco_sweep = next(l for l in page.splitlines() if l.startswith("| 4 | DiLoCo | **0.5 / 0.8 2.1000**"))
     assert "**0.5 / 0.8 2.1000**," in diloco_sweep and "0.7 / 0.9 2.3000 (default)" in diloco_sweep
@@ -227,7 +228,7 @@ def test_the_defaults_cost_is_read_from_the_sweep(tmp_path):
     """Today's default point's seed-0 loss minus the chosen point's: DiLoCo 0.7 / 0.9 (2.30 − 2.10), k = 128 at the
     rule's 1.06 (2.1 − 2.0); k = 64's rule gives the chosen 1.5 at W = 2. The file's recorded defaults (what the
     plugin had when it ran) do not enter: the page says what running without the flags costs today."""
-    doc = quality_doc(2)
+    doc = quality_doc(2, numel=3_258_112)   # the lr rule's 3.26 M scale
     write(tmp_path, "quality_w2", doc)
     page = R.render_page(R.load_results(str(tmp_path)))
     expected = ("Without the outer lr / momentum flags (the plugin's defaults; seed 0 of the sweep): DiLoCo at W = 2: "
@@ -414,10 +415,13 @@ def test_ddp_sits_beside_diloco_and_sparseloco_in_the_headline_the_reading_and_t
 
 
 def test_the_default_lr_table_measures_todays_rule_at_every_size_against_the_target(tmp_path):
-    write(tmp_path, "quality_w2", quality_doc(2))            # the rule's 1.5 is the chosen point at W = 2
+    write(tmp_path, "quality_w2", quality_doc(2))            # 446 k: the rule's 2.12 against the chosen 1.5
+    section = R.render_page(R.load_results(str(tmp_path))).split("## The default outer lr across")[1]
+    assert "| 2 layers × 128 | 446 k | 2 | 2.12 | 1.5 | +0.250 |" in section   # the size term: one step higher
+    write(tmp_path, "quality_w2", quality_doc(2, numel=3_258_112))   # the rule's 1.5 is the chosen point at W = 2
     docs = R.load_results(str(tmp_path))
     section = R.render_page(docs).split("## The default outer lr across model sizes")[1].split("\n## ")[0]
-    assert "| 2 layers × 128 | 446 k | 2 | 1.5 | 1.5 | +0.000 |" in section
+    assert "| 2 layers × 128 | 3.26 M | 2 | 1.5 | 1.5 | +0.000 |" in section
     assert "Today's default costs at most +0.000 over the best lr on the grid (2 layers × 128 at W = 2), seed 0; " \
            "the target is at most 0.05 at every measured size and W: met." in section
     large = quality_doc(4, sl_losses=(1.90, 1.92, 1.91))    # W = 4: the rule's 1.06 (2.2) against the chosen 1.5 (1.90)
@@ -452,14 +456,21 @@ def test_the_third_size_has_its_section_with_ddp_from_its_own_file(tmp_path):
 
 
 def test_an_elastic_file_made_at_another_default_outer_lr_is_marked_superseded():
+    """Today's default for the file's jobs and model (its recorded numel, its model dict, or an "L layers x H"
+    description) against the lr it ran at (recorded, or the first file's 1.73)."""
     from megatron_sparseloco.outer.sparseloco import default_outer_lr
-    today = default_outer_lr(3, 64, 4096)
-    assert R.outer_lr_note({"config": {"workers": 3, "outer": {"lr": today}}}) == []
-    assert R.outer_lr_note({"config": {"workers": 3, "sparseloco_outer_lr": today}}) == []
-    note = R.outer_lr_note({"config": {"workers": 3, "outer": {"lr": 1.73}}})[0]
-    assert note.startswith(f"**Superseded in part**: SparseLoCo ran at outer lr 1.73; today's default for 3 jobs is "
+    quality, big = {"layers": 2, "hidden": 128, "heads": 4, "seq": 128, "vocab": 257}, 3258112
+    today = default_outer_lr(3, 64, 4096, 446080)
+    assert today == R.ELASTIC_STREAMING_FIRST_LR == 1.73   # the quality model at 3 jobs: the first files' lr again
+    assert R.outer_lr_note({"config": {"workers": 3, "model": quality, "outer": {"lr": today}}}) == []
+    assert R.outer_lr_note({"config": {"workers": 3, "numel": 446080, "sparseloco_outer_lr": today}}) == []
+    assert R.outer_lr_note({"config": {"workers": 3, "model": "2 layers x 128 (446 k), seq 128"}}) == []
+    note = R.outer_lr_note({"config": {"workers": 3, "model": quality, "outer": {"lr": 1.22}}})[0]
+    assert note.startswith(f"**Superseded in part**: SparseLoCo ran at outer lr 1.22; today's default for 3 jobs is "
                            f"{today:g}")
-    assert "the file predates recording it" in R.outer_lr_note({"config": {"workers": 3}})[0]
+    other = default_outer_lr(3, 64, 4096, big)
+    assert other != today and "the file predates recording it" in R.outer_lr_note({"config": {"workers": 3,
+                                                                                              "numel": big}})[0]
 
 
 def test_the_schedule_section_compares_each_method_with_its_constant_lr_rows_and_says_if_the_ranking_holds(tmp_path):

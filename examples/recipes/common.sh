@@ -66,8 +66,10 @@ fi
 #   gasloc:     ring gossip at the plugin's proposal step and momentum.
 #   average:    plain model averaging every H steps (outer lr 1, no momentum), fp32 all-reduce.
 # The outer lr and momentum are the plugin's own defaults unless OUTER_LR / OUTER_MOMENTUM are set: no
-# value is repeated here (sparseloco's lr follows W and k, 0.265/sqrt(W*k/C): 1.5 at W = 2, 1.06 at W = 4,
-# 0.75 at W = 8 for k = 64; diloco 0.7 / 0.9 Nesterov; gasloc momentum 0.6; the start-up block prints them).
+# value is repeated here (sparseloco's lr follows W, k and the model's size N, s(N)/sqrt(W*k/C): 1.5 at W = 2,
+# 1.06 at W = 4, 0.75 at W = 8 for k = 64 on a 3.26 M model, held at the 10.8 M model's values above it
+# (docs/integration.md: sweep OUTER_LR downwards on a large model); diloco 0.7 / 0.9 Nesterov; gasloc
+# momentum 0.6; the start-up block prints them).
 outer_setting_args() {
     [[ -n "${OUTER_LR:-}" ]] && SPARSELOCO_ARGS+=(--sparseloco-outer-lr "$OUTER_LR")
     [[ -n "${OUTER_MOMENTUM:-}" ]] && SPARSELOCO_ARGS+=(--sparseloco-outer-momentum "$OUTER_MOMENTUM")

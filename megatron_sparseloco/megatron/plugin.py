@@ -102,7 +102,11 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
     from megatron_sparseloco.megatron.placement.gradient_isolation import cross_worker_group
     from megatron_sparseloco.outer.registry import strategy_factory
 
+    from megatron_sparseloco.megatron.args.model_size import model_parameter_count
+
     group = cross_worker_group(model_chunks)
+    # the outer config's defaults that follow the model's size (the SparseLoCo lr rule's s(N)), before any strategy
+    args.sparseloco_outer_config.resolve_for_model(args.sparseloco_workers, model_parameter_count(model_chunks))
     config = dataclasses.replace(args.sparseloco_loop_config)
     if not config.auto_inner_steps:   # ("auto": H_w measured and agreed at run time)
         config.active_inner_steps = config.inner_steps_for(dist.get_rank(group) if group is not None else 0)

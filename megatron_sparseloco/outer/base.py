@@ -89,6 +89,11 @@ class OuterConfig:
         ``given`` (the fields set explicitly); returns the fields it set (none by default)."""
         return ()
 
+    def resolve_for_model(self, num_workers: int, numel: int) -> Tuple[str, ...]:
+        """Once the model is built: the defaults that also depend on its parameter count ``numel`` (N, the
+        whole model's), among those ``resolve_for_workers`` set; returns the fields it set (none by default)."""
+        return ()
+
 
 @dataclass
 class OuterStepStats:

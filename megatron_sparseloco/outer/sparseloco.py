@@ -18,23 +18,26 @@ Per outer step, per bucket B (a flat range of this rank's shard), on worker r:
 Following production Templar, Δ enters the error feedback unscaled and lr is applied once, in the
 SGD step (the reference code multiplies by lr twice). Defaults: chunk 4096, k 64 (1.56 %), 2-bit
 values, β 0.95, contributors mean, no momentum, per-tensor chunking, 1-D tensors dense, and an outer
-lr that depends on W and k (the reference uses 1 at every W):
+lr that depends on W, k and the model's size N (the reference uses 1 at every W):
 
     u  = W·k / C                      the share of a chunk that the W selections can cover
-    lr = 0.265 / √u ,  u clamped to [1/32, 1/4]        (``default_outer_lr``, ``DEFAULT_LR_SCALE``)
+    lr = s(N) / √u ,  u clamped to [1/32, 1/4]         (``default_outer_lr``)
+    s(N): 0.375 at N = 446 k, 0.265 at 3.26 M, 0.1875 at 10.8 M parameters (``DEFAULT_LR_SCALES``),
+          log-linear in log N between them (lr ∝ N^−α, α ≈ 0.17 then 0.29), the end value held outside
 
-i.e. 1.5 at W = 2, 1.06 at W = 4, 0.75 at W = 8 for k = 64 of 4096 (1.06 / 0.75 / 0.53 with k = 128).
-This is our quality benchmark's measurement, not a derivation (docs/integration.md, "Outer lr and the
-number of workers"): on the 3.26 M-parameter model it is the best point of the 900-step sweep at
-W = 2, 4 and 8; on the 446 k-parameter model the best point is one grid step (× √2) higher, and the
-rule's value costs at most 0.05 held-out loss there. The step that works shrinks with the model (on
-a 10.8 M-parameter model at W = 4 the best measured point is one more step lower, 0.75), and one step
-too high costs up to ten times more than one step too low, so the rule follows the larger models.
-Outside the measured u the end value is held. A reading of the 1/√u: under the contributors
-mean a coordinate chosen by one worker moves θ_outer by that worker's whole value, so the update's norm
-grows with the union of the selections, and the step that works shrinks with it. The rule is the
-default only with the contributors mean and no outer momentum; otherwise the default is 1.5 (not
-measured with the rule). An explicit ``--sparseloco-outer-lr`` (``lr=``) always wins.
+i.e. 1.5 at W = 2, 1.06 at W = 4, 0.75 at W = 8 for k = 64 of 4096 on the 3.26 M model (1.06 / 0.75 /
+0.53 with k = 128), one √2 step higher on the 446 k model and one lower on the 10.8 M model. This is our
+quality benchmark's measurement, not a derivation (docs/integration.md, "Outer lr and the number of
+workers"): each anchor is the best point of the 900-step sweep (seed 0) at every W and k measured at
+that size. The step that works shrinks as the model grows, and one step too high costs up to ten
+times more than one step too low. Beyond the measured sizes the end values are held rather than the
+power law extrapolated (production SparseLoCo runs outer lr 1.0 at 72 B parameters, far above the
+extrapolation): set ``--sparseloco-outer-lr`` for a large model. N is every parameter of the model
+(``megatron/args/model_size.py``; unknown, N = 0: the 3.26 M scale). A reading of the 1/√u: under the
+contributors mean a coordinate chosen by one worker moves θ_outer by that worker's whole value, so the
+update's norm grows with the union of the selections, and the step that works shrinks with it. The
+rule is the default only with the contributors mean and no outer momentum; otherwise the default is
+1.5 (not measured with the rule). An explicit ``--sparseloco-outer-lr`` (``lr=``) always wins.
 
 ``peer_norm_clip``: before summing, worker w's decoded values in a bucket are scaled by
 min(1, median_w' ‖v_w'‖ / ‖v_w‖) (the lower median, ``torch.median``, of the W peers' norms in
@@ -120,16 +123,34 @@ VALUE_BITS = QUANTISED_VALUE_BITS + RAW_VALUE_BITS
 
 #: the union shares u = W·k/C over which the default lr rule was measured (W·k = 128 … 1024 at C = 4096)
 DEFAULT_LR_MEASURED_U = (1 / 32, 1 / 4)
-#: the rule's scale: lr = DEFAULT_LR_SCALE / √u (module docstring; docs/integration.md for the measurements)
+#: the rule's scale s(N) at each measured model size, (parameters, scale): lr = s / √u was the best point of
+#: the quality sweep at every measured W and k there (module docstring; docs/integration.md)
+DEFAULT_LR_SCALES = ((446_080, 0.375), (3_258_112, 0.265), (10_795_392, 0.1875))
+#: the scale used when the model's size is unknown (N = 0): the 3.26 M model's
 DEFAULT_LR_SCALE = 0.265
 
 
-def default_outer_lr(num_workers: int, k: int, chunk: int) -> float:
-    """The default outer lr, ``DEFAULT_LR_SCALE`` / √u with u = W·k/C held inside ``DEFAULT_LR_MEASURED_U``, to 2
-    decimals (module docstring: 1.06 at W = 4, k = 64 of 4096)."""
+def default_lr_scale(numel: int = 0) -> float:
+    """s(N): ``DEFAULT_LR_SCALES`` interpolated log-linearly in log N, the end values held outside the measured
+    sizes; ``DEFAULT_LR_SCALE`` for N = 0 (unknown)."""
+    if numel <= 0:
+        return DEFAULT_LR_SCALE
+    pts = DEFAULT_LR_SCALES
+    if numel <= pts[0][0]:
+        return pts[0][1]
+    for (n0, s0), (n1, s1) in zip(pts, pts[1:]):
+        if numel <= n1:
+            t = math.log(numel / n0) / math.log(n1 / n0)
+            return math.exp(math.log(s0) + t * (math.log(s1) - math.log(s0)))
+    return pts[-1][1]
+
+
+def default_outer_lr(num_workers: int, k: int, chunk: int, numel: int = 0) -> float:
+    """The default outer lr, s(N) / √u with u = W·k/C held inside ``DEFAULT_LR_MEASURED_U``, to 2 decimals
+    (module docstring: 1.06 at W = 4, k = 64 of 4096 on the 3.26 M model, and for an unknown size)."""
     low, high = DEFAULT_LR_MEASURED_U
     u = min(max(num_workers * k / chunk, low), high)
-    return round(DEFAULT_LR_SCALE / math.sqrt(u), 2)
+    return round(default_lr_scale(numel) / math.sqrt(u), 2)
 
 
 @dataclass
@@ -181,11 +202,19 @@ class SparseLoCoConfig(OuterConfig):
     """Reduce-scatter: where the aggregate the owner does not send waits — "owner" (the owner's error
     feedback) or "workers" (back into each contributor's e, as Ok-Topk does; module docstring)."""
 
+    model_numel: int = config_field(0, low=0)
+    """N, the model's parameters, for the size term of the default outer lr (``resolve_for_model``; the
+    Megatron integration sets it from the built model); 0: unknown, the 3.26 M model's scale."""
+
     default_rules: ClassVar[Mapping[str, Tuple[str, str]]] = {
-        "lr": (f"{DEFAULT_LR_SCALE:g}/√(W·k/C) with W·k/C held in [1/32, 1/4], the best outer lr measured on "
-               "the 3.26 M-parameter model (docs/integration.md)",
+        "lr": ("s(N)/√(W·k/C) with W·k/C held in [1/32, 1/4] and s = "
+               + " / ".join(f"{sc:g}" for _, sc in DEFAULT_LR_SCALES) + " at N = "
+               + " / ".join(f"{n / 1e6:.3g}" for n, _ in DEFAULT_LR_SCALES)
+               + " M parameters (log-interpolated, the end values held outside), the best outer lr measured at "
+               "each size (docs/integration.md)",
                ", ".join(f"{default_outer_lr(W, 64, 4096):g} at W = {W}" for W in (2, 4, 8))
-               + " (k = 64 of 4096); 1.5 with reduce 'all' or an outer momentum")}
+               + " (k = 64 of 4096, a 3.26 M model; lower on larger models); 1.5 with reduce 'all' or an outer "
+               "momentum")}
 
     def check_workers(self, num_workers: int) -> None:
         if self.aggregation == "hierarchical" and num_workers % self.aggregation_groups:
@@ -197,15 +226,24 @@ class SparseLoCoConfig(OuterConfig):
     def resolve_for_workers(self, num_workers: int, given: Collection[str]) -> Tuple[str, ...]:
         """Unless ``lr`` was given: the W- and k-dependent default (contributors mean, no momentum only)."""
         if "lr" not in given and self.momentum == 0.0 and self.reduce == "contributors":
-            self.lr = default_outer_lr(num_workers, self.k, self.chunk)
+            self.lr = default_outer_lr(num_workers, self.k, self.chunk, self.model_numel)
             self.rule_fields = ("lr",)
             return self.rule_fields
+        return ()
+
+    def resolve_for_model(self, num_workers: int, numel: int) -> Tuple[str, ...]:
+        """Once the model is built: N = ``numel`` for the size term; the rule's lr again when it came from it."""
+        self.model_numel = int(numel)
+        if "lr" in self.rule_fields:
+            self.lr = default_outer_lr(num_workers, self.k, self.chunk, self.model_numel)
+            return ("lr",)
         return ()
 
     def outer_lr(self, contributors: int) -> float:
         """The outer lr of a round with ``contributors`` workers: the rule's value there when ``lr`` came
         from the rule, else ``lr`` (with every worker contributing, both are ``lr``)."""
-        return default_outer_lr(contributors, self.k, self.chunk) if "lr" in self.rule_fields else self.lr
+        return (default_outer_lr(contributors, self.k, self.chunk, self.model_numel) if "lr" in self.rule_fields
+                else self.lr)
 
     def codec(self) -> CodecConfig:
         """The flat codec (flat chunking), or the base the per-tensor segments derive theirs from."""

@@ -29,8 +29,10 @@ def resolved_settings(args) -> Dict[str, object]:
             continue
         value = getattr(config, spec.name)
         out[flag] = ("on" if value else "off") if isinstance(value, bool) else value
-        if spec.name in config.rule_fields:   # a default that follows the job's W (and k)
-            out[flag] = f"{value} (default for W = {W}: {type(config).default_rules[spec.name][0]})"
+        if spec.name in config.rule_fields:   # a default that follows the job's W (and k, and the model's size)
+            numel = getattr(config, "model_numel", 0)
+            size = f" and N = {numel / 1e6:.3g} M parameters" if numel else ""
+            out[flag] = f"{value} (default for W = {W}{size}: {type(config).default_rules[spec.name][0]})"
     k, chunk = getattr(config, "k", None), getattr(config, "chunk", None)
     if k is not None and chunk and "topk" in out and out.get("chunk-size"):
         out["topk"] = f"{k} of {chunk} ({100.0 * k / chunk:.2f} % density)"
