@@ -16,7 +16,6 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from megatron_sparseloco.megatron.args import add_sparseloco_args
 from megatron_sparseloco.megatron.placement.rank_layout import (DEFAULT_ORDER, TP_PP_DP_ORDER, LayoutError,
                                                                 compute_layout, expand_nodelist, format_layout)
 
@@ -51,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
 def sizes_from_megatron_args(argv: Sequence[str]) -> dict:
     """The layout-relevant sizes in a Megatron argument list (the last occurrence wins, as in argparse).
     In elastic mode (``--sparseloco-lighthouse``) the arguments are one job's, and a job is one worker."""
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    from megatron_sparseloco.megatron.args import add_sparseloco_args   # (imports torch: only here, not for a
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)      # node list or a layout from the sizes)
     add_sparseloco_args(p)   # the plugin's own flags (--sparseloco-workers, --sparseloco-lighthouse), as it parses them
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)

@@ -152,3 +152,14 @@ def test_elastic_job_is_one_worker():
     argv = ["--tensor-model-parallel-size", "2", "--sparseloco-workers", "4"]
     assert sizes_from_megatron_args(argv)["workers"] == 4
     assert sizes_from_megatron_args(argv + ["--sparseloco-lighthouse", "http://lh:29510"])["workers"] == 1
+
+
+def test_the_sbatch_helpers_start_without_importing_torch():
+    """The sbatch script calls ``worker_layout`` on every node before torchrun (a node list, the layout): those
+    calls must not pay torch's import; only ``--megatron-args`` (the plugin's own flag parser) imports it."""
+    code = ("import sys; from megatron_sparseloco.worker_layout import main; "
+            "main(['--expand-nodelist', 'n[1-2]']); main(['--nodes', '2', '--gpus-per-node', '4', '--workers', '2', "
+            "'--quiet']); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["n1", "n2", "False"], out.stdout
