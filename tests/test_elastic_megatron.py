@@ -181,6 +181,31 @@ def check_consistency(run: Run, jobs, ranks=(0, 1), finals_of=None, iterations=T
             assert {run.final(i, rank)["iteration"] for i in jobs} == {run.iters}, finals
 
 
+def kill_mid_round_then_restart(run: Run, pause_after_step: int, commit_timeout: float, settle: float = 0.0,
+                                contributed=lambda r: True) -> float:
+    """Start jobs 0-2 (0 and 1 held before their rounds while job 2 restarts), kill -9 job 2 where its rank 0
+    pauses inside the round after committed step ``pause_after_step`` (``settle`` seconds later), wait for
+    the survivors to commit without it, restart it and wait until it contributes to a committed round that
+    also satisfies ``contributed``; returns the time of the kill."""
+    c = run.jobs[2]
+    run.start_all(job0={"ELASTIC_HOLD": run.path("hold")}, job1={"ELASTIC_HOLD": run.path("hold")},
+                  job2={"ELASTIC_PAUSE": f"{pause_after_step}:" + run.path("paused"), "ELASTIC_HOLD": run.path("hold")})
+    run.wait(lambda: os.path.exists(run.path("paused")), 180, "job 2 to pause inside its round")
+    time.sleep(settle)
+    t_kill = time.time()
+    c.kill()
+    assert c.wait(30) == [-9]
+    run.wait(lambda: any(r["committed"] and r["participants"] == [0, 1] for r in run.rounds(0)), commit_timeout,
+             "the survivors to commit without job 2")
+    hold(run, True)
+    run.restart(2)
+    run.wait(lambda: os.path.exists(run.path("joined2.2")), 120, "the restarted job 2 to reach its first round")
+    hold(run, False)
+    run.wait(lambda: any(r["contributes"] and r["committed"] and contributed(r) for r in run.rounds(2, attempt=2)),
+             120, "the restarted job 2 to contribute to a committed round")
+    return t_kill
+
+
 def first_commit_after(recs, t):
     return next((r for r in recs if r["t"] > t and r["committed"]), None)
 
@@ -190,22 +215,8 @@ def first_commit_after(recs, t):
 def test_kill_restart_a_whole_job(tmp_path):
     """sparseloco, 3 jobs × DP 2, H = 2, 24 iterations (module docstring, first item)."""
     with Run(tmp_path, algorithm="sparseloco", iters=24) as run:
-        a, b, c = run.jobs
         # --- kill -9 job 2 mid-round: its rank 0 pauses inside round 3, after the header
-        run.start_all(job0={"ELASTIC_HOLD": run.path("hold")}, job1={"ELASTIC_HOLD": run.path("hold")},
-                      job2={"ELASTIC_PAUSE": "2:" + run.path("paused"), "ELASTIC_HOLD": run.path("hold")})
-        run.wait(lambda: os.path.exists(run.path("paused")), 180, "job 2 to pause inside round 3")
-        t_kill = time.time()
-        c.kill()
-        assert c.wait(30) == [-9]
-        run.wait(lambda: any(r["committed"] and r["participants"] == [0, 1] for r in run.rounds(0)), 60,
-                 "the survivors to commit without job 2")
-        hold(run, True)
-        run.restart(2)
-        run.wait(lambda: os.path.exists(run.path("joined2.2")), 120, "the restarted job 2 to reach its first round")
-        hold(run, False)
-        run.wait(lambda: any(r["contributes"] and r["committed"] for r in run.rounds(2, attempt=2)), 120,
-                 "the restarted job 2 to contribute to a committed round")
+        t_kill = kill_mid_round_then_restart(run, pause_after_step=2, commit_timeout=60)
         codes = [job.wait(240) for job in run.jobs]
     assert codes == [[0], [0], [0]], run.logs()
 

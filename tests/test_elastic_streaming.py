@@ -17,12 +17,10 @@ through ``testing/elastic_launcher.py``, with a real torchft lighthouse (``tests
 from __future__ import annotations
 
 import json
-import os
-import time
 
 import pytest
 
-from test_elastic_megatron import Run, check_consistency, first_commit_after, hold, pretrain_args
+from test_elastic_megatron import Run, check_consistency, first_commit_after, kill_mid_round_then_restart, pretrain_args
 
 pytestmark = [pytest.mark.multirank, pytest.mark.megatron]
 
@@ -72,22 +70,10 @@ def test_elastic_overlap_fragments_kill_with_a_round_in_flight_then_a_restart_he
     contributes to delayed rounds of both fragments again; all end with one θ_outer."""
     with Run(tmp_path, algorithm="sparseloco", jobs=3, iters=49, H=4, ranks=1, outer_timeout=5,
              extra=["--sparseloco-overlap-steps", "1", "--sparseloco-fragments", "2"]) as run:
-        a, b, c = run.jobs
-        run.start_all(job0={"ELASTIC_HOLD": run.path("hold")}, job1={"ELASTIC_HOLD": run.path("hold")},
-                      job2={"ELASTIC_PAUSE": "3:" + run.path("paused"), "ELASTIC_HOLD": run.path("hold")})
-        run.wait(lambda: os.path.exists(run.path("paused")), 180, "job 2's round in flight to pause")
-        time.sleep(0.5)   # its training goes on to the completion, where it waits
-        t_kill = time.time()
-        c.kill()
-        assert c.wait(30) == [-9]
-        run.wait(lambda: any(r["committed"] and r["participants"] == [0, 1] for r in run.rounds(0)), 90,
-                 "the survivors to commit without job 2")
-        hold(run, True)
-        run.restart(2)
-        run.wait(lambda: os.path.exists(run.path("joined2.2")), 120, "the restarted job 2 to reach its first round")
-        hold(run, False)
-        run.wait(lambda: any(r["contributes"] and r["committed"] and r["delayed"] for r in run.rounds(2, attempt=2)),
-                 120, "the restarted job 2 to contribute to a committed delayed round")
+        # job 2's comm thread pauses inside the round after step 3; its training goes on to the completion, where
+        # it waits: killed there
+        t_kill = kill_mid_round_then_restart(run, pause_after_step=3, commit_timeout=90, settle=0.5,
+                                             contributed=lambda r: r["delayed"])
         codes = [job.wait(240) for job in run.jobs]
     assert codes == [[0], [0], [0]], run.logs()
     for i in (0, 1):

@@ -253,6 +253,13 @@ class OuterRounds:
             timer.start()
         return time.perf_counter()
 
+    def count_committed(self, stats: List[OuterStepStats]) -> None:
+        """One more round completed; its stats recorded when this rank took part (with P > 1 a rank may
+        hold no strategy of the fragment: then the last round's figures stay)."""
+        self.log.outer_steps += 1
+        if stats or len(self.fragments) == 1:
+            self.log.record(stats, self.round_numel)
+
     def finish_committed(self, fragment: int, stats: Optional[List[OuterStepStats]], t0: float,
                    clock: Callable[[], float], launch_s: Optional[float] = None) -> None:
         """The one place a round ends (module docstring): record (blocking), tied params, publish, timer,
@@ -264,9 +271,7 @@ class OuterRounds:
         if timer is not None:
             timer.stop()
         if stats is not None:
-            self.log.outer_steps += 1
-            if stats or len(self.fragments) == 1:
-                self.log.record(stats, self.round_numel)
+            self.count_committed(stats)
             self.log.last["time_exposed_s"] = clock() - t0
         elif launch_s is not None:   # the delayed round's exposed time: launch + wait + apply + merge + publish
             self.log.last["time_exposed_s"] = launch_s + clock() - t0
@@ -275,18 +280,22 @@ class OuterRounds:
         if interval and self.log.outer_steps % interval == 0:
             self.hooks.check_consistency()
 
-    def after_inner_step(self, calls: int, run_step: Callable[[int], None]) -> None:
+    def after_inner_step(self, calls: int, run_step: Callable[[int], None],
+                         launch: Optional[Callable[[int], None]] = None,
+                         complete: Optional[Callable[[int], None]] = None) -> None:
         """Run the schedule's events for inner step ``calls``; blocking rounds go through ``run_step(p)``
-        (the optimizer's ``outer_step``, so that it can be observed and patched)."""
+        (the optimizer's ``outer_step``, so that it can be observed and patched), delayed ones through
+        ``launch(p)`` / ``complete(p)`` (default: this object's; elastic mode passes its own)."""
+        launch, complete = launch or self.launch, complete or self.complete
         for kind, p in self.schedule.events(calls):
             if kind == "complete":
-                self.complete(p)
+                complete(p)
                 continue
             self.begin(p)
             if kind == "step":
                 run_step(p)
             else:
-                self.launch(p)
+                launch(p)
 
     def _wait_all(self) -> None:
         """On the comm thread, before a launched round's first collective: every rank arrived at it

@@ -204,17 +204,9 @@ class ElasticRounds:
     delayed = property(lambda self: [], doc="None: the delayed rounds are this object's own (``in_flight``).")
 
     def after_inner_step(self, calls: int, run_step: Callable[[int], None]) -> None:
-        """The schedule's events after inner step ``calls``: completions first, then blocking steps (through
-        ``run_step``, the optimizer's ``outer_step``) or launches."""
-        for kind, p in self.core.schedule.events(calls):
-            if kind == "complete":
-                self.complete(p)
-                continue
-            self.core.begin(p)
-            if kind == "step":
-                run_step(p)
-            else:
-                self.launch(p)
+        """The schedule's events after inner step ``calls`` (``OuterRounds.after_inner_step``), the delayed
+        rounds through this object's ``launch`` / ``complete``."""
+        self.core.after_inner_step(calls, run_step, launch=self.launch, complete=self.complete)
 
     def wait(self, fragment: int) -> None:
         """Settle ``fragment``'s round in flight (commit or roll back; the merge stays due): a checkpoint
@@ -457,13 +449,9 @@ class ElasticRounds:
                 plan.cancel()
         self.last, self.last_committed = fl.rnd, committed
         if committed:
-            self.core.log.outer_steps += 1
-            stats = [part[2] for part in fl.parts]
-            if stats or len(self.core.fragments) == 1:
-                self.core.log.record(stats, self.core.round_numel)
-        if not fl.finite and not committed and any(s.config.nonfinite_policy == "abort" for s in self.strategies):
-            raise NonFiniteError(f"elastic worker {self.config.worker_index}: non-finite parameters before outer "
-                                 "step; θ_outer left untouched (--sparseloco-nonfinite-policy abort)")
+            self.core.count_committed([part[2] for part in fl.parts])
+        if not fl.finite and not committed:
+            self._abort_if_nonfinite_policy()   # (skip: reset to θ_outer,k at the launch already)
 
     @torch.no_grad()
     def complete(self, scheduled: int) -> None:
@@ -472,8 +460,7 @@ class ElasticRounds:
         if fl is None or fl.scheduled != scheduled:   # nothing launched here (a job that joined in the window)
             if self.merge_due[scheduled]:             # a checkpoint saved inside the window: its merge
                 self.merge_due[scheduled] = False
-                for s in self.core.fragments[scheduled].strategies:
-                    merge_window(s, self._replay_source(s), self.overlap)
+                self._merge(scheduled)
                 if scheduled == 0:
                     self.hooks.sync_tied()
                 self.hooks.publish()
@@ -484,14 +471,15 @@ class ElasticRounds:
         committed, rnd = bool(fl.committed), fl.rnd
         assert rnd is not None
         if committed or self.config.after_failed_round == "discard":
-            for s in self.core.fragments[rnd.fragment].strategies:
-                merge_window(s, self._replay_source(s), self.overlap)
+            self._merge(rnd.fragment)
         stats = [part[2] for part in fl.parts]
         self._end(committed, stats, rnd, t0, launch_s=fl.launch_s)
 
-    def _replay_source(self, s: OuterStrategy) -> Optional[torch.Tensor]:
-        """The snapshot the merge replays from (None: ``lerp``)."""
-        return self.snapshots[id(s)] if self.overlap.merge == "replay" else None
+    def _merge(self, fragment: int) -> None:
+        """θ_local ← merge(θ_outer, θ_local,now) on ``fragment``'s strategies (replay from the launch snapshot,
+        or lerp)."""
+        for s in self.core.fragments[fragment].strategies:
+            merge_window(s, self.snapshots[id(s)] if self.overlap.merge == "replay" else None, self.overlap)
 
     def _header_extra(self) -> Dict[str, int]:
         """The header's ``extra``: this job's counters (where its loop is) and ``last_round``, 1 when no later
@@ -532,10 +520,15 @@ class ElasticRounds:
             bad = bool(flag.item())
         return not bad
 
-    def _nonfinite(self) -> None:
+    def _abort_if_nonfinite_policy(self) -> None:
+        """A round this job's non-finite params kept from committing: ``--sparseloco-nonfinite-policy abort``
+        ends the job here."""
         if any(s.config.nonfinite_policy == "abort" for s in self.strategies):
             raise NonFiniteError(f"elastic worker {self.config.worker_index}: non-finite parameters before outer "
                                  "step; θ_outer left untouched (--sparseloco-nonfinite-policy abort)")
+
+    def _nonfinite(self) -> None:
+        self._abort_if_nonfinite_policy()
         self._discard()
 
     def _discard(self) -> None:
