@@ -99,9 +99,9 @@ PLAN: List[Bench] = (
                 "diloco,sparseloco:64") for W in SIZE2_W]
     + [Bench("quality_ddp", "python benchmarks/quality.py --workers 2,4,8 --steps 900 --seeds 3 --methods ddp "
                             "--timeout 20000 --json docs/results/quality_ddp.json", "15 min"),
-       Bench("quality_4x256_ddp", "python benchmarks/quality.py --workers 4 --steps 900 --seeds 3 --methods ddp "
+       Bench("quality_4x256_ddp", "python benchmarks/quality.py --workers 2,4,8 --steps 900 --seeds 3 --methods ddp "
                                   "--layers 4 --hidden 256 --timeout 20000 --json docs/results/quality_4x256_ddp.json",
-             "20 min"),
+             "55 min"),
        Bench("quality_6x384_w4", "python benchmarks/quality.py --sweep --workers 4 --steps 900 --seeds 1 --methods "
                                  "sparseloco:64 --layers 6 --hidden 384 --heads 6 --sweep-grid "
                                  "benchmarks/grids/6x384_w4.json --timeout 30000 "
