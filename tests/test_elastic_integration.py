@@ -176,3 +176,22 @@ def test_heal_state_never_carries_error_feedback_and_restarts_it_at_zero():
     assert (joiner.outer_steps, joiner_opt.inner_calls, joiner_opt.rounds.log.outer_steps) == (3, 30, 3)
     assert joiner_opt.rounds.fragment_syncs == [3]     # every fragment's round counter comes with the heal
     assert joiner_opt._anchor_at_first_step is False
+
+
+def test_the_run_ends_for_a_job_only_when_every_other_participant_ends_at_or_past_it():
+    """``run_ends_here``: a job a round behind the others (78 against 80) ends with their last round; not with
+    min-workers 1 (it can go on alone), not at its own last round (it ends anyway), not while one participant
+    goes on, and not when the ending peer is behind it (a job given fewer --train-iters: a live job left out
+    of this round may still come)."""
+    from megatron_sparseloco.megatron.elastic.rounds import run_ends_here
+
+    def header(iteration, last):
+        return {"extra": {"iteration": iteration, "last_round": int(last)}}
+
+    assert run_ends_here(header(78, False), [header(80, True)], 2)
+    assert run_ends_here(header(78, False), [header(80, True), header(80, True)], 3)
+    assert not run_ends_here(header(78, False), [header(80, True)], 1)
+    assert not run_ends_here(header(80, True), [header(80, True)], 2)
+    assert not run_ends_here(header(78, False), [header(80, True), header(78, False)], 2)
+    assert not run_ends_here(header(24, False), [header(8, True)], 2)
+    assert not run_ends_here(header(78, False), [], 2) and not run_ends_here(None, [header(80, True)], 2)

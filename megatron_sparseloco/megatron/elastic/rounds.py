@@ -77,10 +77,11 @@ waited for) its carried progress is its pseudo-gradient in that very round: a la
 enter θ_outer one round late instead of never.
 
 The run's end: every header says whether it is its job's last round (no later round of its schedule
-fits before its ``--train-iters``). A job whose round had only such peers, with ``--sparseloco-min-workers``
-> 1, has nobody left to sync with: it ends its training after that iteration, with the run's last
-θ_outer, instead of waiting for a quorum that never forms (a job that fell one round behind the others
-ends a round short of its ``--train-iters``; ``_end_with_the_run``).
+fits before its ``--train-iters``). A job whose round had only such peers, each at or past its own
+iteration, with ``--sparseloco-min-workers`` > 1, has nobody left to sync with (``run_ends_here``): it
+ends its training after that iteration, with the run's last θ_outer, instead of waiting for a quorum
+that never forms (a job that fell one round behind the others ends a round short of its
+``--train-iters``; ``_end_with_the_run``).
 
 Consistency: every participant puts θ_outer's fingerprint (``consistency.fingerprint`` over every
 fragment's strategies on this rank) in its signed header; the decision refuses a round whose
@@ -113,6 +114,18 @@ if TYPE_CHECKING:
 
 #: one strategy's part of a round: the strategy, its plan, its stats, its byte counters before the round
 Part = Tuple[OuterStrategy, RoundPlan, OuterStepStats, Tuple[int, ...]]
+
+
+def run_ends_here(mine: Optional[dict], others: List[dict], min_workers: int) -> bool:
+    """Does the run end for this job at a round with these headers (its own ``mine``, the other verified
+    participants' ``others``)? Yes when this job cannot commit a round alone (``min_workers`` > 1), it is
+    not at its own last round, and every other participant is at its last (``last_round``) and at least as
+    far as this job (its ``iteration``): nobody is left to sync with. A peer behind this job that ends (a job
+    given fewer --train-iters) does not end the run: a live job left out of this round may still come."""
+    if min_workers <= 1 or mine is None or mine["extra"].get("last_round") or not others:
+        return False
+    here = int(mine["extra"].get("iteration", 0))
+    return all(h["extra"].get("last_round") == 1 and int(h["extra"].get("iteration", 0)) >= here for h in others)
 
 
 def _rank() -> int:
@@ -490,19 +503,15 @@ class ElasticRounds:
         return {**counters.extra(), "last_round": int(last)}
 
     def _end_with_the_run(self, rnd: Round) -> None:
-        """Every other participant of this round said it is its last (``last_round``) and this job cannot
-        commit a round alone (``--sparseloco-min-workers`` > 1): nobody is left to sync with, so
-        this job's training ends after this iteration (``args.train_iters``, which Megatron's loop reads
-        at every iteration, is set to it) instead of waiting ``--sparseloco-elastic-quorum-timeout`` for a
-        quorum and exiting with an error. A job that fell a round behind the others (left out of one
-        quorum, then caught up in place with its own iteration kept) ends here with the run's last
-        θ_outer; its checkpoint keeps its own counters."""
+        """The run ended at this round for this job (``run_ends_here``): its training ends after this
+        iteration (``args.train_iters``, which Megatron's loop reads at every iteration, is set to it)
+        instead of waiting ``--sparseloco-elastic-quorum-timeout`` for a quorum and exiting with an error. A
+        job that fell a round behind the others (left out of one quorum, then caught up in place with its own
+        iteration kept) ends here with the run's last θ_outer; its checkpoint keeps its own counters."""
         mine = rnd.peers[rnd.rank] if 0 <= rnd.rank < len(rnd.peers) else None
         others = [h for r, h in enumerate(rnd.peers) if r != rnd.rank and h is not None]
         args = self.heal.args_fn()
-        if (self.config.min_workers <= 1 or not self.heal.in_iteration or args is None or mine is None
-                or mine["extra"].get("last_round") or not others
-                or not all(h["extra"].get("last_round") == 1 for h in others)):
+        if not self.heal.in_iteration or args is None or not run_ends_here(mine, others, self.config.min_workers):
             return
         iteration = self.heal.counters().iteration
         self._say(f"worker {self.config.worker_index}: the run ends at this round (workers "
@@ -608,4 +617,4 @@ class ElasticRounds:
             self.session.close()
 
 
-__all__ = ["ElasticRounds", "elastic_rounds", "open_session"]
+__all__ = ["ElasticRounds", "elastic_rounds", "open_session", "run_ends_here"]
