@@ -178,20 +178,22 @@ def test_heal_state_never_carries_error_feedback_and_restarts_it_at_zero():
     assert joiner_opt._anchor_at_first_step is False
 
 
-def test_the_run_ends_for_a_job_only_when_every_other_participant_ends_at_or_past_it():
-    """``run_ends_here``: a job a round behind the others (78 against 80) ends with their last round; not with
-    min-workers 1 (it can go on alone), not at its own last round (it ends anyway), not while one participant
-    goes on, and not when the ending peer is behind it (a job given fewer --train-iters: a live job left out
-    of this round may still come)."""
+def test_the_run_ends_for_a_job_only_when_every_other_participant_ends_with_it():
+    """``run_ends_here``: a job a round behind the others ends with their last round when it committed; not
+    with min-workers 1 (it can go on alone), not after a round that did not commit here (it would not hold
+    the run's last θ_outer), not at its own last round (it ends anyway), not while one participant goes on,
+    and not when the ending peer was given fewer --train-iters (a live job left out of this round may still
+    come)."""
     from megatron_sparseloco.megatron.elastic.rounds import run_ends_here
 
-    def header(iteration, last):
-        return {"extra": {"iteration": iteration, "last_round": int(last)}}
+    def header(last, train_iters=80):
+        return {"extra": {"iteration": 0, "last_round": int(last), "train_iters": train_iters}}
 
-    assert run_ends_here(header(78, False), [header(80, True)], 2)
-    assert run_ends_here(header(78, False), [header(80, True), header(80, True)], 3)
-    assert not run_ends_here(header(78, False), [header(80, True)], 1)
-    assert not run_ends_here(header(80, True), [header(80, True)], 2)
-    assert not run_ends_here(header(78, False), [header(80, True), header(78, False)], 2)
-    assert not run_ends_here(header(24, False), [header(8, True)], 2)
-    assert not run_ends_here(header(78, False), [], 2) and not run_ends_here(None, [header(80, True)], 2)
+    assert run_ends_here(header(False), [header(True)], 2, True)
+    assert run_ends_here(header(False), [header(True), header(True, 100)], 3, True)
+    assert not run_ends_here(header(False), [header(True)], 1, True)
+    assert not run_ends_here(header(False), [header(True)], 2, False)
+    assert not run_ends_here(header(True), [header(True)], 2, True)
+    assert not run_ends_here(header(False), [header(True), header(False)], 2, True)
+    assert not run_ends_here(header(False), [header(True, 8)], 2, True)
+    assert not run_ends_here(header(False), [], 2, True) and not run_ends_here(None, [header(True)], 2, True)

@@ -77,10 +77,10 @@ waited for) its carried progress is its pseudo-gradient in that very round: a la
 enter θ_outer one round late instead of never.
 
 The run's end: every header says whether it is its job's last round (no later round of its schedule
-fits before its ``--train-iters``). A job whose round had only such peers, each at or past its own
-iteration, with ``--sparseloco-min-workers`` > 1, has nobody left to sync with (``run_ends_here``): it
-ends its training after that iteration, with the run's last θ_outer, instead of waiting for a quorum
-that never forms (a job that fell one round behind the others ends a round short of its
+fits before its ``--train-iters``) and its ``--train-iters``. A job whose round committed with only such
+peers, none given fewer --train-iters than it, and ``--sparseloco-min-workers`` > 1, has nobody left to
+sync with (``run_ends_here``): it ends its training after that iteration, with the run's last θ_outer,
+instead of waiting for a quorum that never forms (a job that fell one round behind the others ends a round short of its
 ``--train-iters``; ``_end_with_the_run``).
 
 Consistency: every participant puts θ_outer's fingerprint (``consistency.fingerprint`` over every
@@ -116,16 +116,18 @@ if TYPE_CHECKING:
 Part = Tuple[OuterStrategy, RoundPlan, OuterStepStats, Tuple[int, ...]]
 
 
-def run_ends_here(mine: Optional[dict], others: List[dict], min_workers: int) -> bool:
+def run_ends_here(mine: Optional[dict], others: List[dict], min_workers: int, committed: bool) -> bool:
     """Does the run end for this job at a round with these headers (its own ``mine``, the other verified
-    participants' ``others``)? Yes when this job cannot commit a round alone (``min_workers`` > 1), it is
-    not at its own last round, and every other participant is at its last (``last_round``) and at least as
-    far as this job (its ``iteration``): nobody is left to sync with. A peer behind this job that ends (a job
-    given fewer --train-iters) does not end the run: a live job left out of this round may still come."""
-    if min_workers <= 1 or mine is None or mine["extra"].get("last_round") or not others:
+    participants' ``others``)? Yes when this job cannot commit a round alone (``min_workers`` > 1), the
+    round committed here (so this job holds the run's last θ_outer), it is not at its own last round, and
+    every other participant is at its last (``last_round``) with at least this job's ``--train-iters``: nobody
+    is left to sync with. A peer given fewer --train-iters that ends does not end the run: a live job left
+    out of this round may still come."""
+    if min_workers <= 1 or not committed or mine is None or mine["extra"].get("last_round") or not others:
         return False
-    here = int(mine["extra"].get("iteration", 0))
-    return all(h["extra"].get("last_round") == 1 and int(h["extra"].get("iteration", 0)) >= here for h in others)
+    target = int(mine["extra"].get("train_iters", 0))
+    return all(h["extra"].get("last_round") == 1 and int(h["extra"].get("train_iters", 0)) >= target
+               for h in others)
 
 
 def _rank() -> int:
@@ -500,9 +502,9 @@ class ElasticRounds:
         counters = self.heal.counters()
         train_iters = getattr(self.heal.args_fn(), "train_iters", None) or 0
         last = train_iters > 0 and self.core.schedule.next_launch(counters.iteration) > int(train_iters)
-        return {**counters.extra(), "last_round": int(last)}
+        return {**counters.extra(), "last_round": int(last), "train_iters": int(train_iters)}
 
-    def _end_with_the_run(self, rnd: Round) -> None:
+    def _end_with_the_run(self, rnd: Round, committed: bool) -> None:
         """The run ended at this round for this job (``run_ends_here``): its training ends after this
         iteration (``args.train_iters``, which Megatron's loop reads at every iteration, is set to it)
         instead of waiting ``--sparseloco-elastic-quorum-timeout`` for a quorum and exiting with an error. A
@@ -511,7 +513,8 @@ class ElasticRounds:
         mine = rnd.peers[rnd.rank] if 0 <= rnd.rank < len(rnd.peers) else None
         others = [h for r, h in enumerate(rnd.peers) if r != rnd.rank and h is not None]
         args = self.heal.args_fn()
-        if not self.heal.in_iteration or args is None or not run_ends_here(mine, others, self.config.min_workers):
+        if (not self.heal.in_iteration or args is None
+                or not run_ends_here(mine, others, self.config.min_workers, committed)):
             return
         iteration = self.heal.counters().iteration
         self._say(f"worker {self.config.worker_index}: the run ends at this round (workers "
@@ -563,7 +566,7 @@ class ElasticRounds:
             if timer is not None:
                 timer.stop()
         self._log(rnd, committed, stats)
-        self._end_with_the_run(rnd)
+        self._end_with_the_run(rnd, committed)
 
     # ------------------------------------------------------------------ logs
     def _say(self, text: str) -> None:
