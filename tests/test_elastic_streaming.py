@@ -115,7 +115,13 @@ def test_elastic_grace_a_slow_job_does_not_hold_the_others_back_and_still_contri
     assert len(late) >= 2 and any(r["catch_up"] and r["kept"] for r in late), run.rounds(2)
     assert sum(2 in r["contributors"] for r in fast) >= 2, fast    # its Δ entered the run's θ_outer
     check_consistency(run, (0, 1, 2), ranks=(0,), finals_of=(0, 1) if not tau else (), iterations=False)
-    assert run.final(0)["sha"] == run.final(1)["sha"]
+    finals = [run.final(i) for i in (0, 1)]
+    if finals[0]["step"] == finals[1]["step"]:
+        assert finals[0]["sha"] == finals[1]["sha"], (finals, run.rounds(0)[-2:], run.rounds(1)[-2:])
+    else:   # delayed: a job that ended with the run settled the last round; the other still has it in flight when
+        # train() returns (it settles at exit), one step behind
+        assert tau and abs(finals[0]["step"] - finals[1]["step"]) == 1, finals
+        assert any("the run ends at this round" in run.jobs[i].output() for i in (0, 1)), run.logs()
     ends = [run.final(i)["iteration"] for i in range(3)]
     assert ends[2] == 8 and max(ends[:2]) == 80, ends
     for i in (0, 1):   # a fast job left out of one quorum (a loaded machine) stays a round behind: it ends with the run
