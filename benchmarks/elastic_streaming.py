@@ -353,14 +353,15 @@ def main(argv=None) -> int:
             run(method="sparseloco", tau=0, P=1, slow=True, grace=grace)
     load.append(schema.loadavg())
     from megatron_sparseloco.outer.sparseloco import default_outer_lr
+    numel = common.model_numel(common.ModelCfg())
     config = {"workers": W, "iters": a.iters, "kill_iters": a.kill_iters, "inner_steps": a.inner_steps, "pace_s": a.pace, "rate": a.rate,
               "outer_timeout_s": a.outer_timeout, "min_workers": 2, "model": "2 layers x 128 (446 k), seq 128, micro 4",
               "lighthouse": {"min_replicas": 2, "quorum_tick_ms": 100, "heartbeat_timeout_ms": 2000,
                              "join_timeout_ms": "5000; slow: 60000 (grace off) or 1000 x grace"},
-              "methods": methods, "modes": [list(m) for m in modes], "numel": common.model_numel(common.ModelCfg()),
+              "methods": methods, "modes": [list(m) for m in modes], "numel": numel,
               # the jobs set no outer flag: SparseLoCo's outer lr is the plugin's rule at W jobs (k = 64 of 4096)
               # and the model's size
-              "sparseloco_outer_lr": default_outer_lr(W, 64, 4096, common.model_numel(common.ModelCfg()))}
+              "sparseloco_outer_lr": default_outer_lr(W, 64, 4096, numel)}
     doc = schema.document("elastic_streaming", recorded_command(argv), config, rows, machine=machine,
                           wall_s=round(time.time() - t_start, 1), load=load, summary=summarize(rows))
     print(markdown(doc))

@@ -751,8 +751,6 @@ ELASTIC_STREAMING_FIRST_LR = 1.73
 def _model_numel_of(cfg: Dict) -> int:
     """The model's parameters of a results file's config: recorded (``numel``), or from its model (the
     benchmarks' GPT: a ``ModelCfg`` dict, or a description "L layers x H ...")."""
-    import re
-
     import common
     if cfg.get("numel"):
         return int(cfg["numel"])

@@ -98,15 +98,16 @@ def wrap_optimizer_from_args(optimizer, model_chunks, args):
 
     import torch.distributed as dist
 
+    from megatron_sparseloco.megatron.args.model_size import model_parameter_count
     from megatron_sparseloco.megatron.optimizer import OuterLoopOptimizer
     from megatron_sparseloco.megatron.placement.gradient_isolation import cross_worker_group
     from megatron_sparseloco.outer.registry import strategy_factory
 
-    from megatron_sparseloco.megatron.args.model_size import model_parameter_count
-
     group = cross_worker_group(model_chunks)
-    # the outer config's defaults that follow the model's size (the SparseLoCo lr rule's s(N)), before any strategy
-    args.sparseloco_outer_config.resolve_for_model(args.sparseloco_workers, model_parameter_count(model_chunks))
+    outer_config = args.sparseloco_outer_config
+    if outer_config.rule_fields:   # defaults from a rule of W that also follows the model's size (SparseLoCo's s(N)):
+        # resolved before any strategy; the count's collective is skipped where no rule needs it
+        outer_config.resolve_for_model(args.sparseloco_workers, model_parameter_count(model_chunks))
     config = dataclasses.replace(args.sparseloco_loop_config)
     if not config.auto_inner_steps:   # ("auto": H_w measured and agreed at run time)
         config.active_inner_steps = config.inner_steps_for(dist.get_rank(group) if group is not None else 0)

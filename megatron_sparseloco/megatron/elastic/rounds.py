@@ -80,8 +80,8 @@ The run's end: every header says whether it is its job's last round (no later ro
 fits before its ``--train-iters``) and its ``--train-iters``. A job whose round committed with only such
 peers, none given fewer --train-iters than it, and ``--sparseloco-min-workers`` > 1, has nobody left to
 sync with (``run_ends_here``): it ends its training after that iteration, with the run's last θ_outer,
-instead of waiting for a quorum that never forms (a job that fell one round behind the others ends a round short of its
-``--train-iters``; ``_end_with_the_run``).
+instead of waiting for a quorum that never forms (a job that fell one round behind the others ends a
+round short of its ``--train-iters``; ``_end_with_the_run``).
 
 Consistency: every participant puts θ_outer's fingerprint (``consistency.fingerprint`` over every
 fragment's strategies on this rank) in its signed header; the decision refuses a round whose
