@@ -495,13 +495,15 @@ def test_the_schedule_section_compares_each_method_with_its_constant_lr_rows_and
 
 
 def test_the_streaming_table_puts_every_overlap_and_fragment_row_beside_its_blocking_row(tmp_path):
-    def row(method, tau, P, loss, outer_s, outer_steps):
+    def row(method, tau, P, loss, outer_s, outer_steps, **kw):
         return {"case": "uniform", "method": method, "k": 64 if method == "sparseloco" else None, "workers": 4,
                 "label": method, "overlap_steps": tau, "fragments": P, "held_out_loss": loss, "H": 15, "steps": 900,
                 "outer_steps": outer_steps, "sync_outer_step_s": outer_s, "bytes_sent_per_worker": 1000,
-                "curve": [{"step": 900, "wall_s": 9.0, "held_out_loss": loss}]}
-    rows = [row("diloco", 0, 1, 2.00, 1.0, 60), row("diloco", 2, 1, 2.01, 0.1, 60),
-            row("diloco", 0, 2, 2.02, 0.6, 120), row("sparseloco", 0, 1, 2.05, 0.2, 60)]
+                "curve": [{"step": 900, "wall_s": 9.0, "held_out_loss": loss}], **kw}
+    rows = [row("diloco", 0, 1, 2.00, 1.0, 60, sync_wire_s=0.5), row("diloco", 2, 1, 2.01, 0.1, 60),
+            row("diloco", 7, 1, 2.03, 0.3, 60), row("diloco", 0, 2, 2.02, 0.6, 120),
+            row("sparseloco", 0, 1, 2.05, 0.2, 60, sync_wire_s=0.02, sync_compress_s=0.05, sync_apply_s=0.07),
+            row("sparseloco", 2, 1, 2.06, 0.1, 60), row("sparseloco", 0, 2, 2.04, 0.15, 120)]
     write(tmp_path, "network_streaming_w4", schema.document("network", PLAN["network_streaming_w4"], {"model": {}}, rows,
                                                             machine=dict(MACHINE)))
     section = R.render_page(R.load_results(str(tmp_path))).split("## Overlap and fragments")[1].split("\n## ")[0]
@@ -510,6 +512,12 @@ def test_the_streaming_table_puts_every_overlap_and_fragment_row_beside_its_bloc
     # P = 2: two fragment syncs per H steps, 0.6 s each: 1.2 s per H steps, 120 % of blocking
     assert "| DiLoCo | 0 | 2 | 2.0200 | +0.020 | 1.200 s | 120 % | 1.0 kB |" in section
     assert "| SparseLoCo k = 64 | 0 | 1 | 2.0500 |  | 0.200 s |  | 1.0 kB |" in section
+    # the reading: the wire's share of blocking, the overlap that hides most (τ = 2 here), fragments alone
+    assert ("Blocking, the wire is 50 % of DiLoCo's outer step and 10 % of SparseLoCo's; the rest is computation on "
+            "the cores the ranks share (SparseLoCo's compression and apply: 0.12 s a round).") in section
+    assert ("to 10 % of blocking for DiLoCo (τ = 2, held-out +0.010) and 50 % for SparseLoCo (τ = 2, +0.010)"
+            in section)
+    assert "Fragments P = 2 without overlap take 120 % (DiLoCo) and 150 % (SparseLoCo) of blocking" in section
 
 
 def test_the_aggregation_table_reads_received_over_own_payload_and_the_sites_wan_bytes(tmp_path):
