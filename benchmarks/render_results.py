@@ -980,10 +980,11 @@ DDP_LEAD = ("Against DDP (every step's gradients all-reduced, the same tokens an
             "SparseLoCo lower): ")
 
 
-def ddp_reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADLINE_W) -> str:
+def ddp_reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADLINE_W,
+                lead: str = DDP_LEAD) -> str:
     """Where SparseLoCo stands against DDP for one model size, in one sentence from the seeds, with DiLoCo's gap to
     DDP and the bytes DDP sends over SparseLoCo k = 64's."""
-    text = reading(docs, size, widths, lead=DDP_LEAD, against="ddp")
+    text = reading(docs, size, widths, lead=lead, against="ddp")
     if not text:
         return ""
     gaps, ratios = [], []
@@ -1053,7 +1054,8 @@ def size_reading(docs: Dict[str, Dict]) -> str:
                + ", ".join(f"{g.chosen[0]:g} vs {g.default[0]:g} at W = {W}" for W, g in over.items())
                + "; the default costs " + fmt_and([f"{g.cost:+.3f}" for g in over.values() if g.cost is not None])
                + " at seed 0): set `--sparseloco-outer-lr` there.")
-    return reading(docs, "_4x256", SIZE2_W, lead=lead) + sent + lr_note + where
+    ddp = ddp_reading(docs, "_4x256", SIZE2_W, lead="Against DDP at this size (negative: SparseLoCo lower): ")
+    return reading(docs, "_4x256", SIZE2_W, lead=lead) + sent + (" " + ddp if ddp else "") + lr_note + where
 
 
 def render_readme_block(docs: Dict[str, Dict]) -> str:

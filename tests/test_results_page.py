@@ -210,7 +210,14 @@ def test_the_readme_says_the_second_size_in_one_sentence_from_its_file(tmp_path)
     # today's default lr at W = 4 (1.06, loss 2.2) is below the chosen 1.5 (seed 0: 1.90)
     assert ("On it SparseLoCo's best outer lr is not the plugin's default (1.5 vs 1.06 at W = 4; the default costs "
             "+0.300 at seed 0): set `--sparseloco-outer-lr` there.") in block
-    assert "Measured on Other CPU" not in block
+    assert "Measured on Other CPU" not in block and "Against DDP at this size" not in block
+    write(tmp_path, "quality_4x256_ddp", ddp_doc([4], losses=(1.80, 1.81, 1.82)))
+    block = R.render_readme_block(R.load_results(str(tmp_path)))
+    # DDP 1.81 ± 0.01 at this size: k = 64's 1.91 is behind it by +0.100, k = 128's 2.0067 by +0.197, DiLoCo's 2.12
+    assert ("Against DDP at this size (negative: SparseLoCo lower): SparseLoCo k = 64 is behind DDP at W = 4 "
+            "(+0.100). SparseLoCo k = 128 is behind DDP at W = 4 (+0.197). DiLoCo against DDP: +0.310 at W = 4. "
+            "Bytes sent per worker, DDP over SparseLoCo k = 64: 2,000,000× at W = 4.") in block
+    (tmp_path / "quality_4x256_ddp.json").unlink()
     large["machine"]["cpu"] = "Other CPU"          # a machine other than the headline's is named
     write(tmp_path, "quality_4x256_w4", large)
     assert "Measured on Other CPU at W = 4." in R.render_readme_block(R.load_results(str(tmp_path)))
