@@ -910,7 +910,9 @@ def render_page(docs: Dict[str, Dict]) -> str:
     L += ["## DDP, DiLoCo and SparseLoCo", "",
           "*DDP*: Megatron's data-parallel training with the distributed optimizer, every step's gradients "
           "all-reduced across the W ranks (no outer loop), the same inner AdamW and tokens: the synchronous baseline. "
-          "Its bytes: fp32 gradients handed to the reduction every step.", ""]
+          "Its bytes: fp32 gradients handed to the reduction every step. Its lr is the shared inner lr, not tuned "
+          "for it, while each outer-loop method's outer lr (and DiLoCo's momentum) is tuned per W, and an outer lr "
+          "above 1 also scales the step: where DDP trails an outer-loop method, part of the gap is this tuning.", ""]
     L += headline(docs)
     L += paragraph(reading(docs))
     L += paragraph(ddp_reading(docs))
@@ -1066,7 +1068,8 @@ def render_readme_block(docs: Dict[str, Dict]) -> str:
         L += ["Results: not measured yet (`make bench`; docs/results.md)."]
     else:
         q = docs[f"quality_w{have[0]}"]["config"]
-        L += [f"DDP → DiLoCo → SparseLoCo: plain data-parallel training (gradients all-reduced every step), then both "
+        L += [f"DDP → DiLoCo → SparseLoCo: plain data-parallel training (gradients all-reduced every step, at the "
+              "shared inner lr: not tuned for it), then both "
               f"outer-loop methods tuned on their own grid at each W, {len(q['seeds'])} seeds "
               f"(held-out loss, mean ± spread; lower is better; a {fmt_params(q['numel'])}-parameter Megatron GPT, "
               f"{q['steps']} inner steps per worker, H = {q['H']}, the same tokens). Bytes: sent per worker over the "
