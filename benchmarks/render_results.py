@@ -692,14 +692,11 @@ def streaming_net_section(docs: Dict[str, Dict]) -> List[str]:
     out = ["| method | τ | P | held-out loss | Δ vs blocking | exposed outer time per H steps | vs blocking | "
            "bytes sent / worker |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
 
-    def exposed(r):   # the loop's time in outer steps per H inner steps (P fragment syncs per H steps)
-        if r["sync_outer_step_s"] is None:
-            return None
-        return r["sync_outer_step_s"] * r["outer_steps"] / (r["steps"] / r["H"])
+    exposed = exposed_per_h
     for method in ("diloco", "sparseloco"):
         mine = sorted((r for r in rows if r["method"] == method),
                       key=lambda r: (r.get("fragments", 1), r.get("overlap_steps", 0)))
-        base = next((r for r in mine if not r.get("overlap_steps") and r.get("fragments", 1) == 1), None)
+        base = next((r for r in mine if _is_blocking(r)), None)
         for r in mine:
             e, b = exposed(r), exposed(base) if base else None
             name = NAMES["sparseloco" if method == "sparseloco" else "diloco"]
@@ -709,7 +706,7 @@ def streaming_net_section(docs: Dict[str, Dict]) -> List[str]:
                        + ("" if r is base or not (e and b) else f"{100 * e / b:.0f} %")
                        + f" | {fmt_bytes(r['bytes_sent_per_worker'])} |")
     cfg = doc["config"]
-    reading = streaming_net_reading(rows, exposed)
+    reading = streaming_net_reading(rows)
     return ([f"W = {rows[0]['workers'] if rows else ''}, the quality model, each worker on its own 100 Mbit/s link "
              "(per-worker network namespaces, tbf both directions), seed 0, at the outer settings the quality sweep "
              "chose; τ: `--sparseloco-overlap-steps` (replay merge), P: `--sparseloco-fragments`. *Exposed*: the "
@@ -719,13 +716,26 @@ def streaming_net_section(docs: Dict[str, Dict]) -> List[str]:
             + command_block([(STREAMING_NET, doc)]) if cfg is not None else out)
 
 
-def streaming_net_reading(rows: List[dict], exposed) -> str:
+def exposed_per_h(r: dict) -> Optional[float]:
+    """The loop's time in outer steps per H inner steps (P fragment syncs per H steps)."""
+    if r["sync_outer_step_s"] is None:
+        return None
+    return r["sync_outer_step_s"] * r["outer_steps"] / (r["steps"] / r["H"])
+
+
+def _is_blocking(r: dict) -> bool:
+    """No overlap, one fragment: the row every overlap / fragment row is compared with."""
+    return not r.get("overlap_steps") and r.get("fragments", 1) == 1
+
+
+def streaming_net_reading(rows: List[dict]) -> str:
     """What the overlap / fragment rows say, from the rows: the wire's share of each method's blocking outer step,
     the exposed time and loss cost of the overlap τ that hides most, and fragments alone against blocking."""
+    exposed = exposed_per_h
     parts = {}
     for method in ("diloco", "sparseloco"):
         mine = [r for r in rows if r["method"] == method and exposed(r) is not None]
-        base = next((r for r in mine if not r.get("overlap_steps") and r.get("fragments", 1) == 1), None)
+        base = next((r for r in mine if _is_blocking(r)), None)
         if base is None:
             continue
         overlap = [r for r in mine if r.get("overlap_steps") and r.get("fragments", 1) == 1]
