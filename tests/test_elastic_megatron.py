@@ -144,7 +144,8 @@ class Run:
         for job in self.jobs:
             for a in range(1, job.attempt + 1):
                 text = job.output(a)
-                keep = [ln for ln in text.splitlines() if "elastic" in ln or "Error" in ln or "error" in ln]
+                keep = [ln for ln in text.splitlines()
+                        if "elastic" in ln or "Error" in ln or "error" in ln or ln.startswith("prefork:")]
                 out.append(f"--- {job.name} attempt {a}\n" + "\n".join(keep)[-n:])
         return "\n".join(out)
 

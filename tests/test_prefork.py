@@ -2,7 +2,9 @@
 
 It stands in for torchrun in the real-loop tests, so it must give a rank what torchrun gives:
 the environment of the caller plus the rank variables, a working gloo rendezvous, the caller's
-output pipe, torchrun's exit status, and no rank left running when one fails or the caller dies.
+output pipe, a Python process's signal state (SIGPIPE ignored: a write to a dead peer's socket
+raises, it does not kill the rank), torchrun's exit status, and no rank left running when one fails
+or the caller dies.
 """
 from __future__ import annotations
 
@@ -26,8 +28,16 @@ if mode == "sum":
     dist.init_process_group("gloo")
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
+    r, w = os.pipe()
+    os.close(r)
+    try:   # a write nobody reads (a dead peer's socket): a Python process gets EPIPE, it is not killed
+        os.write(w, b"x")
+        pipe = "written"
+    except BrokenPipeError:
+        pipe = "EPIPE"
     os.write(1, (f"rank {rank}/{os.environ['WORLD_SIZE']} local {os.environ['LOCAL_RANK']} sum {t.item():.0f} "
-                 f"client {os.environ.get('PREFORK_TEST_CLIENT_ONLY')} argv {sys.argv[3:]} path0 {sys.path[0]}\n").encode())
+                 f"client {os.environ.get('PREFORK_TEST_CLIENT_ONLY')} argv {sys.argv[3:]} path0 {sys.path[0]} "
+                 f"pipe {pipe}\n").encode())
     dist.destroy_process_group()
 elif mode == "fail":
     if rank == 1:
@@ -78,7 +88,7 @@ def test_ranks_get_the_callers_environment_and_a_working_rendezvous(tmp_path):
     lines = sorted(line for line in out.splitlines() if line.startswith("rank "))
     assert len(lines) == 3, out
     for r, line in enumerate(lines):
-        assert line.startswith(f"rank {r}/3 local {r} sum 6 client seen argv ['x', '--y'] path0 {tmp_path}"), line
+        assert line == f"rank {r}/3 local {r} sum 6 client seen argv ['x', '--y'] path0 {tmp_path} pipe EPIPE", line
 
 
 def test_a_failing_rank_stops_the_others_and_the_launch_fails(tmp_path):

@@ -253,8 +253,11 @@ def _rank_main(job, fds, rank: int, world: int, port: int, node: int = 0, nnodes
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
             os.close(fd)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE):
+        for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
+        # as any Python process torchrun starts: SIGPIPE ignored (CPython's start-up does it), so a write
+        # to a socket a dead peer closed raises (gloo: "Connection closed by peer") instead of killing the rank
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         env = dict(job["env"])
         local, rank, world = rank, node * world + rank, world * nnodes
