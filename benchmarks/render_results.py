@@ -105,7 +105,7 @@ PLAN: List[Bench] = (
        Bench("quality_6x384_w4", "python benchmarks/quality.py --sweep --workers 4 --steps 900 --seeds 1 --methods "
                                  "sparseloco:64 --layers 6 --hidden 384 --heads 6 --sweep-grid "
                                  "benchmarks/grids/6x384_w4.json --timeout 30000 "
-                                 "--json docs/results/quality_6x384_w4.json", "50 min"),
+                                 "--json docs/results/quality_6x384_w4.json", "70 min"),
        Bench("quality_6x384_ddp", "python benchmarks/quality.py --workers 4 --steps 900 --seeds 1 --methods ddp "
                                   "--layers 6 --hidden 384 --heads 6 --timeout 20000 "
                                   "--json docs/results/quality_6x384_ddp.json", "25 min"),
@@ -588,18 +588,30 @@ def third_size_section(docs: Dict[str, Dict]) -> List[str]:
     doc = have[0][1]
     seeds = doc["config"]["seeds"]
     methods = [NAMES[k] for k in KEYS if seed_group(doc, SIZE3_W[0], k) is not None]
+    swept = [NAMES[k] for k in KEYS if k != "diloco" and k in (doc["config"].get("sweep") or {}).get("grid", {})]
     out = [f"About 3× the second size ({fmt_params(doc['config']['numel'])} parameters), W = "
            f"{fmt_and([str(W) for W in SIZE3_W])}, the same protocol otherwise; seed"
            f"{'s ' + ', '.join(str(s) for s in seeds) if len(seeds) > 1 else ' ' + str(seeds[0])} at the chosen "
-           f"points. Measured: {fmt_and(methods)}, swept around the plugin's default outer lr (the question this size "
-           "answers: does the default hold as the model grows)"
-           + ("" if "DiLoCo" in methods else "; DiLoCo not measured at this size") + ".", ""]
+           f"points. {fmt_and(swept) or 'No SparseLoCo'} swept around the plugin's default "
+           "outer lr (the question this size answers: does the default hold as the model grows)"
+           + (f"; {third_size_diloco_grid(doc, docs)}" if "DiLoCo" in methods else "; DiLoCo not measured at this size")
+           + ".", ""]
     out += headline(docs, "_6x384", SIZE3_W)
     out += paragraph(reading(docs, "_6x384", SIZE3_W))
     out += paragraph(ddp_reading(docs, "_6x384", SIZE3_W))
     out += paragraph(default_cost(docs, "_6x384", SIZE3_W))
     out += [""] + command_block(have + [(n, docs[n]) for n in ("quality_6x384_ddp",) if n in docs])
     return out + (["", *missing(["quality_6x384_ddp"])] if "quality_6x384_ddp" not in docs else [])
+
+
+def third_size_diloco_grid(doc: Dict, docs: Dict[str, Dict]) -> str:
+    """Where the third size's DiLoCo grid lies: its points, and the second size's choice at the same W."""
+    points = (doc["config"].get("sweep") or {}).get("grid", {}).get("diloco", [])
+    text = "DiLoCo on lr / μ " + fmt_and([fmt_setting("diloco", tuple(p)) for p in points])
+    second = docs.get(f"quality_4x256_w{SIZE3_W[0]}")
+    best = chosen(second, SIZE3_W[0]).get("diloco") if second else None
+    return text + (f", around its choice on the second size at W = {SIZE3_W[0]} ({fmt_setting('diloco', best)})"
+                   if best else "")
 
 
 def default_lr_section(docs: Dict[str, Dict]) -> List[str]:

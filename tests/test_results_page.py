@@ -454,6 +454,12 @@ def test_the_third_size_has_its_section_with_ddp_from_its_own_file(tmp_path):
     third = R.render_page(R.load_results(str(tmp_path))).split("## A third model size")[1].split("\n## ")[0]
     assert "About 3× the second size (10.90 M parameters), W = 4, the same protocol otherwise; seed 0" in third
     assert "| 4 | SparseLoCo k = 64 | 1.5 | 2.0500 ± 0.000 (1) |" in third
+    assert "; DiLoCo on lr / μ 0.35 / 0.6, 0.35 / 0.8, " in third and "1 / 0.8 and 1 / 0.9." in third   # its grid
+    second = quality_doc(4)                                   # the second size's DiLoCo choice at W = 4: 0.5 / 0.8
+    second["config"]["numel"] = 3_258_112
+    write(tmp_path, "quality_4x256_w4", second)
+    third = R.render_page(R.load_results(str(tmp_path))).split("## A third model size")[1].split("\n## ")[0]
+    assert "1 / 0.9, around its choice on the second size at W = 4 (0.5 / 0.8)." in third
     assert PLAN["quality_6x384_ddp"] in third                 # DDP's file is not there yet: its command
     ddp = ddp_doc([4])
     ddp["command"] = PLAN["quality_6x384_ddp"]
