@@ -103,7 +103,7 @@ PLAN: List[Bench] = (
                                   "--layers 4 --hidden 256 --timeout 20000 --json docs/results/quality_4x256_ddp.json",
              "55 min"),
        Bench("quality_6x384_w4", "python benchmarks/quality.py --sweep --workers 4 --steps 900 --seeds 1 --methods "
-                                 "sparseloco:64 --layers 6 --hidden 384 --heads 6 --sweep-grid "
+                                 "diloco,sparseloco:64 --layers 6 --hidden 384 --heads 6 --sweep-grid "
                                  "benchmarks/grids/6x384_w4.json --timeout 30000 "
                                  "--json docs/results/quality_6x384_w4.json", "70 min"),
        Bench("quality_6x384_ddp", "python benchmarks/quality.py --workers 4 --steps 900 --seeds 1 --methods ddp "
