@@ -588,13 +588,14 @@ def third_size_section(docs: Dict[str, Dict]) -> List[str]:
     doc = have[0][1]
     seeds = doc["config"]["seeds"]
     methods = [NAMES[k] for k in KEYS if seed_group(doc, SIZE3_W[0], k) is not None]
-    swept = [NAMES[k] for k in KEYS if k != "diloco" and k in (doc["config"].get("sweep") or {}).get("grid", {})]
+    grid = recorded_grid(doc) or {}
+    swept = [NAMES[k] for k in KEYS if k != "diloco" and k in grid]
     out = [f"About 3× the second size ({fmt_params(doc['config']['numel'])} parameters), W = "
            f"{fmt_and([str(W) for W in SIZE3_W])}, the same protocol otherwise; seed"
            f"{'s ' + ', '.join(str(s) for s in seeds) if len(seeds) > 1 else ' ' + str(seeds[0])} at the chosen "
            f"points. {fmt_and(swept) or 'No SparseLoCo'} swept around the plugin's default "
            "outer lr (the question this size answers: does the default hold as the model grows)"
-           + (f"; {third_size_diloco_grid(doc, docs)}" if "DiLoCo" in methods else "; DiLoCo not measured at this size")
+           + (f"; {third_size_diloco_grid(grid, docs)}" if "DiLoCo" in methods else "; DiLoCo not measured at this size")
            + ".", ""]
     out += headline(docs, "_6x384", SIZE3_W)
     out += paragraph(reading(docs, "_6x384", SIZE3_W))
@@ -604,9 +605,10 @@ def third_size_section(docs: Dict[str, Dict]) -> List[str]:
     return out + (["", *missing(["quality_6x384_ddp"])] if "quality_6x384_ddp" not in docs else [])
 
 
-def third_size_diloco_grid(doc: Dict, docs: Dict[str, Dict]) -> str:
-    """Where the third size's DiLoCo grid lies: its points, and the second size's choice at the same W."""
-    points = (doc["config"].get("sweep") or {}).get("grid", {}).get("diloco", [])
+def third_size_diloco_grid(grid: Dict, docs: Dict[str, Dict]) -> str:
+    """Where the third size's DiLoCo grid (``grid``: its file's recorded sweep grid) lies: its points, and the
+    second size's choice at the same W."""
+    points = grid.get("diloco", [])
     text = "DiLoCo on lr / μ " + fmt_and([fmt_setting("diloco", tuple(p)) for p in points])
     second = docs.get(f"quality_4x256_w{SIZE3_W[0]}")
     best = chosen(second, SIZE3_W[0]).get("diloco") if second else None
@@ -1192,11 +1194,16 @@ def plan_problems(docs: Dict[str, Dict]) -> List[str]:
             out.append(f"docs/results/{name}.json: not in render_results.PLAN (move it to docs/archive/ or add it)")
         elif doc["command"] != plan[name].command:
             out.append(f"docs/results/{name}.json: made by {doc['command']!r}, PLAN runs {plan[name].command!r}")
-        elif doc["benchmark"] == "quality" and (doc["config"].get("sweep") or {}).get("grid") != sweep_grid_of(doc["command"]):
+        elif doc["benchmark"] == "quality" and recorded_grid(doc) != sweep_grid_of(doc["command"]):
             out.append(f"docs/results/{name}.json: swept another grid than its command sweeps today "
                        f"(quality.SWEEP or its --sweep-grid file changed): rerun it (quality.py --reuse saves the runs "
                        "it already has)")
     return out
+
+
+def recorded_grid(doc: Dict) -> Optional[Dict]:
+    """The sweep grid a quality file records it ran (None: no sweep)."""
+    return (doc["config"].get("sweep") or {}).get("grid")
 
 
 def sweep_grid_of(command: str) -> Optional[Dict]:
