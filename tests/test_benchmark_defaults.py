@@ -58,17 +58,11 @@ def test_a_run_gets_the_plugins_lr_for_its_models_size(layers, hidden):
 
 def test_model_numel_counts_the_built_model():
     """``common.model_numel`` against the parameters of the GPT the runs build (one rank, 3 × 96)."""
+    from megatron_sparseloco.testing.megatron_harness import tiny_gpt_parameter_counts
     from megatron_sparseloco.testing.multirank import run_ranks
     model = common.ModelCfg(layers=3, hidden=96, heads=4, seq=64, vocab=257)
-    assert run_ranks(_count_built, 1, args=(model,), timeout=300)[0] == common.model_numel(model)
-
-
-def _count_built(rank, world, model):
-    from megatron_sparseloco.testing.megatron_harness import build_tiny_gpt, init_megatron
-    init_megatron()
-    chunks = build_tiny_gpt(num_layers=model.layers, hidden=model.hidden, heads=model.heads, vocab=model.vocab,
-                            seq_len=model.seq)
-    return sum(p.numel() for c in chunks for p in c.parameters())
+    build = dict(num_layers=model.layers, hidden=model.hidden, heads=model.heads, vocab=model.vocab, seq_len=model.seq)
+    assert run_ranks(tiny_gpt_parameter_counts, 1, args=(build,), timeout=300)[0][0] == common.model_numel(model)
 
 
 def test_the_rules_values_are_the_ones_the_docs_quote():

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_sparseloco.megatron.fragments import fragment_offsets, layer_fragment, round_in_flight, syncs_at
 from megatron_sparseloco.megatron.schedule import RoundSchedule
+from megatron_sparseloco.testing.megatron_harness import tiny_gpt_parameter_counts
 from megatron_sparseloco.testing.multirank import run_ranks
 
 SEQ, MBS, VOCAB = 32, 2, 128
@@ -152,15 +153,6 @@ def _pp_rank(rank, world):
     return _fragment_run(2, 4, 1, 8, "sparseloco", {}, pp=2, num_layers=2)
 
 
-def _whole_model_numel(rank, world):
-    """The 2-layer model of ``_pp_rank`` on one rank: every parameter, the tied embedding once."""
-    from megatron_sparseloco.megatron.args.model_size import model_parameter_count
-    from megatron_sparseloco.testing.megatron_harness import build_tiny_gpt, init_megatron
-    init_megatron(tp=1, pp=1)
-    chunks = build_tiny_gpt(num_layers=2, seq_len=SEQ, vocab=VOCAB)
-    return sum(p.numel() for c in chunks for p in c.parameters()), model_parameter_count(chunks)
-
-
 @pytest.mark.timeout(1600)
 def test_fragments_pp2_global_layers_and_tied_copies():
     res = run_ranks(_pp_rank, 4, timeout=1500)
@@ -187,7 +179,8 @@ def test_fragments_pp2_global_layers_and_tied_copies():
         assert torch.equal(emb[0], out[0]), w
     # N of the outer-lr rule (megatron/args/model_size.py): the whole model's parameters on every rank of both stages,
     # the last stage's tied copy not counted twice
-    whole, counted = run_ranks(_whole_model_numel, 1, timeout=300)[0]
+    whole, counted = run_ranks(tiny_gpt_parameter_counts, 1, args=(dict(num_layers=2, seq_len=SEQ, vocab=VOCAB),),
+                               timeout=300)[0]
     assert whole == counted and {r["model_numel"] for r in res} == {whole}, (whole, [r["model_numel"] for r in res])
 
 

@@ -129,6 +129,15 @@ def build_tiny_gpt(moe: bool = False, num_layers: int = 2, hidden: int = 64, hea
     return [model]
 
 
+def tiny_gpt_parameter_counts(rank: int, world: int, build: Optional[dict] = None) -> Tuple[int, int]:
+    """A ``run_ranks`` target on one rank: build ``build_tiny_gpt(**build)`` without parallelism and return
+    (the sum of its parameters' sizes, ``model_parameter_count`` of it), to check a count against the model."""
+    from megatron_sparseloco.megatron.args.model_size import model_parameter_count
+    init_megatron()
+    chunks = build_tiny_gpt(**(build or {}))
+    return sum(p.numel() for c in chunks for p in c.parameters()), model_parameter_count(chunks)
+
+
 def wrap_ddp_and_optimizer(model_chunks, *, optimizer: str = "adam", lr: float = 1e-3,
                            use_distributed_optimizer: bool = True,
                            num_distributed_optimizer_instances: int = 1,
