@@ -68,9 +68,18 @@ def test_sparseloco_default_outer_lr_follows_workers_and_topk(W, extra, lr, monk
 def test_default_outer_lr_rule():
     from megatron_sparseloco.outer.sparseloco import default_outer_lr
     assert default_outer_lr(4, 64, 4096) == 1.06
-    assert default_outer_lr(8, 64, 4096) == round(0.265 / (8 * 64 / 4096) ** 0.5, 2) == 0.75
+    assert default_outer_lr(8, 64, 4096) == float(f"{0.265 / (8 * 64 / 4096) ** 0.5:.3g}") == 0.75
     assert default_outer_lr(2, 64, 4096) == default_outer_lr(1, 64, 4096) == 1.5   # held at W·k/C = 1/32
     assert default_outer_lr(1000, 64, 4096) == default_outer_lr(16, 64, 4096) == 0.53   # held at 1/4
+
+
+def test_default_outer_lr_keeps_three_significant_digits(monkeypatch):
+    """The rule's value is written as the sweep grids write their √2 steps: 0.375 stays 0.375 (two decimals
+    would run 0.38, a point no grid holds), 1.0607 is 1.06."""
+    from megatron_sparseloco.outer import sparseloco
+    for scale, W, lr in ((0.09375, 4, 0.375), (0.375, 8, 1.06), (0.0663, 4, 0.265), (0.265, 16, 0.53)):
+        monkeypatch.setattr(sparseloco, "DEFAULT_LR_SCALE", scale)
+        assert sparseloco.default_outer_lr(W, 64, 4096) == lr, (scale, W)
 
 
 def test_default_outer_lr_size_term():
@@ -86,8 +95,8 @@ def test_default_outer_lr_size_term():
     mid = int(math.sqrt(n0 * n1))   # the geometric middle: the geometric mean of the two scales
     assert math.isclose(default_lr_scale(mid), math.sqrt(s0 * s1), rel_tol=1e-6)
     assert s0 > default_lr_scale(1_000_000) > s1 > default_lr_scale(5_000_000) > s2   # falls with N
-    assert default_outer_lr(4, 64, 4096, n0) == round(s0 / math.sqrt(4 * 64 / 4096), 2)
-    assert default_outer_lr(4, 64, 4096, n2) == round(s2 / math.sqrt(4 * 64 / 4096), 2)
+    assert default_outer_lr(4, 64, 4096, n0) == float(f"{s0 / math.sqrt(4 * 64 / 4096):.3g}")
+    assert default_outer_lr(4, 64, 4096, n2) == float(f"{s2 / math.sqrt(4 * 64 / 4096):.3g}")
 
 
 def test_the_size_term_follows_the_built_model_and_an_explicit_lr_wins(monkeypatch):

@@ -146,11 +146,12 @@ def default_lr_scale(numel: int = 0) -> float:
 
 
 def default_outer_lr(num_workers: int, k: int, chunk: int, numel: int = 0) -> float:
-    """The default outer lr, s(N) / √u with u = W·k/C held inside ``DEFAULT_LR_MEASURED_U``, to 2 decimals
-    (module docstring: 1.06 at W = 4, k = 64 of 4096 on the 3.26 M model, and for an unknown size)."""
+    """The default outer lr, s(N) / √u with u = W·k/C held inside ``DEFAULT_LR_MEASURED_U``, to 3 significant
+    digits, as the sweep grids write their √2 steps (module docstring: 1.06 at W = 4, k = 64 of 4096 on the
+    3.26 M model and for an unknown size; 0.375, not 0.38, where s / √u is 0.375)."""
     low, high = DEFAULT_LR_MEASURED_U
     u = min(max(num_workers * k / chunk, low), high)
-    return round(default_lr_scale(numel) / math.sqrt(u), 2)
+    return float(f"{default_lr_scale(numel) / math.sqrt(u):.3g}")
 
 
 @dataclass
