@@ -256,7 +256,7 @@ def test_reduce_scatter_needs_tensor_chunking_and_packed_indices(extra, monkeypa
 
 
 @pytest.mark.parametrize("extra,shown", [
-    ([], "0.75 (default for W = 8: s(N)/√(W·k/C) with W·k/C held in [1/32, 1/4] and s = 0.375 / 0.265 / 0.1875 "
+    ([], "0.75 (default for W = 8: s(N)/√(W·k/C) with W·k/C held in [1/32, 1/4] and s = 0.375 / 0.265 / 0.06625 "
          "at N = 0.446 / 3.26 / 10.8 M parameters (log-interpolated, the end values held outside), the best outer "
          "lr measured at each size (docs/integration.md))"),
     (["--sparseloco-outer-lr", "0.75"], 0.75),

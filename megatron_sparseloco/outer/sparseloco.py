@@ -22,22 +22,23 @@ lr that depends on W, k and the model's size N (the reference uses 1 at every W)
 
     u  = W·k / C                      the share of a chunk that the W selections can cover
     lr = s(N) / √u ,  u clamped to [1/32, 1/4]         (``default_outer_lr``)
-    s(N): 0.375 at N = 446 k, 0.265 at 3.26 M, 0.1875 at 10.8 M parameters (``DEFAULT_LR_SCALES``),
-          log-linear in log N between them (lr ∝ N^−α, α ≈ 0.17 then 0.29), the end value held outside
+    s(N): 0.375 at N = 446 k, 0.265 at 3.26 M, 0.06625 at 10.8 M parameters (``DEFAULT_LR_SCALES``),
+          log-linear in log N between them (lr ∝ N^−α, α ≈ 0.17 then 1.16), the end values held outside
 
 i.e. 1.5 at W = 2, 1.06 at W = 4, 0.75 at W = 8 for k = 64 of 4096 on the 3.26 M model (1.06 / 0.75 /
-0.53 with k = 128), one √2 step higher on the 446 k model and one lower on the 10.8 M model. This is our
-quality benchmark's measurement, not a derivation (docs/integration.md, "Outer lr and the number of
-workers"): each anchor is the best point of the 900-step sweep (seed 0) at every W and k measured at
-that size. The step that works shrinks as the model grows, and one step too high costs up to ten
-times more than one step too low. Beyond the measured sizes the end values are held rather than the
-power law extrapolated (production SparseLoCo runs outer lr 1.0 at 72 B parameters, far above the
-extrapolation): set ``--sparseloco-outer-lr`` for a large model. N is every parameter of the model
-(``megatron/args/model_size.py``; unknown, N = 0: the 3.26 M scale). A reading of the 1/√u: under the
-contributors mean a coordinate chosen by one worker moves θ_outer by that worker's whole value, so the
-update's norm grows with the union of the selections, and the step that works shrinks with it. The
-rule is the default only with the contributors mean and no outer momentum; otherwise the default is
-1.5 (not measured with the rule). An explicit ``--sparseloco-outer-lr`` (``lr=``) always wins.
+0.53 with k = 128), one √2 step higher on the 446 k model and four lower (a factor of 4: 0.265 at
+W = 4) on the 10.8 M model. This is our quality benchmark's measurement, not a derivation
+(docs/integration.md, "Outer lr and the number of workers"): each anchor is the best point of the
+900-step sweep (seed 0) at every W and k measured at that size, bracketed by worse points on both
+sides. The step that works shrinks as the model grows, and one step too high costs up to ten times
+more than one step too low. Beyond the measured sizes the end values are held rather than the power
+law extrapolated (production SparseLoCo runs outer lr 1.0 at 72 B parameters, far above the
+extrapolation, with its own inner lr): set ``--sparseloco-outer-lr`` for a large model. N is every
+parameter of the model (``megatron/args/model_size.py``; unknown, N = 0: the 3.26 M scale). A reading
+of the 1/√u: under the contributors mean a coordinate chosen by one worker moves θ_outer by that
+worker's whole value, so the update's norm grows with the union of the selections, and the step that
+works shrinks with it. The rule is the default only with the contributors mean and no outer momentum;
+otherwise the default is 1.5 (not measured with the rule). An explicit ``--sparseloco-outer-lr`` (``lr=``) always wins.
 
 ``peer_norm_clip``: before summing, worker w's decoded values in a bucket are scaled by
 min(1, median_w' ‖v_w'‖ / ‖v_w‖) (the lower median, ``torch.median``, of the W peers' norms in
@@ -125,7 +126,7 @@ VALUE_BITS = QUANTISED_VALUE_BITS + RAW_VALUE_BITS
 DEFAULT_LR_MEASURED_U = (1 / 32, 1 / 4)
 #: the rule's scale s(N) at each measured model size, (parameters, scale): lr = s / √u was the best point of
 #: the quality sweep at every measured W and k there (module docstring; docs/integration.md)
-DEFAULT_LR_SCALES = ((446_080, 0.375), (3_258_112, 0.265), (10_795_392, 0.1875))
+DEFAULT_LR_SCALES = ((446_080, 0.375), (3_258_112, 0.265), (10_795_392, 0.06625))
 #: the scale used when the model's size is unknown (N = 0): the 3.26 M model's
 DEFAULT_LR_SCALE = 0.265
 
@@ -139,7 +140,9 @@ def default_lr_scale(numel: int = 0) -> float:
     if numel <= pts[0][0]:
         return pts[0][1]
     for (n0, s0), (n1, s1) in zip(pts, pts[1:]):
-        if numel <= n1:
+        if numel == n1:                      # a measured size: its scale as written, not through exp(log)
+            return s1
+        if numel < n1:
             t = math.log(numel / n0) / math.log(n1 / n0)
             return math.exp(math.log(s0) + t * (math.log(s1) - math.log(s0)))
     return pts[-1][1]
