@@ -30,15 +30,16 @@ i.e. 1.5 at W = 2, 1.06 at W = 4, 0.75 at W = 8 for k = 64 of 4096 on the 3.26 M
 W = 4) on the 10.8 M model. This is our quality benchmark's measurement, not a derivation
 (docs/integration.md, "Outer lr and the number of workers"): each anchor is the best point of the
 900-step sweep (seed 0) at every W and k measured at that size, bracketed by worse points on both
-sides. The step that works shrinks as the model grows, and one step too high costs up to ten times
-more than one step too low. Beyond the measured sizes the end values are held rather than the power
-law extrapolated (production SparseLoCo runs outer lr 1.0 at 72 B parameters, far above the
-extrapolation, with its own inner lr): set ``--sparseloco-outer-lr`` for a large model. N is every
-parameter of the model (``megatron/args/model_size.py``; unknown, N = 0: the 3.26 M scale). A reading
-of the 1/√u: under the contributors mean a coordinate chosen by one worker moves θ_outer by that
-worker's whole value, so the update's norm grows with the union of the selections, and the step that
-works shrinks with it. The rule is the default only with the contributors mean and no outer momentum;
-otherwise the default is 1.5 (not measured with the rule). An explicit ``--sparseloco-outer-lr`` (``lr=``) always wins.
+sides. The step that works shrinks as the model grows; on the two smaller sizes one step too high
+costs up to ten times more than one step too low (at 10.8 M the other way round). Beyond the
+measured sizes the end values are held rather than the power law extrapolated (production SparseLoCo
+runs outer lr 1.0 at 72 B parameters, far above the extrapolation, with its own inner lr): set
+``--sparseloco-outer-lr`` for a large model. N is every parameter of the model
+(``megatron/args/model_size.py``; unknown, N = 0: the 3.26 M scale). A reading of the 1/√u: under the
+contributors mean a coordinate chosen by one worker moves θ_outer by that worker's whole value, so
+the update's norm grows with the union of the selections, and the step that works shrinks with it.
+The rule is the default only with the contributors mean and no outer momentum; otherwise the default
+is 1.5 (not measured with the rule). An explicit ``--sparseloco-outer-lr`` (``lr=``) always wins.
 
 ``peer_norm_clip``: before summing, worker w's decoded values in a bucket are scaled by
 min(1, median_w' ‖v_w'‖ / ‖v_w‖) (the lower median, ``torch.median``, of the W peers' norms in
