@@ -1010,14 +1010,13 @@ def ddp_reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = H
                 lead: str = DDP_LEAD) -> str:
     """Where SparseLoCo stands against DDP for one model size, in one sentence from the seeds, with DiLoCo's gap to
     DDP and the bytes DDP sends over SparseLoCo k = 64's."""
-    text = reading(docs, size, widths, lead=lead, against="ddp")
+    groups = size_groups(docs, size, widths)
+    text = reading(docs, size, widths, lead=lead, against="ddp", groups=groups)
     if not text:
         return ""
     gaps, ratios = [], []
-    for W in widths:
-        doc = docs.get(f"quality{size}_w{W}")
-        ddp = ddp_group(docs, size, W)
-        d, s = (seed_group(doc, W, "diloco"), seed_group(doc, W, "sparseloco")) if doc else (None, None)
+    for W, g in groups.items():
+        ddp, d, s = g["ddp"], g["diloco"], g["sparseloco"]
         if ddp is not None and d is not None:
             gaps.append(f"{d['mean'] - ddp['mean']:+.3f} at W = {W}")
         if ddp is not None and s is not None:
@@ -1029,20 +1028,33 @@ def ddp_reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = H
             + (f" Bytes sent per worker, DDP over SparseLoCo k = 64: {', '.join(said)}." if said else ""))
 
 
+def size_groups(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> Dict[int, Dict[str, Optional[Dict]]]:
+    """Each measured W of a model size with the seed group of every method at its chosen setting (``None`` where a
+    method did not run): ``{W: {"diloco", "sparseloco", "sparseloco:128", "ddp"}}``; a W whose quality file is
+    absent is left out."""
+    out = {}
+    for W in widths:
+        doc = docs.get(f"quality{size}_w{W}")
+        if doc is None:
+            continue
+        out[W] = {k: seed_group(doc, W, k) for k in ("diloco", "sparseloco", "sparseloco:128")}
+        out[W]["ddp"] = ddp_group(docs, size, W)
+    return out
+
+
 def reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADLINE_W, lead: str = READING_LEAD,
-            against: str = "diloco") -> str:
+            against: str = "diloco", groups: Optional[Dict[int, Dict[str, Optional[Dict]]]] = None) -> str:
     """One sentence per k, computed from the seeds: where SparseLoCo's mean is below / above the reference's
     (DiLoCo, or ``against="ddp"``), and where the difference is smaller than the larger of the two spreads
-    (max − min over the seeds): level."""
+    (max − min over the seeds): level. ``groups``: the size's :func:`size_groups`, where the caller has them."""
+    groups = size_groups(docs, size, widths) if groups is None else groups
     parts = []
     ref_name = NAMES[against]
     for k in ("sparseloco", "sparseloco:128"):
         level = f"level with {ref_name} (within the seeds' spread)"
         found: Dict[str, List[str]] = {f"ahead of {ref_name}": [], level: [], f"behind {ref_name}": []}
-        for W in widths:
-            doc = docs.get(f"quality{size}_w{W}")
-            g = seed_group(doc, W, k) if doc else None
-            d = (ddp_group(docs, size, W) if against == "ddp" else seed_group(doc, W, against)) if doc else None
+        for W, by_method in groups.items():
+            g, d = by_method[k], by_method[against]
             if g is None or d is None:
                 continue
             delta = g["mean"] - d["mean"]
