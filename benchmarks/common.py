@@ -203,6 +203,8 @@ class RunCfg:
             tag += "" if self.value_bits == SPARSELOCO_DEFAULT.value_bits else f" bits={self.value_bits}"
         else:
             tag = self.method
+        if self.method == "ddp" and self.lr != RunCfg.lr:   # DDP's own setting is its lr (a "ddp" sweep grid)
+            tag += f" lr={self.lr:g}"
         if self.outer_lr is not None:
             tag += f" lr={self.outer_lr:g}" + (f" mu={self.outer_momentum:g}" if self.outer_momentum is not None else "")
         if self.method == "gasloc":

@@ -22,6 +22,11 @@ of inner steps (so the same tokens):
   torchft_diloco  PyPI torchft's DiLoCo (Manager + LighthouseServer, ProcessGroupGloo), inner
                   torch AdamW with the same settings, outer SGD lr 0.7 momentum 0.9 Nesterov
 
+DDP's one setting is its lr: the shared inner lr unless the sweep grid has a "ddp" key, whose points are
+[inner lr, null] (``--sweep-grid '{"ddp": [[0.000707, null], [0.001, null], [0.00141, null]]}'``); the
+chosen lr is then DDP's ``tuned_per_w`` entry, and its seeds run at it. The outer-loop methods keep the shared
+inner lr: their tuning is the outer lr (and DiLoCo's momentum).
+
 Every outer setting a run does not set (outer lr / momentum: --sweep or --tuned set them) is the plugin's
 default, resolved for the run's W (common.strategy_fields): DiLoCo 0.7 / 0.9, SparseLoCo's lr rule
 s(N)/√(W·k/C) (``default_outer_lr``, N the model's parameters), GASLoC η 0.7, γ 0.6.
@@ -121,7 +126,8 @@ def owner_codec(extra):
 
 def tuned_setting(tuned, method, k):
     """(outer lr, momentum) for ``method`` at Top-k ``k``: the ``"sparseloco:K"`` entry when the sweep tuned
-    that k on its own, else the method's entry, else (None, None) (the plugin's defaults)."""
+    that k on its own, else the method's entry, else (None, None) (the plugin's defaults). For ddp the pair is
+    (inner lr, None): None keeps the shared inner lr."""
     return tuned.get(f"{method}:{k}", tuned.get(method, (None, None)))
 
 
@@ -152,6 +158,8 @@ def make_run(method, k, extra, H, seed, base, tuned):
         spec.setdefault("outer_lr", lr)
         spec.setdefault("outer_momentum", mu)
         return RunCfg("gasloc", **fields, **spec)
+    if method == "ddp" and lr is not None:   # DDP's tuned setting is its (inner) lr
+        fields["lr"] = lr
     return RunCfg(method, **fields)
 
 
@@ -209,7 +217,8 @@ def fragment_settings(args):
 
 def sweep_grid(text):
     """``--sweep-grid``: a JSON object (inline or a file path) {method: [[lr, mu], ...]} replacing SWEEP's
-    points for the methods it names; empty → SWEEP."""
+    points for the methods it names; empty → SWEEP. Key ``"ddp"``: DDP's inner lr, ``[[lr, null], ...]``
+    (the default sweep has none: DDP then runs at the shared inner lr)."""
     if not text:
         return SWEEP
     if os.path.exists(text):
@@ -220,13 +229,18 @@ def sweep_grid(text):
     except json.JSONDecodeError as e:
         raise SystemExit(f"--sweep-grid: not JSON ({e}); e.g. '{{\"sparseloco\": [[2.0, null]]}}'")
     if not isinstance(grid, dict) or not grid or not all(_grid_key(m) for m in grid):
-        raise SystemExit(f"--sweep-grid: an object whose keys are among {sorted(SWEEP)} or 'sparseloco:K' "
+        raise SystemExit(f"--sweep-grid: an object whose keys are among {sorted(SWEEP) + ['ddp']} or 'sparseloco:K' "
                          f"(K a positive integer: tune that Top-k on its own), got {text!r}")
+    bad = [pt for pt in grid.get("ddp", []) if not (isinstance(pt, list) and len(pt) == 2 and pt[1] is None
+                                                    and isinstance(pt[0], (int, float)) and pt[0] > 0)]
+    if bad:
+        raise SystemExit(f"--sweep-grid: a \"ddp\" point is [inner lr > 0, null] (DDP has no momentum to tune), "
+                         f"got {bad}")
     return {m: [tuple(pt) for pt in pts] for m, pts in grid.items()}
 
 
 def _grid_key(key):
-    return key in SWEEP or re.fullmatch(r"sparseloco:[1-9]\d*", str(key)) is not None
+    return key in SWEEP or key == "ddp" or re.fullmatch(r"sparseloco:[1-9]\d*", str(key)) is not None
 
 
 def sweep_runs(args, steps):
@@ -235,6 +249,7 @@ def sweep_runs(args, steps):
     grid = sweep_grid(args.sweep_grid)
     runs = [RunCfg("diloco", outer_lr=lr, outer_momentum=mu, **base) for lr, mu in grid.get("diloco", [])]
     runs += [RunCfg("sparseloco", k=64, outer_lr=lr, **base) for lr, _ in grid.get("sparseloco", [])]
+    runs += [RunCfg("ddp", **dict(base, lr=lr)) for lr, _ in grid.get("ddp", [])]
     for key in sorted(k for k in grid if k.startswith("sparseloco:")):   # a Top-k tuned on its own
         runs += [RunCfg("sparseloco", k=int(key.split(":")[1]), outer_lr=lr, **base) for lr, _ in grid[key]]
     return runs
@@ -421,13 +436,15 @@ def _run_rows(W, model, runs, ft_runs, paths, timeout, env, notes):
 
 def pick_tuned(sweep_rows):
     """Tuned key → (outer lr, momentum) with the lowest held-out loss in the sweep. The key is the method
-    (sparseloco: at k=64), or ``sparseloco:K`` for any other swept Top-k (tuned on its own)."""
+    (sparseloco: at k=64), or ``sparseloco:K`` for any other swept Top-k (tuned on its own); ddp's pair is
+    (inner lr, None)."""
     best = {}
     for r in sweep_rows:
         key = f"sparseloco:{r['k']}" if r["method"] == "sparseloco" and r["k"] != 64 else r["method"]
         if _grid_key(key) and (key not in best or r["held_out_loss"] < best[key]["held_out_loss"]):
             best[key] = r
-    return {key: (r["outer_lr"], r["outer_momentum"]) for key, r in best.items()}
+    return {key: ((r["run"]["lr"], None) if key == "ddp" else (r["outer_lr"], r["outer_momentum"]))
+            for key, r in best.items()}
 
 
 def main(argv=None) -> int:

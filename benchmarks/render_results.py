@@ -21,7 +21,7 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -156,6 +156,8 @@ def row_setting(row: Dict) -> tuple:
 
 def _at(row: Dict, setting: tuple) -> bool:
     lr, mu = setting
+    if row["method"] == "ddp":   # DDP's setting is its inner lr (a "ddp" sweep); None: untuned, the shared lr
+        return lr is None or row["run"]["lr"] == lr
     have_lr, have_mu = row_setting(row)
     return have_lr == lr and (row["method"] != "diloco" or have_mu == mu)
 
@@ -184,6 +186,47 @@ def ddp_group(docs: Dict[str, Dict], size: str, W: int) -> Optional[Dict]:
         if g is not None:
             return dict(g, file=name)
     return None
+
+
+def ddp_setting(g: Dict) -> str:
+    """DDP's setting column: it syncs every step; its lr where a sweep chose one."""
+    lr = g["setting"][0]
+    return "every step" if lr is None else f"every step, lr {lr:g}"
+
+
+def ddp_sweep(doc: Dict, W: int) -> List[Tuple[float, float]]:
+    """DDP's lr sweep at W, seed 0: (inner lr, held-out loss), lowest lr first; empty where DDP was not swept."""
+    return sorted((r["run"]["lr"], r["held_out_loss"]) for r in doc["rows"]
+                  if r["workers"] == W and r.get("sweep") and r["method"] == "ddp")
+
+
+def ddp_sweep_cells(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> List[str]:
+    """Per swept W of a size's DDP file: "W = 2: 0.000707 → 2.1, **0.001 → 2.0** ..." (bold: the chosen lr, an edge
+    flagged); empty where DDP's lr was not swept."""
+    doc = docs.get(f"quality{size}_ddp")
+    parts = []
+    for W in widths:
+        pts = ddp_sweep(doc, W) if doc else []
+        lr = chosen(doc, W).get("ddp", (None, None))[0] if doc else None
+        if not pts or lr is None:
+            continue
+        cells = ", ".join(f"**{x:g} → {loss:.4f}**" if x == lr else f"{x:g} → {loss:.4f}" for x, loss in pts)
+        edge = (" (the grid's lowest: widen it)" if lr == pts[0][0] else
+                " (the grid's highest: widen it)" if lr == pts[-1][0] else "")
+        parts.append(f"W = {W}: {cells}{edge}")
+    return parts
+
+
+def ddp_tuning(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> str:
+    """How DDP's lr was set at a model size, as a sentence: swept per W (:func:`ddp_sweep_cells`), or the shared
+    inner lr, untuned, with what that means for the comparison."""
+    parts = ddp_sweep_cells(docs, size, widths)
+    if not parts:
+        return ("Its lr is the shared inner lr, not tuned for it, while each outer-loop method's outer lr (and "
+                "DiLoCo's momentum) is tuned per W, and an outer lr above 1 also scales the step: where DDP trails an "
+                "outer-loop method, part of the gap is this tuning.")
+    return ("Its lr is tuned per W as the outer-loop methods' outer settings are: swept on seed 0 by √2 steps around "
+            "the shared inner lr, its seeds then run at the lowest held-out loss (bold): " + "; ".join(parts) + ".")
 
 
 def sweep_points(doc: Dict, W: int, key: str) -> List[Dict]:
@@ -312,7 +355,7 @@ def headline(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEAD
             out.append(f"| {W} | not measured yet | | | | | |" + (" | |" if net else ""))
         if ddp is not None:   # the synchronous baseline first: gradients all-reduced every step, the same tokens
             delta = "" if ref is None else f"{ddp['mean'] - ref['mean']:+.3f}"
-            out.append(f"| {W} | DDP | every step | {ddp['mean']:.4f} ± {ddp['spread']:.3f} ({len(ddp['losses'])}) | "
+            out.append(f"| {W} | DDP | {ddp_setting(ddp)} | {ddp['mean']:.4f} ± {ddp['spread']:.3f} ({len(ddp['losses'])}) | "
                        f"{delta} |  | {fmt_bytes(ddp['bytes_sent'])} |" + (" | |" if net else ""))
         if doc is None:
             continue
@@ -678,7 +721,7 @@ def schedule_section(docs: Dict[str, Dict]) -> List[str]:
             continue
         c = (ddp_group(docs, "", W) if k == "ddp" else seed_group(const, W, k) if const else None)
         same = c is not None and (k == "ddp" or c["setting"] == g["setting"])
-        setting = "every step" if k == "ddp" else fmt_setting(k, g["setting"])
+        setting = ddp_setting(g) if k == "ddp" else fmt_setting(k, g["setting"])
         out.append(f"| {NAMES[k]} | {setting} | "
                    + (f"{c['mean']:.4f} ± {c['spread']:.3f} ({len(c['losses'])})" if same and c else "not measured")
                    + f" | {g['mean']:.4f} ± {g['spread']:.3f} ({len(g['losses'])}) | "
@@ -934,9 +977,7 @@ def render_page(docs: Dict[str, Dict]) -> str:
     L += ["## DDP, DiLoCo and SparseLoCo", "",
           "*DDP*: Megatron's data-parallel training with the distributed optimizer, every step's gradients "
           "all-reduced across the W ranks (no outer loop), the same inner AdamW and tokens: the synchronous baseline. "
-          "Its bytes: fp32 gradients handed to the reduction every step. Its lr is the shared inner lr, not tuned "
-          "for it, while each outer-loop method's outer lr (and DiLoCo's momentum) is tuned per W, and an outer lr "
-          "above 1 also scales the step: where DDP trails an outer-loop method, part of the gap is this tuning.", ""]
+          "Its bytes: fp32 gradients handed to the reduction every step. " + ddp_tuning(docs, "", HEADLINE_W), ""]
     L += headline(docs)
     L += paragraph(reading(docs))
     L += paragraph(ddp_reading(docs))
@@ -1104,8 +1145,10 @@ def render_readme_block(docs: Dict[str, Dict]) -> str:
         L += ["Results: not measured yet (`make bench`; docs/results.md)."]
     else:
         q = docs[f"quality_w{have[0]}"]["config"]
-        L += [f"DDP → DiLoCo → SparseLoCo: plain data-parallel training (gradients all-reduced every step, at the "
-              "shared inner lr: not tuned for it), then both "
+        ddp_lr = ("its lr tuned at each W" if ddp_sweep_cells(docs, "", have)
+                  else "at the shared inner lr: not tuned for it")
+        L += [f"DDP → DiLoCo → SparseLoCo: plain data-parallel training (gradients all-reduced every step, {ddp_lr}), "
+              "then both "
               f"outer-loop methods tuned on their own grid at each W, {len(q['seeds'])} seeds "
               f"(held-out loss, mean ± spread; lower is better; a {fmt_params(q['numel'])}-parameter Megatron GPT, "
               f"{q['steps']} inner steps per worker, H = {q['H']}, the same tokens). Bytes: sent per worker over the "

@@ -64,8 +64,39 @@ def test_a_top_k_tuned_on_its_own_gets_its_own_setting():
     assert [(r.k, r.outer_lr) for r in runs] == [(64, 1.5), (128, 1.2), (256, 1.5)]
 
 
+def test_a_ddp_grid_sweeps_ddps_inner_lr_and_its_seeds_run_at_the_chosen_lr():
+    """DDP's one setting is its lr: a "ddp" grid point is [inner lr, null]; the sweep's best becomes DDP's tuned
+    entry (inner lr, None), its seeds run at that lr, and the outer-loop methods keep the shared inner lr."""
+    text = '{"ddp": [[0.000707, null], [0.001, null], [0.00141, null]]}'
+    assert quality.sweep_grid(text) == {"ddp": [(0.000707, None), (0.001, None), (0.00141, None)]}
+    args = argparse.Namespace(sweep_grid=text, mbs=4, lr=1e-3, eval_windows=8, H=15)
+    runs = quality.sweep_runs(args, 30)
+    assert [(r.method, r.lr, r.outer_lr, r.seed, r.data_seed) for r in runs] == [
+        ("ddp", lr, None, 1234, 0) for lr in (0.000707, 0.001, 0.00141)]
+    assert [r.label() for r in runs] == ["ddp lr=0.000707", "ddp", "ddp lr=0.00141"]
+    rows = [{"method": "ddp", "k": None, "outer_lr": None, "outer_momentum": None, "held_out_loss": loss,
+             "run": {"lr": r.lr}} for r, loss in zip(runs, (2.2, 2.1, 2.15))]
+    rows.append({"method": "diloco", "k": None, "outer_lr": 0.7, "outer_momentum": 0.8, "held_out_loss": 2.3,
+                 "run": {"lr": 1e-3}})
+    tuned = quality.pick_tuned(rows)
+    assert tuned == {"ddp": (0.001, None), "diloco": (0.7, 0.8)}
+    rows[2]["held_out_loss"] = 2.0
+    tuned = quality.pick_tuned(rows)
+    assert tuned["ddp"] == (0.00141, None)
+    args = argparse.Namespace(methods="ddp,diloco", H=15, mbs=4, lr=1e-3, eval_windows=8, overlap_steps="",
+                              overlap_merges="replay", fragments="")
+    seeds, _ = quality.build_runs(args, tuned, [0, 1], 30)
+    assert [(r.method, r.lr, r.outer_lr, r.data_seed) for r in seeds] == [
+        ("ddp", 0.00141, None, 0), ("diloco", 1e-3, 0.7, 0), ("ddp", 0.00141, None, 1), ("diloco", 1e-3, 0.7, 1)]
+    # seed 0 at the chosen lr is the sweep's run (the same configuration), not a second one
+    assert quality._run_key(seeds[0]) == quality._run_key(runs[2])
+    untuned, _ = quality.build_runs(args, {}, [0], 30)
+    assert untuned[0].lr == 1e-3
+
+
 @pytest.mark.parametrize("text", ["{not json", '{"adam": [[1, 2]]}', "{}", "[1]", '{"sparseloco:0": [[1, null]]}',
-                                  '{"diloco:64": [[1, 0.6]]}'])
+                                  '{"diloco:64": [[1, 0.6]]}', '{"ddp": [[0.001, 0.9]]}', '{"ddp": [[0, null]]}',
+                                  '{"ddp": [["x", null]]}'])
 def test_sweep_grid_refuses_bad_input(text):
     with pytest.raises(SystemExit, match="--sweep-grid"):
         quality.sweep_grid(text)

@@ -421,6 +421,53 @@ def test_ddp_sits_beside_diloco_and_sparseloco_in_the_headline_the_reading_and_t
     assert "| 4 | DDP | every step | 2.3000 ± 0.200 (3) | +0.180 |" in R.render_page(R.load_results(str(tmp_path)))
 
 
+def swept_ddp_doc(W, sweep, chosen_lr, seed_losses):
+    """A DDP file whose lr was swept at W (a "ddp" sweep grid): seed 0 at each (lr, loss) of ``sweep``, seeds 1
+    and 2 at ``chosen_lr``."""
+    def row(lr, seed, loss, sweep_, seed_run):
+        return {"method": "ddp", "k": None, "label": "ddp" if lr == 1e-3 else f"ddp lr={lr:g}", "seed": seed,
+                "workers": W, "steps": 900, "H": None, "outer_lr": None, "outer_momentum": None, "held_out_loss": loss,
+                "bytes_sent_per_worker": 1.6e9, "bytes_received_per_worker": None, "numel": 446_000,
+                "sweep": sweep_, "seed_run": seed_run, "run": {"method": "ddp", "lr": lr},
+                "curve": [{"step": 900, "tokens": 1, "bytes_per_worker": 1.6e9, "held_out_loss": loss, "wall_s": 9.0}]}
+    rows = [row(lr, 0, loss, True, lr == chosen_lr) for lr, loss in sweep]
+    rows += [row(chosen_lr, s, seed_losses[s - 1], False, True) for s in (1, 2)]
+    command = (f"python benchmarks/quality.py --sweep --sweep-each-w --workers {W} --steps 900 --seeds 3 --methods ddp "
+               f"--sweep-grid '{json.dumps({'ddp': [[lr, None] for lr, _ in sweep]})}' --json docs/results/x.json")
+    config = {"model": {}, "numel": 446_000, "steps": 900, "H": 15, "workers": [W], "seeds": [0, 1, 2],
+              "inner": {"lr": 1e-3, "micro_batch": 4}, "tuned_per_w": {str(W): {"ddp": [chosen_lr, None]}},
+              "sweep": {"grid": R.sweep_grid_of(command)}}
+    return schema.document("quality", command, config, rows, machine=dict(MACHINE))
+
+
+def test_a_swept_ddp_lr_sets_ddps_row_and_the_page_shows_its_sweep(tmp_path):
+    """DDP's row is its seeds at the lr its sweep chose (not the other lrs' seed-0 runs); the table names that lr,
+    the DDP paragraph lists the sweep with the chosen point bold and an edge flagged, and the README says DDP was
+    tuned; an unswept DDP file keeps the untuned caveat."""
+    write(tmp_path, "quality_w4", quality_doc(4))
+    write(tmp_path, "quality_ddp", ddp_doc([4]))
+    docs = R.load_results(str(tmp_path))
+    assert "Its lr is the shared inner lr, not tuned for it" in R.render_page(docs)
+    assert "at the shared inner lr: not tuned for it" in R.render_readme_block(docs)
+    write(tmp_path, "quality_ddp", swept_ddp_doc(4, [(0.000707, 1.95), (0.001, 1.93), (0.00141, 1.90)], 0.00141,
+                                                 (1.91, 1.92)))
+    docs = R.load_results(str(tmp_path))
+    page = R.render_page(docs)
+    # seeds 1.90 / 1.91 / 1.92 at lr 0.00141: mean 1.91, spread 0.02 (the 1.95 and 1.93 sweep runs are not in it)
+    assert "| 4 | DDP | every step, lr 0.00141 | 1.9100 ± 0.020 (3) | -0.210 |" in page
+    assert ("Its lr is tuned per W as the outer-loop methods' outer settings are: swept on seed 0 by √2 steps around "
+            "the shared inner lr, its seeds then run at the lowest held-out loss (bold): W = 4: 0.000707 → 1.9500, "
+            "0.001 → 1.9300, **0.00141 → 1.9000** (the grid's highest: widen it).") in page
+    assert "not tuned for it" not in page
+    block = R.render_readme_block(docs)
+    assert "every step, its lr tuned at each W)" in block and "not tuned for it" not in block
+    write(tmp_path, "quality_ddp", swept_ddp_doc(4, [(0.000707, 1.95), (0.001, 1.90), (0.00141, 1.93)], 0.001,
+                                                 (1.91, 1.92)))
+    page = R.render_page(R.load_results(str(tmp_path)))
+    assert "| 4 | DDP | every step, lr 0.001 | 1.9100 ± 0.020 (3) |" in page
+    assert "**0.001 → 1.9000**, 0.00141 → 1.9300." in page
+
+
 def test_the_default_lr_table_measures_todays_rule_at_every_size_against_the_target(tmp_path):
     write(tmp_path, "quality_w2", quality_doc(2))            # 446 k: the rule's 2.12 against the chosen 1.5
     section = R.render_page(R.load_results(str(tmp_path))).split("## The default outer lr across")[1]
