@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
+import json
 import os
 import re
 import shlex
@@ -97,15 +98,16 @@ PLAN: List[Bench] = (
        Bench("memory", "python benchmarks/memory.py --json docs/results/memory.json", "1 min")]
     + [_quality(W, f" --layers 4 --hidden 256 --sweep-grid {SIZE2_GRID[W]}", f"quality_4x256_w{W}",
                 "diloco,sparseloco:64") for W in SIZE2_W]
-    + [Bench("quality_ddp", "python benchmarks/quality.py --workers 2,4,8 --steps 900 --seeds 3 --methods ddp "
-                            "--timeout 20000 --json docs/results/quality_ddp.json", "15 min"),
+    + [Bench("quality_ddp", "python benchmarks/quality.py --sweep --sweep-each-w --workers 2,4,8 --steps 900 "
+                            "--seeds 3 --methods ddp --sweep-grid benchmarks/grids/ddp.json --timeout 20000 "
+                            "--json docs/results/quality_ddp.json", "55 min"),
        Bench("quality_4x256_ddp", "python benchmarks/quality.py --workers 2,4,8 --steps 900 --seeds 3 --methods ddp "
                                   "--layers 4 --hidden 256 --timeout 20000 --json docs/results/quality_4x256_ddp.json",
              "55 min"),
        Bench("quality_6x384_w4", "python benchmarks/quality.py --sweep --workers 4 --steps 900 --seeds 1 --methods "
                                  "diloco,sparseloco:64 --layers 6 --hidden 384 --heads 6 --sweep-grid "
                                  "benchmarks/grids/6x384_w4.json --timeout 30000 "
-                                 "--json docs/results/quality_6x384_w4.json", "230 min"),
+                                 "--json docs/results/quality_6x384_w4.json", "275 min"),
        Bench("quality_6x384_ddp", "python benchmarks/quality.py --workers 4 --steps 900 --seeds 1 --methods ddp "
                                   "--layers 6 --hidden 384 --heads 6 --timeout 20000 "
                                   "--json docs/results/quality_6x384_ddp.json", "25 min"),
@@ -217,15 +219,15 @@ def ddp_sweep_cells(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> 
     return parts
 
 
-def ddp_tuning(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> str:
-    """How DDP's lr was set at a model size, as a sentence: swept per W (:func:`ddp_sweep_cells`), or the shared
-    inner lr, untuned, with what that means for the comparison."""
+def ddp_tuning(docs: Dict[str, Dict], size: str, widths: Sequence[int], subject: str = "Its lr") -> str:
+    """How DDP's lr was set at a model size, as a sentence on ``subject``: swept per W (:func:`ddp_sweep_cells`),
+    or the shared inner lr, untuned, with what that means for the comparison."""
     parts = ddp_sweep_cells(docs, size, widths)
     if not parts:
-        return ("Its lr is the shared inner lr, not tuned for it, while each outer-loop method's outer lr (and "
+        return (f"{subject} is the shared inner lr, not tuned for it, while each outer-loop method's outer lr (and "
                 "DiLoCo's momentum) is tuned per W, and an outer lr above 1 also scales the step: where DDP trails an "
                 "outer-loop method, part of the gap is this tuning.")
-    return ("Its lr is tuned per W as the outer-loop methods' outer settings are: swept on seed 0 by √2 steps around "
+    return (f"{subject} is tuned per W as the outer-loop methods' outer settings are: swept on seed 0 by √2 steps around "
             "the shared inner lr, its seeds then run at the lowest held-out loss (bold): " + "; ".join(parts) + ".")
 
 
@@ -643,6 +645,7 @@ def third_size_section(docs: Dict[str, Dict]) -> List[str]:
     out += headline(docs, "_6x384", SIZE3_W)
     out += paragraph(reading(docs, "_6x384", SIZE3_W))
     out += paragraph(ddp_reading(docs, "_6x384", SIZE3_W))
+    out += paragraph(ddp_tuning(docs, "_6x384", SIZE3_W, "DDP's lr at this size") if "quality_6x384_ddp" in docs else "")
     out += paragraph(default_cost(docs, "_6x384", SIZE3_W))
     out += [""] + command_block(have + [(n, docs[n]) for n in ("quality_6x384_ddp",) if n in docs])
     return out + (["", *missing(["quality_6x384_ddp"])] if "quality_6x384_ddp" not in docs else [])
@@ -710,8 +713,8 @@ def schedule_section(docs: Dict[str, Dict]) -> List[str]:
     out = [f"The quality model at W = {W}, inner lr {inner['schedule']} (peak {inner['lr']:g}), gradient clipping at "
            f"{inner['clip_grad']:g}, as Megatron's `--lr-warmup-fraction {inner['lr_warmup_fraction']:g} "
            f"--lr-decay-style {inner['lr_decay_style']} --min-lr {inner['min_lr']:g} --clip-grad {inner['clip_grad']:g}` "
-           "give it; every method at the outer setting the constant-lr sweep chose at this W (not swept again "
-           f"under the schedule), {len(doc['config']['seeds'])} seeds. Beside it, the headline's constant-lr rows.", "",
+           "give it; every method at the setting the constant-lr sweep chose at this W (not swept again "
+           f"under the schedule; where DDP's lr was swept, its chosen lr is its peak), {len(doc['config']['seeds'])} seeds. Beside it, the headline's constant-lr rows.", "",
            "| method | outer lr (/ μ) | constant lr, no clipping | warmup + cosine + clip 1.0 | change |",
            "|---|---|---:|---:|---:|"]
     ranks: Dict[str, List[tuple]] = {"constant": [], "schedule": []}
@@ -720,7 +723,7 @@ def schedule_section(docs: Dict[str, Dict]) -> List[str]:
         if g is None:
             continue
         c = (ddp_group(docs, "", W) if k == "ddp" else seed_group(const, W, k) if const else None)
-        same = c is not None and (k == "ddp" or c["setting"] == g["setting"])
+        same = c is not None and c["setting"] == g["setting"]   # DDP's: its lr (None: the shared inner lr)
         setting = ddp_setting(g) if k == "ddp" else fmt_setting(k, g["setting"])
         out.append(f"| {NAMES[k]} | {setting} | "
                    + (f"{c['mean']:.4f} ± {c['spread']:.3f} ({len(c['losses'])})" if same and c else "not measured")
@@ -1012,6 +1015,7 @@ def render_page(docs: Dict[str, Dict]) -> str:
     L += headline(docs, "_4x256", SIZE2_W)
     L += paragraph(reading(docs, "_4x256", SIZE2_W))
     L += paragraph(ddp_reading(docs, "_4x256", SIZE2_W))
+    L += paragraph(ddp_tuning(docs, "_4x256", SIZE2_W, "DDP's lr at this size") if "quality_4x256_ddp" in docs else "")
     L += paragraph(default_cost(docs, "_4x256", SIZE2_W))
     big = [(n, docs[n]) for n in [f"quality_4x256_w{W}" for W in SIZE2_W] + ["quality_4x256_ddp"] if n in docs]
     if big:
@@ -1253,7 +1257,26 @@ def plan_problems(docs: Dict[str, Dict]) -> List[str]:
             out.append(f"docs/results/{name}.json: swept another grid than its command sweeps today "
                        f"(quality.SWEEP or its --sweep-grid file changed): rerun it (quality.py --reuse saves the runs "
                        "it already has)")
+        elif doc["benchmark"] == "quality" and tuned_of(doc["command"]) not in (None, recorded_tuned(doc)):
+            out.append(f"docs/results/{name}.json: ran other settings than its --tuned file holds today "
+                       f"({recorded_tuned(doc)} against {tuned_of(doc['command'])}): rerun it (quality.py --reuse "
+                       "saves the runs it already has)")
     return out
+
+
+def recorded_tuned(doc: Dict) -> Dict:
+    """The settings a --tuned quality file ran at (one W's ``tuned_per_w``; every W of such a file runs them)."""
+    per_w = doc["config"].get("tuned_per_w") or {}
+    return next(iter(per_w.values()), {}) if per_w else {}
+
+
+def tuned_of(command: str) -> Optional[Dict]:
+    """The settings ``command``'s --tuned file holds today, as a results file records them (None: no --tuned)."""
+    argv = shlex.split(command)
+    if "--tuned" not in argv:
+        return None
+    with open(os.path.join(REPO, argv[argv.index("--tuned") + 1])) as f:
+        return {k: list(v) for k, v in json.load(f).items()}
 
 
 def recorded_grid(doc: Dict) -> Optional[Dict]:

@@ -323,6 +323,23 @@ def test_a_file_made_by_another_command_or_grid_than_make_bench_is_refused(tmp_p
     assert not any("quality_w4" in p for p in problems)
 
 
+def test_a_tuned_file_made_at_other_settings_than_its_tuned_file_holds_is_refused(tmp_path):
+    """A --tuned quality file (the schedule's) records the settings it ran; when the --tuned file changes (DDP's
+    swept lr added to it), the file is stale until rerun."""
+    with open(os.path.join(ROOT, "benchmarks", "grids", "tuned_w4.json")) as f:
+        today = json.load(f)
+    sched = quality_doc(4)
+    sched["command"] = PLAN["quality_schedule_w4"]
+    sched["config"].pop("sweep")
+    sched["config"]["tuned_per_w"] = {"4": today}
+    write(tmp_path, "quality_schedule_w4", sched)
+    assert R.plan_problems(R.load_results(str(tmp_path))) == []
+    sched["config"]["tuned_per_w"] = {"4": {k: v for k, v in today.items() if k != "ddp"}}
+    write(tmp_path, "quality_schedule_w4", sched)
+    (problem,) = R.plan_problems(R.load_results(str(tmp_path)))
+    assert "quality_schedule_w4.json: ran other settings than its --tuned file holds today" in problem
+
+
 def test_check_reports_a_stale_page_and_readme(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
@@ -552,6 +569,17 @@ def test_the_schedule_section_compares_each_method_with_its_constant_lr_rows_and
     sched["rows"] = [dict(r, held_out_loss=2.5) if r["method"] == "ddp" else r for r in sched["rows"]]
     write(tmp_path, "quality_schedule_w4", sched)
     assert "the ranking changes." in R.render_page(R.load_results(str(tmp_path)))
+    # DDP's constant-lr row at a swept lr (0.00141) is not the schedule's DDP at the shared lr: not compared ...
+    write(tmp_path, "quality_ddp", swept_ddp_doc(4, [(0.001, 1.95), (0.00141, 1.90)], 0.00141, (1.91, 1.92)))
+    section = R.render_page(R.load_results(str(tmp_path))).split("## A Megatron-style schedule")[1].split("\n## ")[0]
+    assert "| DDP | every step | not measured | 2.5000 ± 0.000 (3) |  |" in section
+    # ... until the schedule's DDP runs at that lr too (its --tuned file names DDP's chosen lr)
+    sched["config"]["tuned_per_w"]["4"]["ddp"] = [0.00141, None]
+    sched["rows"] = [dict(r, run={"method": "ddp", "lr": 0.00141}) if r["method"] == "ddp" else r
+                     for r in sched["rows"]]
+    write(tmp_path, "quality_schedule_w4", sched)
+    section = R.render_page(R.load_results(str(tmp_path))).split("## A Megatron-style schedule")[1].split("\n## ")[0]
+    assert "| DDP | every step, lr 0.00141 | 1.9100 ± 0.020 (3) | 2.5000 ± 0.000 (3) | +0.590 |" in section
 
 
 def test_the_streaming_table_puts_every_overlap_and_fragment_row_beside_its_blocking_row(tmp_path):
