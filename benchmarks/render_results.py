@@ -22,7 +22,7 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -149,7 +149,9 @@ def chosen(doc: Dict, W: int) -> Dict[str, tuple]:
 
 def row_setting(row: Dict) -> tuple:
     """(outer lr, μ) a row ran at: quality rows name what the run set (None: the plugin's default); network rows
-    carry the resolved strategy settings (``outer``)."""
+    carry the resolved strategy settings (``outer``); a DDP row's setting is its inner lr, (lr, None)."""
+    if row["method"] == "ddp":
+        return row["run"]["lr"], None
     if "outer_lr" in row:
         return row["outer_lr"], row["outer_momentum"]
     outer = row.get("outer") or {}
@@ -196,26 +198,20 @@ def ddp_setting(g: Dict) -> str:
     return "every step" if lr is None else f"every step, lr {lr:g}"
 
 
-def ddp_sweep(doc: Dict, W: int) -> List[Tuple[float, float]]:
-    """DDP's lr sweep at W, seed 0: (inner lr, held-out loss), lowest lr first; empty where DDP was not swept."""
-    return sorted((r["run"]["lr"], r["held_out_loss"]) for r in doc["rows"]
-                  if r["workers"] == W and r.get("sweep") and r["method"] == "ddp")
-
-
 def ddp_sweep_cells(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> List[str]:
     """Per swept W of a size's DDP file: "W = 2: 0.000707 → 2.1, **0.001 → 2.0** ..." (bold: the chosen lr, an edge
     flagged); empty where DDP's lr was not swept."""
     doc = docs.get(f"quality{size}_ddp")
     parts = []
     for W in widths:
-        pts = ddp_sweep(doc, W) if doc else []
-        lr = chosen(doc, W).get("ddp", (None, None))[0] if doc else None
-        if not pts or lr is None:
+        pts = sweep_points(doc, W, "ddp") if doc else []
+        setting = chosen(doc, W).get("ddp") if doc else None
+        if not pts or setting is None:
             continue
-        cells = ", ".join(f"**{x:g} → {loss:.4f}**" if x == lr else f"{x:g} → {loss:.4f}" for x, loss in pts)
-        edge = (" (the grid's lowest: widen it)" if lr == pts[0][0] else
-                " (the grid's highest: widen it)" if lr == pts[-1][0] else "")
-        parts.append(f"W = {W}: {cells}{edge}")
+        cells = [f"{row_setting(p)[0]:g} → {p['held_out_loss']:.4f}" for p in pts]
+        cells = [f"**{c}**" if _at(p, setting) else c for c, p in zip(cells, pts)]
+        edge = "".join(f" (the grid's {side.split()[0]}: widen it)" for side in on_edge(pts, setting))
+        parts.append(f"W = {W}: {', '.join(cells)}{edge}")
     return parts
 
 
@@ -233,19 +229,20 @@ def ddp_tuning(docs: Dict[str, Dict], size: str, widths: Sequence[int], subject:
 
 def sweep_points(doc: Dict, W: int, key: str) -> List[Dict]:
     return sorted((r for r in doc["rows"] if r["workers"] == W and r.get("sweep") and tuned_key(r) == key),
-                  key=lambda r: (r["outer_lr"], r["outer_momentum"] or 0))
+                  key=lambda r: tuple(x or 0 for x in row_setting(r)))
 
 
 def on_edge(points: List[Dict], setting: tuple) -> List[str]:
     """The grid axes on whose edge the chosen point sits (['lowest lr'] ...): the grid should be widened there."""
     lr, mu = setting
-    lrs = sorted({p["outer_lr"] for p in points if p["outer_momentum"] == mu})
+    settings = [row_setting(p) for p in points]
+    lrs = sorted({p_lr for p_lr, p_mu in settings if p_mu == mu})
     out = []
     if len(lrs) > 1 and lr == lrs[0]:
         out.append("lowest lr")
     if len(lrs) > 1 and lr == lrs[-1]:
         out.append("highest lr")
-    mus = sorted({p["outer_momentum"] for p in points if p["outer_lr"] == lr and p["outer_momentum"] is not None})
+    mus = sorted({p_mu for p_lr, p_mu in settings if p_lr == lr and p_mu is not None})
     if len(mus) > 1 and mu == mus[0] and mu > 0:   # μ = 0 is the end of the axis, not of the grid
         out.append("lowest μ")
     if len(mus) > 1 and mu == mus[-1]:
@@ -1267,7 +1264,7 @@ def plan_problems(docs: Dict[str, Dict]) -> List[str]:
 def recorded_tuned(doc: Dict) -> Dict:
     """The settings a --tuned quality file ran at (one W's ``tuned_per_w``; every W of such a file runs them)."""
     per_w = doc["config"].get("tuned_per_w") or {}
-    return next(iter(per_w.values()), {}) if per_w else {}
+    return next(iter(per_w.values()), {})
 
 
 def tuned_of(command: str) -> Optional[Dict]:
