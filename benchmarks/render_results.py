@@ -77,7 +77,10 @@ def _network(W: int) -> Bench:
 
 
 GASLOC_METHODS = "diloco:lr0.7:mu0.6,gasloc:bandwidth:lap:r2:lr0.7:mu0.6"
-SCHEDULE = "quality_schedule_w4"        # the Megatron-style inner schedule check
+SCHEDULE = "quality_schedule_w4"        # the Megatron-style inner schedule check on the quality model
+SCHEDULE_4X256 = "quality_schedule_4x256_w4"   # the same on the second size, its outer settings swept again
+#: every schedule check the page shows: (file, the model size's file infix, as in SIZES)
+SCHEDULES = ((SCHEDULE, ""), (SCHEDULE_4X256, "_4x256"))
 STREAMING_NET = "network_streaming_w4"  # overlap τ and fragments P on the shaped links
 AGGREGATION = "aggregation_bytes"       # received bytes of all-gather / reduce-scatter / hierarchical
 #: in the order `make bench` runs them (the most important first; a network file reads its quality file)
@@ -115,6 +118,11 @@ PLAN: List[Bench] = (
                        "ddp,diloco,sparseloco:64 --tuned benchmarks/grids/tuned_w4.json --lr-warmup-fraction 0.1 "
                        "--lr-decay-style cosine --min-lr 0.0001 --clip-grad 1.0 --timeout 20000 "
                        f"--json docs/results/{SCHEDULE}.json", "15 min"),
+       Bench(SCHEDULE_4X256, "python benchmarks/quality.py --sweep --workers 4 --steps 900 --seeds 3 --methods "
+                             "ddp,diloco,sparseloco:64 --layers 4 --hidden 256 --sweep-grid "
+                             "benchmarks/grids/schedule_4x256_w4.json --lr-warmup-fraction 0.1 --lr-decay-style "
+                             "cosine --min-lr 0.0001 --clip-grad 1.0 --timeout 60000 "
+                             f"--json docs/results/{SCHEDULE_4X256}.json", "80 min"),
        Bench(STREAMING_NET, "python benchmarks/network.py --no-hetero --no-ddp --links per-worker --workers 4 "
                             "--rate 100mbit --layers 2 --hidden 128 --steps 900 --eval-windows 64 "
                             "--uniform-methods diloco,sparseloco:64 --overlap-steps 2,7 --fragments 2 "
@@ -699,36 +707,67 @@ def default_lr_section(docs: Dict[str, Dict]) -> List[str]:
 
 
 def schedule_section(docs: Dict[str, Dict]) -> List[str]:
+    """Every schedule check (:data:`SCHEDULES`): the quality model's, then the second size's, each under its model's
+    name."""
+    out: List[str] = []
+    for name, size in SCHEDULES:
+        label = next(n for infix, n, _ in SIZES if infix == size)
+        out += [f"### {label}", ""] + (schedule_table(docs, name, size) if name in docs else missing([name])) + [""]
+    return out[:-1]
+
+
+def schedule_table(docs: Dict[str, Dict], name: str, size: str) -> List[str]:
     """The Megatron-style inner schedule (warmup, cosine, clipping) against the constant lr, per method, and whether
-    the ranking of the means holds."""
-    if SCHEDULE not in docs:
-        return missing([SCHEDULE])
-    doc = docs[SCHEDULE]
+    the ranking of the means holds.
+
+    Each method is compared at its tuned setting on both sides: where the schedule file swept a method again
+    (``--sweep``), its seeds ran at the schedule's own best point and are set against the constant-lr rows at theirs;
+    where it ran a ``--tuned`` file, only at the same setting. DDP compares at the same lr unless its lr was swept
+    on both sides."""
+    doc = docs[name]
     W = doc["config"]["workers"][0]
     inner = doc["config"]["inner"]
-    const = docs.get(f"quality_w{W}")
-    out = [f"The quality model at W = {W}, inner lr {inner['schedule']} (peak {inner['lr']:g}), gradient clipping at "
+    const = docs.get(f"quality{size}_w{W}")
+    swept = [k for k in ("ddp",) + KEYS if sweep_points(doc, W, k)]
+    model = ("The quality model" if not size else
+             f"The {next(n for infix, n, _ in SIZES if infix == size)} model ({fmt_params(doc['config']['numel'])} "
+             "parameters)")
+    outer = [k for k in KEYS if k in swept]
+    how = (f"{fmt_and([NAMES[k] for k in outer])} swept again under the schedule on seed 0 (the constant-lr choice "
+           "and the grid points beside it), the seeds at the lowest point" if outer else
+           "every outer-loop method at the setting the constant-lr sweep chose at this W (not swept again under the "
+           "schedule)")
+    ddp_const = ddp_group(docs, size, W)
+    ddp_how = ("DDP's lr swept likewise, its chosen lr the peak" if "ddp" in swept else
+               "DDP at its constant-lr choice as the peak" if "ddp" in chosen(doc, W) else
+               "DDP at the shared inner lr as the peak" + (", as in its constant-lr rows (not tuned at this size)"
+                                                            if ddp_const and ddp_const["setting"][0] is None else ""))
+    out = [f"{model} at W = {W}, inner lr {inner['schedule']} (peak {inner['lr']:g}), gradient clipping at "
            f"{inner['clip_grad']:g}, as Megatron's `--lr-warmup-fraction {inner['lr_warmup_fraction']:g} "
            f"--lr-decay-style {inner['lr_decay_style']} --min-lr {inner['min_lr']:g} --clip-grad {inner['clip_grad']:g}` "
-           "give it; every method at the setting the constant-lr sweep chose at this W (not swept again "
-           f"under the schedule; where DDP's lr was swept, its chosen lr is its peak), {len(doc['config']['seeds'])} seeds. Beside it, the headline's constant-lr rows.", "",
-           "| method | outer lr (/ μ) | constant lr, no clipping | warmup + cosine + clip 1.0 | change |",
-           "|---|---|---:|---:|---:|"]
+           f"give it; {how}; {ddp_how}; {len(doc['config']['seeds'])} seeds. Beside it, the size's constant-lr rows, "
+           "each method at its own tuned setting.", "",
+           "| method | constant lr: setting | held-out loss | with the schedule: setting | held-out loss | change |",
+           "|---|---|---:|---|---:|---:|"]
     ranks: Dict[str, List[tuple]] = {"constant": [], "schedule": []}
+    cpus: Dict[str, List[str]] = {}   # CPU model → the methods whose constant-lr rows ran on it
     for k in ("ddp",) + KEYS:
         g = seed_group(doc, W, k)
         if g is None:
             continue
-        c = (ddp_group(docs, "", W) if k == "ddp" else seed_group(const, W, k) if const else None)
-        same = c is not None and c["setting"] == g["setting"]   # DDP's: its lr (None: the shared inner lr)
-        setting = ddp_setting(g) if k == "ddp" else fmt_setting(k, g["setting"])
-        out.append(f"| {NAMES[k]} | {setting} | "
-                   + (f"{c['mean']:.4f} ± {c['spread']:.3f} ({len(c['losses'])})" if same and c else "not measured")
-                   + f" | {g['mean']:.4f} ± {g['spread']:.3f} ({len(g['losses'])}) | "
-                   + (f"{g['mean'] - c['mean']:+.3f}" if same and c else "") + " |")
+        c = ddp_const if k == "ddp" else seed_group(const, W, k) if const else None
+        comparable = c is not None and (c["setting"] == g["setting"] or (k in swept and c["setting"][0] is not None))
+        fmt = ddp_setting if k == "ddp" else (lambda x, k=k: fmt_setting(k, x["setting"]))
+        loss = "{mean:.4f} ± {spread:.3f} ({n})"
+        out.append(f"| {NAMES[k]} | " + (f"{fmt(c)} | {loss.format(n=len(c['losses']), **c)}" if comparable and c
+                                         else "not measured | ")
+                   + f" | {fmt(g)} | {loss.format(n=len(g['losses']), **g)} | "
+                   + (f"{g['mean'] - c['mean']:+.3f}" if comparable and c else "") + " |")
         ranks["schedule"].append((g["mean"], NAMES[k]))
-        if same and c:
+        if comparable and c:
             ranks["constant"].append((c["mean"], NAMES[k]))
+            cpu = (docs[c["file"]] if k == "ddp" else const)["machine"]["cpu"]
+            cpus.setdefault(cpu, []).append(f"{NAMES[k]}'s")
     order = {key: " < ".join(n for _, n in sorted(v)) for key, v in ranks.items()}
     if len(ranks["constant"]) == len(ranks["schedule"]) > 1:
         text = (f"Ranking by mean held-out loss (lowest first): constant lr {order['constant']}; with the schedule "
@@ -736,7 +775,33 @@ def schedule_section(docs: Dict[str, Dict]) -> List[str]:
                 + ("holds." if order["constant"] == order["schedule"] else "changes."))
     else:
         text = f"Ranking with the schedule (lowest first): {order['schedule']}."
-    return out + paragraph(text) + [""] + command_block([(SCHEDULE, doc)])
+    moves = schedule_sweep_cells(doc, W, const, [k for k in KEYS if k in swept])
+    if moves:
+        text += " The sweep under the schedule, seed 0 (bold: chosen): " + "; ".join(moves) + "."
+    others = [f"{fmt_and(names)} constant-lr rows ran on {cpu}" for cpu, names in sorted(cpus.items())
+              if cpu != doc["machine"]["cpu"]]
+    if others:
+        text += (f" {'; '.join(others)}, the schedule's on {doc['machine']['cpu']}: a run "
+                 "is deterministic per CPU model, and another model changes its rounding, not what it measures.")
+    return out + paragraph(text) + [""] + command_block([(name, doc)])
+
+
+def schedule_sweep_cells(doc: Dict, W: int, const: Optional[Dict], keys: Sequence[str]) -> List[str]:
+    """Per method swept again under the schedule: "DiLoCo 0.35 / 0.3 → 2.1, **0.5 / 0.3 → 2.0**, ... (kept: the
+    constant-lr choice)" or "(moved from ...)", an edge of the grid flagged."""
+    out = []
+    for k in keys:
+        pts, setting = sweep_points(doc, W, k), chosen(doc, W).get(k)
+        if not pts or setting is None:
+            continue
+        cells = [f"{fmt_setting(k, row_setting(p))} → {p['held_out_loss']:.4f}" for p in pts]
+        cells = [f"**{c}**" if _at(p, setting) else c for c, p in zip(cells, pts)]
+        before = chosen(const, W).get(k) if const else None
+        where = ("" if before is None else " (kept: the constant-lr choice)" if before == setting else
+                 f" (moved from {fmt_setting(k, before)})")
+        edge = "".join(f"; the grid's {side}: the best may lie beyond it" for side in on_edge(pts, setting))
+        out.append(f"{NAMES[k]} {', '.join(cells)}{where}{edge}")
+    return out
 
 
 def streaming_net_section(docs: Dict[str, Dict]) -> List[str]:

@@ -550,20 +550,33 @@ def test_an_elastic_file_made_at_another_default_outer_lr_is_marked_superseded()
                                                                                               "numel": big}})[0]
 
 
+def schedule_text(tmp_path):
+    return R.render_page(R.load_results(str(tmp_path))).split("## A Megatron-style schedule")[1].split("\n## ")[0]
+
+
+def schedule_doc(W, diloco_losses, sl_losses, ddp_losses, command):
+    """A schedule file (warmup + cosine + clipping): a quality file's DiLoCo and k = 64 rows and a DDP's."""
+    doc = quality_doc(W, diloco_losses=diloco_losses, sl_losses=sl_losses, command=command)
+    doc["rows"] = [r for r in doc["rows"] if r["k"] != 128] + ddp_doc([W], losses=ddp_losses)["rows"]
+    if "--tuned" in command:     # no sweep: the seeds at the --tuned file's settings only
+        doc["rows"] = [dict(r, sweep=False) for r in doc["rows"] if r["seed_run"]]
+    doc["config"]["inner"] = {"lr": 1e-3, "micro_batch": 4, "lr_warmup_fraction": 0.1, "lr_decay_style": "cosine",
+                              "min_lr": 1e-4, "clip_grad": 1.0,
+                              "schedule": "linear warmup over 0.1 of the steps from 0, then cosine decay to 0.0001"}
+    return doc
+
+
 def test_the_schedule_section_compares_each_method_with_its_constant_lr_rows_and_says_if_the_ranking_holds(tmp_path):
     write(tmp_path, "quality_w4", quality_doc(4))                         # DiLoCo 2.12, k = 64 2.0867
     write(tmp_path, "quality_ddp", ddp_doc([4]))                          # DDP 1.91
-    sched = quality_doc(4, diloco_losses=(2.0, 2.02, 2.04), sl_losses=(1.95, 1.97, 1.99))
-    sched["rows"] = [r for r in sched["rows"] if r["k"] != 128] + ddp_doc([4], losses=(1.80, 1.81, 1.82))["rows"]
-    sched["config"]["inner"] = {"lr": 1e-3, "micro_batch": 4, "lr_warmup_fraction": 0.1, "lr_decay_style": "cosine",
-                                "min_lr": 1e-4, "clip_grad": 1.0,
-                                "schedule": "linear warmup over 0.1 of the steps from 0, then cosine decay to 0.0001"}
-    sched["command"] = PLAN["quality_schedule_w4"]
+    sched = schedule_doc(4, (2.0, 2.02, 2.04), (1.95, 1.97, 1.99), (1.80, 1.81, 1.82), PLAN["quality_schedule_w4"])
     write(tmp_path, "quality_schedule_w4", sched)
-    section = R.render_page(R.load_results(str(tmp_path))).split("## A Megatron-style schedule")[1].split("\n## ")[0]
-    assert "| DDP | every step | 1.9100 ± 0.020 (3) | 1.8100 ± 0.020 (3) | -0.100 |" in section
-    assert "| DiLoCo | 0.5 / 0.8 | 2.1200 ± 0.040 (3) | 2.0200 ± 0.040 (3) | -0.100 |" in section
-    assert "| SparseLoCo k = 64 | 1.5 | 2.0867 ± 0.080 (3) | 1.9700 ± 0.040 (3) | -0.117 |" in section
+    section = schedule_text(tmp_path)
+    assert "| DDP | every step | 1.9100 ± 0.020 (3) | every step | 1.8100 ± 0.020 (3) | -0.100 |" in section
+    assert "| DiLoCo | 0.5 / 0.8 | 2.1200 ± 0.040 (3) | 0.5 / 0.8 | 2.0200 ± 0.040 (3) | -0.100 |" in section
+    assert "| SparseLoCo k = 64 | 1.5 | 2.0867 ± 0.080 (3) | 1.5 | 1.9700 ± 0.040 (3) | -0.117 |" in section
+    assert "not swept again under the schedule" in section and "constant-lr rows ran on" not in section
+    assert PLAN["quality_schedule_4x256_w4"] in section.split("### 4 layers × 256")[1]   # the second size: not yet
     assert ("constant lr DDP < SparseLoCo k = 64 < DiLoCo; with the schedule DDP < SparseLoCo k = 64 < DiLoCo: "
             "the ranking holds.") in section
     sched["rows"] = [dict(r, held_out_loss=2.5) if r["method"] == "ddp" else r for r in sched["rows"]]
@@ -571,15 +584,55 @@ def test_the_schedule_section_compares_each_method_with_its_constant_lr_rows_and
     assert "the ranking changes." in R.render_page(R.load_results(str(tmp_path)))
     # DDP's constant-lr row at a swept lr (0.00141) is not the schedule's DDP at the shared lr: not compared ...
     write(tmp_path, "quality_ddp", swept_ddp_doc(4, [(0.001, 1.95), (0.00141, 1.90)], 0.00141, (1.91, 1.92)))
-    section = R.render_page(R.load_results(str(tmp_path))).split("## A Megatron-style schedule")[1].split("\n## ")[0]
-    assert "| DDP | every step | not measured | 2.5000 ± 0.000 (3) |  |" in section
+    section = schedule_text(tmp_path)
+    assert "| DDP | not measured |  | every step | 2.5000 ± 0.000 (3) |  |" in section
     # ... until the schedule's DDP runs at that lr too (its --tuned file names DDP's chosen lr)
     sched["config"]["tuned_per_w"]["4"]["ddp"] = [0.00141, None]
     sched["rows"] = [dict(r, run={"method": "ddp", "lr": 0.00141}) if r["method"] == "ddp" else r
                      for r in sched["rows"]]
     write(tmp_path, "quality_schedule_w4", sched)
-    section = R.render_page(R.load_results(str(tmp_path))).split("## A Megatron-style schedule")[1].split("\n## ")[0]
-    assert "| DDP | every step, lr 0.00141 | 1.9100 ± 0.020 (3) | 2.5000 ± 0.000 (3) | +0.590 |" in section
+    section = schedule_text(tmp_path)
+    assert ("| DDP | every step, lr 0.00141 | 1.9100 ± 0.020 (3) | every step, lr 0.00141 | 2.5000 ± 0.000 (3) | "
+            "+0.590 |") in section
+
+
+def test_a_schedule_swept_again_compares_each_method_at_its_own_best_and_says_where_the_choice_moved(tmp_path):
+    """The second size's schedule file sweeps the outer settings again: a method whose best point moved under the
+    schedule is still compared (tuned against tuned) and the sweep says it moved; one that kept its point says so;
+    an edge of the grid is flagged; DDP untuned on both sides is compared at the shared lr; constant-lr rows from
+    another CPU model are named."""
+    const = quality_doc(4, command=PLAN["quality_4x256_w4"])      # DiLoCo 0.5 / 0.8: 2.12; k = 64 1.5: 2.0867
+    const["machine"]["cpu"] = "Other CPU"
+    write(tmp_path, "quality_4x256_w4", const)
+    ddp = ddp_doc([4], losses=(1.95, 1.96, 1.97))
+    ddp["command"] = PLAN["quality_4x256_ddp"]
+    write(tmp_path, "quality_4x256_ddp", ddp)
+    sched = schedule_doc(4, (2.0, 2.02, 2.04), (1.95, 1.97, 1.99), (1.90, 1.91, 1.92), PLAN["quality_schedule_4x256_w4"])
+    # SparseLoCo's best moves from 1.5 to 1.06 under the schedule (its seeds there); DiLoCo keeps 0.5 / 0.8
+    sched["rows"] = [r for r in sched["rows"] if not (r["method"] == "sparseloco" and r["seed"] > 0)]
+    for r in sched["rows"]:
+        if r["method"] == "sparseloco":
+            r["held_out_loss"], r["seed_run"] = {1.06: 1.93, 1.5: 1.95, 2.12: 2.3}[r["outer_lr"]], r["outer_lr"] == 1.06
+    sched["rows"] += [_row(4, "sparseloco", 64, 1.06, None, s, loss, False, True, 800) for s, loss in ((1, 1.94),
+                                                                                                      (2, 1.95))]
+    sched["config"]["tuned_per_w"]["4"] = {"diloco": [0.5, 0.8], "sparseloco": [1.06, None]}
+    write(tmp_path, "quality_schedule_4x256_w4", sched)
+    section = schedule_text(tmp_path).split("### 4 layers × 256")[1]
+    assert "| SparseLoCo k = 64 | 1.5 | 2.0867 ± 0.080 (3) | 1.06 | 1.9400 ± 0.020 (3) | -0.147 |" in section
+    assert "| DiLoCo | 0.5 / 0.8 | 2.1200 ± 0.040 (3) | 0.5 / 0.8 | 2.0200 ± 0.040 (3) | -0.100 |" in section
+    assert "| DDP | every step | 1.9600 ± 0.020 (3) | every step | 1.9100 ± 0.020 (3) | -0.050 |" in section
+    assert "DiLoCo and SparseLoCo k = 64 swept again under the schedule" in section
+    assert "DDP at the shared inner lr as the peak, as in its constant-lr rows (not tuned at this size)" in section
+    assert ("SparseLoCo k = 64 **1.06 → 1.9300**, 1.5 → 1.9500, 2.12 → 2.3000 (moved from 1.5); the grid's lowest lr: "
+            "the best may lie beyond it") in section
+    assert "DiLoCo **0.5 / 0.8 → 2.0000**, 0.7 / 0.9 → 2.3000 (kept: the constant-lr choice)" in section
+    assert ("DiLoCo's and SparseLoCo k = 64's constant-lr rows ran on Other CPU, the schedule's on Test CPU") in section
+    assert "constant lr DDP < SparseLoCo k = 64 < DiLoCo; with the schedule DDP < SparseLoCo k = 64 < DiLoCo" in section
+    # a schedule file not swept again, at another setting than the constant-lr choice, is not compared
+    sched["rows"] = [dict(r, sweep=False) for r in sched["rows"] if r["seed_run"]]
+    write(tmp_path, "quality_schedule_4x256_w4", sched)
+    section = schedule_text(tmp_path).split("### 4 layers × 256")[1]
+    assert "| SparseLoCo k = 64 | not measured |  | 1.06 | 1.9400 ± 0.020 (3) |  |" in section
 
 
 def test_the_streaming_table_puts_every_overlap_and_fragment_row_beside_its_blocking_row(tmp_path):
