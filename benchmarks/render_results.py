@@ -788,14 +788,16 @@ def schedule_table(docs: Dict[str, Dict], name: str, size: str) -> List[str]:
 
 def schedule_sweep_cells(doc: Dict, W: int, const: Optional[Dict], keys: Sequence[str]) -> List[str]:
     """Per method swept again under the schedule: "DiLoCo 0.35 / 0.3 → 2.1, **0.5 / 0.3 → 2.0**, ... (kept: the
-    constant-lr choice)" or "(moved from ...)", an edge of the grid flagged."""
+    constant-lr choice)" or "(moved from ...)", today's default point marked, an edge of the grid flagged."""
     out = []
     for k in keys:
         pts, setting = sweep_points(doc, W, k), chosen(doc, W).get(k)
         if not pts or setting is None:
             continue
+        dflt = default_setting(doc, W, k)
         cells = [f"{fmt_setting(k, row_setting(p))} → {p['held_out_loss']:.4f}" for p in pts]
-        cells = [f"**{c}**" if _at(p, setting) else c for c, p in zip(cells, pts)]
+        cells = [(f"**{c}**" if _at(p, setting) else c) + (" (default)" if _at(p, dflt) else "")
+                 for c, p in zip(cells, pts)]
         before = chosen(const, W).get(k) if const else None
         where = ("" if before is None else " (kept: the constant-lr choice)" if before == setting else
                  f" (moved from {fmt_setting(k, before)})")
