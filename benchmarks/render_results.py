@@ -734,7 +734,7 @@ def schedule_table(docs: Dict[str, Dict], name: str, size: str) -> List[str]:
              "parameters)")
     outer = [k for k in KEYS if k in swept]
     how = (f"{fmt_and([NAMES[k] for k in outer])} swept again under the schedule on seed 0 (the constant-lr choice "
-           "and the grid points beside it), the seeds at the lowest point" if outer else
+           "among its points), the seeds at the lowest point" if outer else
            "every outer-loop method at the setting the constant-lr sweep chose at this W (not swept again under the "
            "schedule)")
     ddp_const = ddp_group(docs, size, W)
