@@ -216,10 +216,8 @@ def ddp_sweep_cells(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> 
         setting = chosen(doc, W).get("ddp") if doc else None
         if not pts or setting is None:
             continue
-        cells = [f"{row_setting(p)[0]:g} → {p['held_out_loss']:.4f}" for p in pts]
-        cells = [f"**{c}**" if _at(p, setting) else c for c, p in zip(cells, pts)]
         edge = "".join(f" (the grid's {side.split()[0]}: widen it)" for side in on_edge(pts, setting))
-        parts.append(f"W = {W}: {', '.join(cells)}{edge}")
+        parts.append(f"W = {W}: {', '.join(point_cells(pts, 'ddp', setting))}{edge}")
     return parts
 
 
@@ -233,6 +231,12 @@ def ddp_tuning(docs: Dict[str, Dict], size: str, widths: Sequence[int], subject:
                 "outer-loop method, part of the gap is this tuning.")
     return (f"{subject} is tuned per W as the outer-loop methods' outer settings are: swept on seed 0 by √2 steps around "
             "the shared inner lr, its seeds then run at the lowest held-out loss (bold): " + "; ".join(parts) + ".")
+
+
+def point_cells(points: List[Dict], key: str, setting: tuple, default: Optional[tuple] = None) -> List[str]:
+    """"setting → held-out loss" per sweep point: the chosen ``setting`` bold, the ``default`` one marked."""
+    return [(f"**{cell}**" if _at(p, setting) else cell) + (" (default)" if default and _at(p, default) else "")
+            for p, cell in ((p, f"{fmt_setting(key, row_setting(p))} → {p['held_out_loss']:.4f}") for p in points)]
 
 
 def sweep_points(doc: Dict, W: int, key: str) -> List[Dict]:
@@ -712,11 +716,12 @@ def schedule_section(docs: Dict[str, Dict]) -> List[str]:
     out: List[str] = []
     for name, size in SCHEDULES:
         label = next(n for infix, n, _ in SIZES if infix == size)
-        out += [f"### {label}", ""] + (schedule_table(docs, name, size) if name in docs else missing([name])) + [""]
+        out += [f"### {label}", ""] + (schedule_table(docs, name, size, label) if name in docs else missing([name]))
+        out += [""]
     return out[:-1]
 
 
-def schedule_table(docs: Dict[str, Dict], name: str, size: str) -> List[str]:
+def schedule_table(docs: Dict[str, Dict], name: str, size: str, label: str) -> List[str]:
     """The Megatron-style inner schedule (warmup, cosine, clipping) against the constant lr, per method, and whether
     the ranking of the means holds.
 
@@ -730,8 +735,7 @@ def schedule_table(docs: Dict[str, Dict], name: str, size: str) -> List[str]:
     const = docs.get(f"quality{size}_w{W}")
     swept = [k for k in ("ddp",) + KEYS if sweep_points(doc, W, k)]
     model = ("The quality model" if not size else
-             f"The {next(n for infix, n, _ in SIZES if infix == size)} model ({fmt_params(doc['config']['numel'])} "
-             "parameters)")
+             f"The {label} model ({fmt_params(doc['config']['numel'])} parameters)")
     outer = [k for k in KEYS if k in swept]
     how = (f"{fmt_and([NAMES[k] for k in outer])} swept again under the schedule on seed 0 (the constant-lr choice "
            "among its points), the seeds at the lowest point" if outer else
@@ -775,7 +779,7 @@ def schedule_table(docs: Dict[str, Dict], name: str, size: str) -> List[str]:
                 + ("holds." if order["constant"] == order["schedule"] else "changes."))
     else:
         text = f"Ranking with the schedule (lowest first): {order['schedule']}."
-    moves = schedule_sweep_cells(doc, W, const, [k for k in KEYS if k in swept])
+    moves = schedule_sweep_cells(doc, W, const, outer)
     if moves:
         text += " The sweep under the schedule, seed 0 (bold: chosen): " + "; ".join(moves) + "."
     others = [f"{fmt_and(names)} constant-lr rows ran on {cpu}" for cpu, names in sorted(cpus.items())
@@ -794,10 +798,7 @@ def schedule_sweep_cells(doc: Dict, W: int, const: Optional[Dict], keys: Sequenc
         pts, setting = sweep_points(doc, W, k), chosen(doc, W).get(k)
         if not pts or setting is None:
             continue
-        dflt = default_setting(doc, W, k)
-        cells = [f"{fmt_setting(k, row_setting(p))} → {p['held_out_loss']:.4f}" for p in pts]
-        cells = [(f"**{c}**" if _at(p, setting) else c) + (" (default)" if _at(p, dflt) else "")
-                 for c, p in zip(cells, pts)]
+        cells = point_cells(pts, k, setting, default_setting(doc, W, k))
         before = chosen(const, W).get(k) if const else None
         where = ("" if before is None else " (kept: the constant-lr choice)" if before == setting else
                  f" (moved from {fmt_setting(k, before)})")
