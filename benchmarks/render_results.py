@@ -1134,8 +1134,40 @@ def ddp_reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = H
     said = [f"{r} at W = {W}" for r, W in ratios]
     if len({r for r, _ in ratios}) == 1 and len(ratios) > 1:   # the ratio of two fixed payloads: one value
         said = [f"{ratios[0][0]} at W = {fmt_and([str(W) for _, W in ratios])}"]
+    schedule = schedule_standing(docs, size, groups)
     return (text + (f" DiLoCo against DDP: {', '.join(gaps)}." if gaps else "")
-            + (f" Bytes sent per worker, DDP over SparseLoCo k = 64: {', '.join(said)}." if said else ""))
+            + (f" Bytes sent per worker, DDP over SparseLoCo k = 64: {', '.join(said)}." if said else "")
+            + (f" {schedule}" if schedule else ""))
+
+
+def schedule_standing(docs: Dict[str, Dict], size: str, groups: Dict[int, Dict[str, Optional[Dict]]]) -> str:
+    """Whether SparseLoCo k = 64's standing against DDP at a size's constant lr holds under the size's Megatron-style
+    schedule check (:data:`SCHEDULES`), at the schedule file's W, each method at its chosen setting on each side;
+    empty where the size has no schedule file or a side lacks either method."""
+    name = next((n for n, infix in SCHEDULES if infix == size and n in docs), None)
+    if name is None:
+        return ""
+    doc = docs[name]
+    W = doc["config"]["workers"][0]
+    const = groups.get(W, {})
+    sides = {"constant": (const.get("sparseloco"), const.get("ddp")),
+             "schedule": (seed_group(doc, W, "sparseloco"), seed_group(doc, W, "ddp"))}
+    if any(g is None or ref is None for g, ref in sides.values()):
+        return ""
+    said = {side: standing(g, ref, "DDP") for side, (g, ref) in sides.items()}
+    verdict = "holds" if said["constant"][0] == said["schedule"][0] else "does not hold under the schedule"
+    return (f"Under a Megatron-style schedule (warmup, cosine decay, clipping; section \"A Megatron-style schedule\") "
+            f"at W = {W}, SparseLoCo k = 64 is {said['schedule'][0]} ({said['schedule'][1]:+.3f}), and with a constant "
+            f"lr {said['constant'][0]} ({said['constant'][1]:+.3f}): its standing against DDP at this size {verdict}.")
+
+
+def standing(g: Dict, ref: Dict, ref_name: str) -> tuple:
+    """(where, mean difference) of a seed group against a reference's: "ahead of X" (lower mean), "behind X", or
+    level with it where the difference is smaller than the larger of the two spreads (max − min over the seeds)."""
+    delta = g["mean"] - ref["mean"]
+    where = (f"level with {ref_name} (within the seeds' spread)" if abs(delta) < max(g["spread"], ref["spread"])
+             else f"ahead of {ref_name}" if delta < 0 else f"behind {ref_name}")
+    return where, delta
 
 
 def size_groups(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> Dict[int, Dict[str, Optional[Dict]]]:
@@ -1167,9 +1199,7 @@ def reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADL
             g, d = by_method[k], by_method[against]
             if g is None or d is None:
                 continue
-            delta = g["mean"] - d["mean"]
-            where = (level if abs(delta) < max(g["spread"], d["spread"])
-                     else f"ahead of {ref_name}" if delta < 0 else f"behind {ref_name}")
+            where, delta = standing(g, d, ref_name)
             found[where].append(f"W = {W} ({delta:+.3f})")
         said = [f"{where} at {', '.join(at)}" for where, at in found.items() if at]
         if said:

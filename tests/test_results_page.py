@@ -636,6 +636,38 @@ def test_a_schedule_swept_again_compares_each_method_at_its_own_best_and_says_wh
     assert "| SparseLoCo k = 64 | not measured |  | 1.06 | 1.9400 ± 0.020 (3) |  |" in section
 
 
+def test_the_ddp_reading_of_a_size_says_whether_its_standing_against_ddp_holds_under_the_schedule(tmp_path):
+    """SparseLoCo ahead of DDP with a constant lr but behind it under the size's schedule check: the size's DDP
+    sentence (page and README) says the standing does not hold; where it is the same on both sides, that it holds;
+    without a schedule file for the size it says nothing about the schedule."""
+    write(tmp_path, "quality_w4", quality_doc(4))                 # the headline: the README's block needs it
+    const = quality_doc(4, command=PLAN["quality_4x256_w4"])      # k = 64 at 1.5: 2.0867 ± 0.080
+    write(tmp_path, "quality_4x256_w4", const)
+    ddp = ddp_doc([4], losses=(2.20, 2.21, 2.22))                  # 2.21: k = 64 ahead by 0.123 > its spread
+    ddp["command"] = PLAN["quality_4x256_ddp"]
+    write(tmp_path, "quality_4x256_ddp", ddp)
+
+    def said():
+        docs = R.load_results(str(tmp_path))
+        section = R.render_page(docs).split("## A second model size")[1].split("\n## ")[0]
+        return section, R.render_readme_block(docs)
+
+    section, readme = said()
+    assert "ahead of DDP at W = 4 (-0.123)" in section and "Megatron-style schedule (warmup" not in section
+    sched = schedule_doc(4, (2.0, 2.02, 2.04), (1.95, 1.97, 1.99), (1.80, 1.81, 1.82), PLAN["quality_schedule_4x256_w4"])
+    write(tmp_path, "quality_schedule_4x256_w4", sched)
+    section, readme = said()
+    sentence = ("Under a Megatron-style schedule (warmup, cosine decay, clipping; section \"A Megatron-style schedule\") "
+                "at W = 4, SparseLoCo k = 64 is behind DDP (+0.160), and with a constant lr ahead of DDP (-0.123): its "
+                "standing against DDP at this size does not hold under the schedule.")
+    assert sentence in section and sentence in readme
+    sched["rows"] = [dict(r, held_out_loss=2.5) if r["method"] == "ddp" else r for r in sched["rows"]]
+    write(tmp_path, "quality_schedule_4x256_w4", sched)
+    section, _ = said()
+    assert ("SparseLoCo k = 64 is ahead of DDP (-0.530), and with a constant lr ahead of DDP (-0.123): its standing "
+            "against DDP at this size holds.") in section
+
+
 def test_the_streaming_table_puts_every_overlap_and_fragment_row_beside_its_blocking_row(tmp_path):
     def row(method, tau, P, loss, outer_s, outer_steps, **kw):
         return {"case": "uniform", "method": method, "k": 64 if method == "sparseloco" else None, "workers": 4,
