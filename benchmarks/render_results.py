@@ -107,10 +107,10 @@ PLAN: List[Bench] = (
        Bench("quality_4x256_ddp", "python benchmarks/quality.py --workers 2,4,8 --steps 900 --seeds 3 --methods ddp "
                                   "--layers 4 --hidden 256 --timeout 20000 --json docs/results/quality_4x256_ddp.json",
              "55 min"),
-       Bench("quality_6x384_w4", "python benchmarks/quality.py --sweep --workers 4 --steps 900 --seeds 1 --methods "
+       Bench("quality_6x384_w4", "python benchmarks/quality.py --sweep --workers 4 --steps 900 --seeds 3 --methods "
                                  "diloco,sparseloco:64 --layers 6 --hidden 384 --heads 6 --sweep-grid "
                                  "benchmarks/grids/6x384_w4.json --timeout 30000 "
-                                 "--json docs/results/quality_6x384_w4.json", "275 min"),
+                                 "--json docs/results/quality_6x384_w4.json", "385 min"),
        Bench("quality_6x384_ddp", "python benchmarks/quality.py --workers 4 --steps 900 --seeds 1 --methods ddp "
                                   "--layers 6 --hidden 384 --heads 6 --timeout 20000 "
                                   "--json docs/results/quality_6x384_ddp.json", "25 min"),
