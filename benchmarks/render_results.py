@@ -81,6 +81,8 @@ SCHEDULE = "quality_schedule_w4"        # the Megatron-style inner schedule chec
 SCHEDULE_4X256 = "quality_schedule_4x256_w4"   # the same on the second size, its outer settings swept again
 #: every schedule check the page shows: (file, the model size's file infix, as in SIZES)
 SCHEDULES = ((SCHEDULE, ""), (SCHEDULE_4X256, "_4x256"))
+#: the page's section on the schedule checks, which each size's DDP sentence names
+SCHEDULE_HEADING = "A Megatron-style schedule"
 STREAMING_NET = "network_streaming_w4"  # overlap τ and fragments P on the shaped links
 AGGREGATION = "aggregation_bytes"       # received bytes of all-gather / reduce-scatter / hierarchical
 #: in the order `make bench` runs them (the most important first; a network file reads its quality file)
@@ -1092,7 +1094,7 @@ def render_page(docs: Dict[str, Dict]) -> str:
         L += ["", "Where the comparison moves with size (negative: SparseLoCo ahead):", ""] + cmp_
     L += ["", "## A third model size: 6 layers × 384", ""] + third_size_section(docs)
     L += ["", "## The default outer lr across model sizes", ""] + default_lr_section(docs)
-    L += ["", "## A Megatron-style schedule", ""] + schedule_section(docs)
+    L += ["", f"## {SCHEDULE_HEADING}", ""] + schedule_section(docs)
     L += ["", "## Overlap and fragments on 100 Mbit/s links", ""] + streaming_net_section(docs)
     L += ["", "## Aggregation modes: bytes received", ""] + aggregation_section(docs)
     L += ["", "## Elastic workers under a failure", ""] + elastic_section(docs)
@@ -1156,18 +1158,24 @@ def schedule_standing(docs: Dict[str, Dict], size: str, groups: Dict[int, Dict[s
         return ""
     said = {side: standing(g, ref, "DDP") for side, (g, ref) in sides.items()}
     verdict = "holds" if said["constant"][0] == said["schedule"][0] else "does not hold under the schedule"
-    return (f"Under a Megatron-style schedule (warmup, cosine decay, clipping; section \"A Megatron-style schedule\") "
+    return (f"Under a Megatron-style schedule (warmup, cosine decay, clipping; section \"{SCHEDULE_HEADING}\") "
             f"at W = {W}, SparseLoCo k = 64 is {said['schedule'][0]} ({said['schedule'][1]:+.3f}), and with a constant "
             f"lr {said['constant'][0]} ({said['constant'][1]:+.3f}): its standing against DDP at this size {verdict}.")
 
 
+def standings(ref_name: str) -> tuple:
+    """The three places a seed group can stand against a reference, in the order the page says them: ahead,
+    level, behind."""
+    return f"ahead of {ref_name}", f"level with {ref_name} (within the seeds' spread)", f"behind {ref_name}"
+
+
 def standing(g: Dict, ref: Dict, ref_name: str) -> tuple:
-    """(where, mean difference) of a seed group against a reference's: "ahead of X" (lower mean), "behind X", or
-    level with it where the difference is smaller than the larger of the two spreads (max − min over the seeds)."""
+    """(where, mean difference) of a seed group against a reference's (one of :func:`standings`): ahead (lower
+    mean), behind, or level where the difference is smaller than the larger of the two spreads (max − min over the
+    seeds)."""
+    ahead, level, behind = standings(ref_name)
     delta = g["mean"] - ref["mean"]
-    where = (f"level with {ref_name} (within the seeds' spread)" if abs(delta) < max(g["spread"], ref["spread"])
-             else f"ahead of {ref_name}" if delta < 0 else f"behind {ref_name}")
-    return where, delta
+    return (level if abs(delta) < max(g["spread"], ref["spread"]) else ahead if delta < 0 else behind), delta
 
 
 def size_groups(docs: Dict[str, Dict], size: str, widths: Sequence[int]) -> Dict[int, Dict[str, Optional[Dict]]]:
@@ -1193,8 +1201,7 @@ def reading(docs: Dict[str, Dict], size: str = "", widths: Sequence[int] = HEADL
     parts = []
     ref_name = NAMES[against]
     for k in ("sparseloco", "sparseloco:128"):
-        level = f"level with {ref_name} (within the seeds' spread)"
-        found: Dict[str, List[str]] = {f"ahead of {ref_name}": [], level: [], f"behind {ref_name}": []}
+        found: Dict[str, List[str]] = {where: [] for where in standings(ref_name)}
         for W, by_method in groups.items():
             g, d = by_method[k], by_method[against]
             if g is None or d is None:
