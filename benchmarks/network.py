@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -441,11 +442,17 @@ def hetero_runs(text: str, base: dict, sites: int = 0):
     return runs
 
 
-def tuned_settings(path: str, workers: int) -> dict:
+def tuned_settings(path: str, workers: int, model: Optional[dict] = None) -> dict:
     """The outer settings a quality results file (benchmarks/quality.py, docs/results/quality_w*.json) chose at
-    ``workers`` workers: {"diloco": (lr, mu), "sparseloco": (lr, None), "sparseloco:128": ...}."""
+    ``workers`` workers: {"diloco": (lr, mu), "sparseloco": (lr, None), "sparseloco:128": ...}. With ``model``
+    (this run's ModelCfg as a dict), the file must have tuned the same model: a setting chosen on one size is not
+    the tuned point of another."""
     import schema
     doc = schema.load(path)
+    theirs = doc["config"].get("model")
+    if model is not None and isinstance(theirs, dict) and theirs and theirs != model:
+        raise SystemExit(f"--tuned {path}: tuned on the model {theirs}, this run trains {model}; pass the quality "
+                         "file of this model size (or --layers / --hidden / --heads of that file)")
     per_w = (doc["config"].get("tuned_per_w") or {}).get(str(workers))
     if doc["benchmark"] != "quality" or not per_w:
         raise SystemExit(f"--tuned {path}: a quality results file with settings chosen at W = {workers} "
@@ -576,7 +583,7 @@ def main(argv=None) -> int:
     methods = hetero_runs(args.uniform_methods, base)
     tuned = {}
     if args.tuned:
-        tuned = {"uniform": tuned_settings(args.tuned, args.workers)} if not args.no_uniform else {}
+        tuned = {"uniform": tuned_settings(args.tuned, args.workers, asdict(model))} if not args.no_uniform else {}
         methods = apply_tuned(methods, tuned.get("uniform", {}))
     taus = [int(t) for t in args.overlap_steps.split(",") if t.strip()]
     if any(not 1 <= t < H for t in taus):
@@ -634,7 +641,7 @@ def main(argv=None) -> int:
         out["hetero"]["slow_compute"] = args.hetero_slow_compute
         hmethods = hetero_runs(args.hetero_methods, hbase)
         if args.tuned:
-            tuned["hetero"] = tuned_settings(args.tuned, Wh)
+            tuned["hetero"] = tuned_settings(args.tuned, Wh, asdict(model))
             hmethods = apply_tuned(hmethods, tuned["hetero"])
         for t in taus:
             for m in merges:

@@ -84,6 +84,9 @@ SCHEDULES = ((SCHEDULE, ""), (SCHEDULE_4X256, "_4x256"))
 #: the page's section on the schedule checks, which each size's DDP sentence names
 SCHEDULE_HEADING = "A Megatron-style schedule"
 STREAMING_NET = "network_streaming_w4"  # overlap τ and fragments P on the shaped links
+STREAMING_NET_4X256 = "network_streaming_4x256_w4"   # the same on the second size (a 7× larger payload)
+#: every overlap / fragments file the page shows: (file, the model size's file infix, as in SIZES)
+STREAMING_NETS = ((STREAMING_NET, ""), (STREAMING_NET_4X256, "_4x256"))
 AGGREGATION = "aggregation_bytes"       # received bytes of all-gather / reduce-scatter / hierarchical
 #: in the order `make bench` runs them (the most important first; a network file reads its quality file)
 PLAN: List[Bench] = (
@@ -130,6 +133,11 @@ PLAN: List[Bench] = (
                             "--uniform-methods diloco,sparseloco:64 --overlap-steps 2,7 --fragments 2 "
                             "--tuned docs/results/quality_w4.json --timeout 9000 "
                             f"--json docs/results/{STREAMING_NET}.json", "35 min", root=True),
+       Bench(STREAMING_NET_4X256, "python benchmarks/network.py --no-hetero --no-ddp --links per-worker --workers 4 "
+                                  "--rate 100mbit --layers 4 --hidden 256 --steps 900 --eval-windows 64 "
+                                  "--uniform-methods diloco,sparseloco:64 --overlap-steps 2,7 --fragments 2 "
+                                  "--tuned docs/results/quality_4x256_w4.json --timeout 12000 "
+                                  f"--json docs/results/{STREAMING_NET_4X256}.json", "80 min", root=True),
        Bench(AGGREGATION, "python benchmarks/aggregation_bytes.py --worlds 2,4,8,16 --site-groups 2,4 "
                           f"--json docs/results/{AGGREGATION}.json", "2 min")]
 )
@@ -810,11 +818,20 @@ def schedule_sweep_cells(doc: Dict, W: int, const: Optional[Dict], keys: Sequenc
 
 
 def streaming_net_section(docs: Dict[str, Dict]) -> List[str]:
+    """Every overlap / fragments file (:data:`STREAMING_NETS`): the quality model's, then the second size's, each
+    under its model's name."""
+    out: List[str] = []
+    for name, size in STREAMING_NETS:
+        label = next(n for infix, n, _ in SIZES if infix == size)
+        out += [f"### {label}", ""] + (streaming_net_table(docs[name], name, size, label) if name in docs
+                                       else missing([name]))
+        out += [""]
+    return out[:-1]
+
+
+def streaming_net_table(doc: Dict, name: str, size: str, label: str) -> List[str]:
     """Overlap τ and fragments P on the shaped links: exposed outer time per H inner steps and held-out loss, every
     row beside its method's blocking row from the same launch."""
-    if STREAMING_NET not in docs:
-        return missing([STREAMING_NET])
-    doc = docs[STREAMING_NET]
     rows = [r for r in doc["rows"] if r["case"] == "uniform" and r["method"] in ("diloco", "sparseloco")]
     out = ["| method | τ | P | held-out loss | Δ vs blocking | exposed outer time per H steps | vs blocking | "
            "bytes sent / worker |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -826,21 +843,22 @@ def streaming_net_section(docs: Dict[str, Dict]) -> List[str]:
         base = next((r for r in mine if _is_blocking(r)), None)
         for r in mine:
             e, b = exposed(r), exposed(base) if base else None
-            name = NAMES["sparseloco" if method == "sparseloco" else "diloco"]
-            out.append(f"| {name} | {r.get('overlap_steps', 0)} | {r.get('fragments', 1)} | {r['held_out_loss']:.4f} | "
+            out.append(f"| {NAMES[method]} | {r.get('overlap_steps', 0)} | {r.get('fragments', 1)} | "
+                       f"{r['held_out_loss']:.4f} | "
                        + ("" if r is base or base is None else f"{r['held_out_loss'] - base['held_out_loss']:+.3f}")
                        + f" | {fmt_s(e, 3)} | "
                        + ("" if r is base or not (e and b) else f"{100 * e / b:.0f} %")
                        + f" | {fmt_bytes(r['bytes_sent_per_worker'])} |")
-    cfg = doc["config"]
-    reading = streaming_net_reading(rows)
-    return ([f"W = {rows[0]['workers'] if rows else ''}, the quality model, each worker on its own 100 Mbit/s link "
+    model = "the quality model" if not size else "the " + label + (
+        f" model ({fmt_params(rows[0]['numel'])} parameters)" if rows and rows[0].get("numel") else " model")
+    quality = f"quality{size}_w{rows[0]['workers']}" if rows else ""
+    return ([f"W = {rows[0]['workers'] if rows else ''}, {model}, each worker on its own 100 Mbit/s link "
              "(per-worker network namespaces, tbf both directions), seed 0, at the outer settings the quality sweep "
-             "chose; τ: `--sparseloco-overlap-steps` (replay merge), P: `--sparseloco-fragments`. *Exposed*: the "
-             "training loop's time in outer steps per H inner steps (blocking: the whole round; τ ≥ 1: the launch "
-             "and the completion), slowest worker, after the first round. Losses from one seed: differences below "
-             "the headline's seed spread are noise.", ""] + out + paragraph(reading) + [""]
-            + command_block([(STREAMING_NET, doc)]) if cfg is not None else out)
+             f"chose (`{quality}.json`); τ: `--sparseloco-overlap-steps` (replay merge), P: `--sparseloco-fragments`. "
+             "*Exposed*: the training loop's time in outer steps per H inner steps (blocking: the whole round; τ ≥ 1: "
+             "the launch and the completion), slowest worker, after the first round. Losses from one seed: "
+             "differences below the headline's seed spread are noise.", ""]
+            + out + paragraph(streaming_net_reading(rows)) + [""] + command_block([(name, doc)]))
 
 
 def exposed_per_h(r: dict) -> Optional[float]:
@@ -889,8 +907,12 @@ def streaming_net_reading(rows: List[dict]) -> str:
     if dfrag is not None and sfrag is not None:
         text += (f"Fragments P = {dfrag['fragments']} without overlap take {pct(dfrag, db)} (DiLoCo) and "
                  f"{pct(sfrag, sb)} (SparseLoCo) of blocking: {dfrag['fragments']} syncs per H steps, each with its "
-                 "fixed costs. On this model and link the wire time is small; the rows show the mechanics and the "
-                 "loss each setting costs, not the saving on a link whose wire time dominates the round.")
+                 "fixed costs. ")
+    if db.get("sync_wire_s") is not None:
+        text += ("On this model and link the wire is under half of DiLoCo's blocking round; the rows show the "
+                 "mechanics and the loss each setting costs, not the saving on a link whose wire time dominates the "
+                 "round." if db["sync_wire_s"] < 0.5 * db["sync_outer_step_s"] else
+                 "On this model and link the wire is most of DiLoCo's blocking round, the case overlap is for.")
     return text.strip()
 
 

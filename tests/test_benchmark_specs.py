@@ -415,3 +415,21 @@ def test_reuse_rebuilds_the_run_of_a_row_written_before_rows_carried_it():
                "outer_momentum": run.outer_momentum, "label": run.label()}
         assert quality._run_key(common.RunCfg(**quality._run_of_plain_row(row, config))) == quality._run_key(run)
         assert quality._run_of_plain_row(dict(row, label=run.label() + " flat"), config) is None
+
+
+def test_network_tuned_settings_refuse_a_quality_file_of_another_model_size(tmp_path):
+    """--tuned reads the outer settings a quality file chose; a file that tuned another model is refused, naming
+    the flag, instead of running the other size's point as if tuned."""
+    import schema
+    small = {"layers": 2, "hidden": 128, "heads": 4, "seq": 128, "vocab": 257}
+    path = tmp_path / "quality_w4.json"
+    schema.write(str(path), schema.document(
+        "quality", "python benchmarks/quality.py --sweep --workers 4",
+        {"model": small, "tuned_per_w": {"4": {"diloco": [0.5, 0.3], "sparseloco": [1.5, None]}}},
+        [{"method": "diloco"}]))
+    assert network.tuned_settings(str(path), 4, dict(small)) == {"diloco": (0.5, 0.3), "sparseloco": (1.5, None)}
+    with pytest.raises(SystemExit, match=r"--tuned .*quality_w4.json: tuned on the model .*'hidden': 128.*"
+                                         r"this run trains .*'hidden': 256"):
+        network.tuned_settings(str(path), 4, dict(small, layers=4, hidden=256))
+    with pytest.raises(SystemExit, match=r"settings chosen at W = 8"):
+        network.tuned_settings(str(path), 8, dict(small))

@@ -680,7 +680,11 @@ def test_the_streaming_table_puts_every_overlap_and_fragment_row_beside_its_bloc
             row("sparseloco", 2, 1, 2.06, 0.1, 60), row("sparseloco", 0, 2, 2.04, 0.15, 120)]
     write(tmp_path, "network_streaming_w4", schema.document("network", PLAN["network_streaming_w4"], {"model": {}}, rows,
                                                             machine=dict(MACHINE)))
-    section = R.render_page(R.load_results(str(tmp_path))).split("## Overlap and fragments")[1].split("\n## ")[0]
+    page = R.render_page(R.load_results(str(tmp_path))).split("## Overlap and fragments")[1].split("\n## ")[0]
+    section, larger = page.split("### 4 layers × 256")
+    # the second size has no file yet: its heading says so and gives the command that makes it
+    assert "Not measured yet" in larger and PLAN["network_streaming_4x256_w4"] in larger
+    assert "| DiLoCo |" not in larger
     assert "| DiLoCo | 0 | 1 | 2.0000 |  | 1.000 s |  | 1.0 kB |" in section
     assert "| DiLoCo | 2 | 1 | 2.0100 | +0.010 | 0.100 s | 10 % | 1.0 kB |" in section
     # P = 2: two fragment syncs per H steps, 0.6 s each: 1.2 s per H steps, 120 % of blocking
@@ -692,6 +696,19 @@ def test_the_streaming_table_puts_every_overlap_and_fragment_row_beside_its_bloc
     assert ("to 10 % of blocking for DiLoCo (τ = 2, held-out +0.010) and 50 % for SparseLoCo (τ = 2, +0.010)"
             in section)
     assert "Fragments P = 2 without overlap take 120 % (DiLoCo) and 150 % (SparseLoCo) of blocking" in section
+    assert "the wire is most of DiLoCo's blocking round" in section   # 0.5 of 1.0 s
+    # the second size's file: its own table under its heading, its rows beside its own blocking rows
+    big = [dict(r, numel=3_258_112, held_out_loss=r["held_out_loss"] - 0.1) for r in rows]
+    big[0]["sync_wire_s"] = 0.2
+    write(tmp_path, "network_streaming_4x256_w4", schema.document(
+        "network", PLAN["network_streaming_4x256_w4"], {"model": {}}, big, machine=dict(MACHINE)))
+    page = R.render_page(R.load_results(str(tmp_path))).split("## Overlap and fragments")[1].split("\n## ")[0]
+    small, larger = page.split("### 4 layers × 256")
+    assert "| DiLoCo | 0 | 2 | 2.0200 | +0.020 | 1.200 s | 120 % | 1.0 kB |" in small
+    assert "the 4 layers × 256 model (3.26 M parameters)" in larger and "`quality_4x256_w4.json`" in larger
+    assert "| DiLoCo | 0 | 2 | 1.9200 | +0.020 | 1.200 s | 120 % | 1.0 kB |" in larger
+    assert "the wire is under half of DiLoCo's blocking round" in larger    # 0.2 of 1.0 s
+    assert PLAN["network_streaming_4x256_w4"] in larger and PLAN["network_streaming_w4"] not in larger
 
 
 def test_the_aggregation_table_reads_received_over_own_payload_and_the_sites_wan_bytes(tmp_path):
