@@ -116,9 +116,9 @@ PLAN: List[Bench] = (
                                  "diloco,sparseloco:64 --layers 6 --hidden 384 --heads 6 --sweep-grid "
                                  "benchmarks/grids/6x384_w4.json --timeout 30000 "
                                  "--json docs/results/quality_6x384_w4.json", "385 min"),
-       Bench("quality_6x384_ddp", "python benchmarks/quality.py --workers 4 --steps 900 --seeds 1 --methods ddp "
+       Bench("quality_6x384_ddp", "python benchmarks/quality.py --workers 4 --steps 900 --seeds 3 --methods ddp "
                                   "--layers 6 --hidden 384 --heads 6 --timeout 20000 "
-                                  "--json docs/results/quality_6x384_ddp.json", "25 min"),
+                                  "--json docs/results/quality_6x384_ddp.json", "80 min"),
        Bench(SCHEDULE, "python benchmarks/quality.py --workers 4 --steps 900 --seeds 3 --methods "
                        "ddp,diloco,sparseloco:64 --tuned benchmarks/grids/tuned_w4.json --lr-warmup-fraction 0.1 "
                        "--lr-decay-style cosine --min-lr 0.0001 --clip-grad 1.0 --timeout 20000 "
