@@ -269,6 +269,30 @@ def run_namespaced(model, runs, paths, build, timeout):
     return run_in_namespaces(build, _training_spec(model, runs, paths), timeout)
 
 
+def wait_ranks(procs, deadline: float) -> None:
+    """Wait for every rank process until ``deadline`` (time.monotonic()); a rank past it is killed. If the wait
+    itself ends early (Ctrl-C, SIGTERM turned into an exception, an error), every rank still running is killed
+    before the exception goes on: the namespaces are deleted on the way out, and a rank left behind would keep
+    training, orphaned, on the cores the next run needs."""
+    try:
+        for p in procs:
+            try:
+                p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+    except BaseException:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        raise
+
+
 def run_in_namespaces(build, spec: dict, timeout, script=HERE):
     """``script --_worker SPEC --_rank r --_world W --_out OUT --_timeout T`` (``add_worker_arguments``) in
     each worker namespace that ``build(nss)`` creates, SPEC = ``spec`` as a JSON file; returns the ranks'
@@ -287,14 +311,9 @@ def run_in_namespaces(build, spec: dict, timeout, script=HERE):
                                             str(rank), "--_world", str(world), "--_out", out, "--_timeout",
                                             str(timeout)], env=env, stdout=log, stderr=subprocess.STDOUT), log))
             outs.append(out)
-        deadline = time.monotonic() + timeout + 60
+        wait_ranks([p for p, _ in procs], time.monotonic() + timeout + 60)
         failed = []
         for rank, (p, log) in enumerate(procs):
-            try:
-                p.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
             log.close()
             if p.returncode != 0 or not os.path.exists(outs[rank]):
                 failed.append(rank)

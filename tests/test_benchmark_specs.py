@@ -433,3 +433,39 @@ def test_network_tuned_settings_refuse_a_quality_file_of_another_model_size(tmp_
         network.tuned_settings(str(path), 4, dict(small, layers=4, hidden=256))
     with pytest.raises(SystemExit, match=r"settings chosen at W = 8"):
         network.tuned_settings(str(path), 8, dict(small))
+
+
+def test_network_rank_wait_kills_every_rank_when_the_wait_is_interrupted():
+    """Ctrl-C (or any error) while the launcher waits for its namespaced ranks: the ranks still running are
+    killed before the exception goes on, not left training as orphans on the shared cores."""
+    import subprocess
+    import time
+
+    class Interrupted:
+        """A rank whose wait is where the launcher is when Ctrl-C arrives."""
+        returncode = None
+        waits = 0
+
+        def wait(self, timeout=None):
+            self.waits += 1
+            if self.waits == 1:
+                raise KeyboardInterrupt
+            return self.returncode
+
+        def poll(self):
+            return None
+
+        def kill(self):
+            self.returncode = -9
+
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(2)]
+    first = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        network.wait_ranks([first] + sleepers, time.monotonic() + 300)
+    assert first.returncode == -9
+    assert [p.returncode for p in sleepers] == [-9, -9]     # killed, and reaped within the call
+    # past the deadline: the rank is killed, the wait returns
+    late = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    t0 = time.monotonic()
+    network.wait_ranks([late], time.monotonic() - 1)
+    assert late.returncode == -9 and time.monotonic() - t0 < 30
