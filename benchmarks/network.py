@@ -492,6 +492,27 @@ def apply_tuned(runs, tuned: dict):
     return out
 
 
+def uniform_runs(specs: str, base: dict, tuned: dict, taus, merges, frag_runs) -> list:
+    """The uniform case's runs: the ``specs`` (``--uniform-methods``); for each τ and merge rule a DiLoCo and a
+    SparseLoCo k = 64 run with the outer step delayed τ inner steps; for each (P, τ) of ``frag_runs`` the same two
+    synced in P fragments; then, with any of those, ``local`` (no outer communication: the tokens/s ceiling).
+
+    Every DiLoCo / SparseLoCo run whose spec sets no lr, the overlap and fragment runs included, takes ``tuned``'s
+    setting (``--tuned``): each overlap / fragment row differs from its method's blocking row in τ and P only."""
+    runs = hetero_runs(specs, base)
+    for t in taus:
+        for m in merges:
+            runs += [RunCfg("diloco", overlap_steps=t, overlap_merge=m, **base),
+                     RunCfg("sparseloco", k=64, overlap_steps=t, overlap_merge=m, **base)]
+    for P, t in frag_runs:
+        runs += [RunCfg("diloco", overlap_steps=t, fragments=P, **base),
+                 RunCfg("sparseloco", k=64, overlap_steps=t, fragments=P, **base)]
+    runs = apply_tuned(runs, tuned)
+    if taus or frag_runs:
+        runs.append(RunCfg("local", **base))
+    return runs
+
+
 def label(r):
     if r.get("label"):
         return r["label"]
@@ -599,25 +620,15 @@ def main(argv=None) -> int:
     paths = common.ensure_data()
     base = dict(H=H, steps=steps, mbs=mbs, eval_every=H,
                 eval_windows=args.eval_windows or (8 if args.smoke else 32))
-    methods = hetero_runs(args.uniform_methods, base)
     tuned = {}
     if args.tuned:
         tuned = {"uniform": tuned_settings(args.tuned, args.workers, asdict(model))} if not args.no_uniform else {}
-        methods = apply_tuned(methods, tuned.get("uniform", {}))
     taus = [int(t) for t in args.overlap_steps.split(",") if t.strip()]
     if any(not 1 <= t < H for t in taus):
         raise SystemExit(f"--overlap-steps: every τ must be in [1, H={H}), got {taus}")
     merges = common.overlap_merges(args.overlap_merges)
-    for t in taus:
-        for m in merges:
-            methods += [RunCfg("diloco", overlap_steps=t, overlap_merge=m, **base),
-                        RunCfg("sparseloco", k=64, overlap_steps=t, overlap_merge=m, **base)]
     frag_runs = fragment_settings(args.fragments, taus, H, model.layers)
-    for P, t in frag_runs:
-        methods += [RunCfg("diloco", overlap_steps=t, fragments=P, **base),
-                    RunCfg("sparseloco", k=64, overlap_steps=t, fragments=P, **base)]
-    if taus or frag_runs:  # the same training with no outer communication: the tokens/s ceiling
-        methods.append(RunCfg("local", **base))
+    methods = uniform_runs(args.uniform_methods, base, tuned.get("uniform", {}), taus, merges, frag_runs)
     if not args.no_ddp:  # dense DDP syncs every step: a third of the steps keeps its run short
         methods.insert(0, RunCfg("ddp", **dict(base, steps=steps if args.smoke else max(H, steps // 3))))
     # one run_ranks call trains every method in turn: its budget grows with the method count

@@ -469,3 +469,22 @@ def test_network_rank_wait_kills_every_rank_when_the_wait_is_interrupted():
     t0 = time.monotonic()
     network.wait_ranks([late], time.monotonic() - 1)
     assert late.returncode == -9 and time.monotonic() - t0 < 30
+
+
+def test_network_overlap_and_fragment_rows_run_at_the_tuned_setting_of_their_blocking_row():
+    """--tuned with --overlap-steps / --fragments: the delayed and fragmented DiLoCo / SparseLoCo runs take the
+    chosen outer setting too, so each differs from its method's blocking row in τ and P only (they ran at the
+    plugin's defaults before: DiLoCo μ 0.9 beside a blocking row at the chosen μ)."""
+    base = dict(H=15, steps=30)
+    tuned = {"diloco": (0.5, 0.3), "sparseloco": (1.06, None)}
+    runs = network.uniform_runs("diloco,sparseloco:64", base, tuned, [2], ["replay"], [(2, 0), (2, 2)])
+    outer = [(r.method, r.overlap_steps, r.fragments, r.outer_lr, r.outer_momentum) for r in runs]
+    assert outer == [("diloco", 0, 1, 0.5, 0.3), ("sparseloco", 0, 1, 1.06, None),
+                     ("diloco", 2, 1, 0.5, 0.3), ("sparseloco", 2, 1, 1.06, None),
+                     ("diloco", 0, 2, 0.5, 0.3), ("sparseloco", 0, 2, 1.06, None),
+                     ("diloco", 2, 2, 0.5, 0.3), ("sparseloco", 2, 2, 1.06, None),
+                     ("local", 0, 1, None, None)]
+    # a spec that names its lr keeps it; without --tuned every run is at the plugin's defaults
+    (named,) = network.uniform_runs("sparseloco:lr2", base, tuned, [], ["replay"], [])
+    assert named.outer_lr == 2.0
+    assert all(r.outer_lr is None for r in network.uniform_runs("diloco", base, {}, [2], ["replay"], []))

@@ -709,6 +709,16 @@ def test_the_streaming_table_puts_every_overlap_and_fragment_row_beside_its_bloc
     assert "| DiLoCo | 0 | 2 | 1.9200 | +0.020 | 1.200 s | 120 % | 1.0 kB |" in larger
     assert "the wire is under half of DiLoCo's blocking round" in larger    # 0.2 of 1.0 s
     assert PLAN["network_streaming_4x256_w4"] in larger and PLAN["network_streaming_w4"] not in larger
+    assert "Not comparable" not in page      # every row ran at its blocking row's setting (none recorded here)
+    # a file whose overlap row ran at another outer setting than its blocking row: named under the table
+    odd = [dict(r, outer={"lr": 0.7, "momentum": 0.9 if r["overlap_steps"] == 2 else 0.8})
+           if r["method"] == "diloco" else r for r in rows]
+    write(tmp_path, "network_streaming_w4", schema.document("network", PLAN["network_streaming_w4"], {"model": {}}, odd,
+                                                            machine=dict(MACHINE)))
+    page = R.render_page(R.load_results(str(tmp_path))).split("## Overlap and fragments")[1].split("\n## ")[0]
+    small, larger = page.split("### 4 layers × 256")
+    assert ("**Not comparable with their blocking row**: DiLoCo τ = 2, P = 1 at 0.7 / 0.9 (blocking: 0.7 / 0.8). "
+            in small) and "Not comparable" not in larger
 
 
 def test_the_aggregation_table_reads_received_over_own_payload_and_the_sites_wan_bytes(tmp_path):
