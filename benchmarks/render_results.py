@@ -917,7 +917,7 @@ def streaming_net_reading(rows: List[dict]) -> str:
                  f"{pct(sfrag, sb)} (SparseLoCo) of blocking: {dfrag['fragments']} syncs per H steps, each with its "
                  "fixed costs. ")
     if db.get("sync_wire_s") is not None:
-        text += ("On this model and link the wire is under half of DiLoCo's blocking round; the rows show the "
+        text += ("On this model and link the wire is not most of DiLoCo's blocking round; the rows show the "
                  "mechanics and the loss each setting costs, not the saving on a link whose wire time dominates the "
                  "round." if db["sync_wire_s"] < 0.5 * db["sync_outer_step_s"] else
                  "On this model and link the wire is most of DiLoCo's blocking round, the case overlap is for.")
