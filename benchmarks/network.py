@@ -492,10 +492,11 @@ def apply_tuned(runs, tuned: dict):
     return out
 
 
-def uniform_runs(specs: str, base: dict, tuned: dict, taus, merges, frag_runs) -> list:
-    """The uniform case's runs: the ``specs`` (``--uniform-methods``); for each τ and merge rule a DiLoCo and a
-    SparseLoCo k = 64 run with the outer step delayed τ inner steps; for each (P, τ) of ``frag_runs`` the same two
-    synced in P fragments; then, with any of those, ``local`` (no outer communication: the tokens/s ceiling).
+def case_runs(specs: str, base: dict, tuned: dict, taus, merges, frag_runs, local: bool = True) -> list:
+    """A case's runs: the ``specs`` (``--uniform-methods`` / ``--hetero-methods``); for each τ and merge rule a
+    DiLoCo and a SparseLoCo k = 64 run with the outer step delayed τ inner steps; for each (P, τ) of ``frag_runs``
+    the same two synced in P fragments; then, with ``local`` and any of those, ``local`` (no outer communication:
+    the tokens/s ceiling).
 
     Every DiLoCo / SparseLoCo run whose spec sets no lr, the overlap and fragment runs included, takes ``tuned``'s
     setting (``--tuned``): each overlap / fragment row differs from its method's blocking row in τ and P only."""
@@ -508,7 +509,7 @@ def uniform_runs(specs: str, base: dict, tuned: dict, taus, merges, frag_runs) -
         runs += [RunCfg("diloco", overlap_steps=t, fragments=P, **base),
                  RunCfg("sparseloco", k=64, overlap_steps=t, fragments=P, **base)]
     runs = apply_tuned(runs, tuned)
-    if taus or frag_runs:
+    if local and (taus or frag_runs):
         runs.append(RunCfg("local", **base))
     return runs
 
@@ -628,7 +629,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--overlap-steps: every τ must be in [1, H={H}), got {taus}")
     merges = common.overlap_merges(args.overlap_merges)
     frag_runs = fragment_settings(args.fragments, taus, H, model.layers)
-    methods = uniform_runs(args.uniform_methods, base, tuned.get("uniform", {}), taus, merges, frag_runs)
+    methods = case_runs(args.uniform_methods, base, tuned.get("uniform", {}), taus, merges, frag_runs)
     if not args.no_ddp:  # dense DDP syncs every step: a third of the steps keeps its run short
         methods.insert(0, RunCfg("ddp", **dict(base, steps=steps if args.smoke else max(H, steps // 3))))
     # one run_ranks call trains every method in turn: its budget grows with the method count
@@ -669,17 +670,10 @@ def main(argv=None) -> int:
             raise SystemExit(f"--hetero-slow-compute must be >= 1, got {args.hetero_slow_compute}")
         hbase["slow_compute"] = args.hetero_slow_compute
         out["hetero"]["slow_compute"] = args.hetero_slow_compute
-        hmethods = hetero_runs(args.hetero_methods, hbase)
         if args.tuned:
             tuned["hetero"] = tuned_settings(args.tuned, Wh, asdict(model))
-            hmethods = apply_tuned(hmethods, tuned["hetero"])
-        for t in taus:
-            for m in merges:
-                hmethods += [RunCfg("diloco", overlap_steps=t, overlap_merge=m, **hbase),
-                             RunCfg("sparseloco", k=64, overlap_steps=t, overlap_merge=m, **hbase)]
-        for P, t in frag_runs:
-            hmethods += [RunCfg("diloco", overlap_steps=t, fragments=P, **hbase),
-                         RunCfg("sparseloco", k=64, overlap_steps=t, fragments=P, **hbase)]
+        hmethods = case_runs(args.hetero_methods, hbase, tuned.get("hetero", {}), taus, merges, frag_runs,
+                             local=False)
         print(f"[network] heterogeneous: W={Wh}, links {rates}", flush=True)
         hres = run_hetero(model, hmethods, paths, rates, args.timeout or (240 if args.smoke else 300 * len(hmethods)))
         hrows = add_time_to_target(summarise(hres, Wh, "hetero"), args.diloco_target_step)

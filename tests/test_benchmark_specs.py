@@ -477,7 +477,7 @@ def test_network_overlap_and_fragment_rows_run_at_the_tuned_setting_of_their_blo
     plugin's defaults before: DiLoCo μ 0.9 beside a blocking row at the chosen μ)."""
     base = dict(H=15, steps=30)
     tuned = {"diloco": (0.5, 0.3), "sparseloco": (1.06, None)}
-    runs = network.uniform_runs("diloco,sparseloco:64", base, tuned, [2], ["replay"], [(2, 0), (2, 2)])
+    runs = network.case_runs("diloco,sparseloco:64", base, tuned, [2], ["replay"], [(2, 0), (2, 2)])
     outer = [(r.method, r.overlap_steps, r.fragments, r.outer_lr, r.outer_momentum) for r in runs]
     assert outer == [("diloco", 0, 1, 0.5, 0.3), ("sparseloco", 0, 1, 1.06, None),
                      ("diloco", 2, 1, 0.5, 0.3), ("sparseloco", 2, 1, 1.06, None),
@@ -485,6 +485,11 @@ def test_network_overlap_and_fragment_rows_run_at_the_tuned_setting_of_their_blo
                      ("diloco", 2, 2, 0.5, 0.3), ("sparseloco", 2, 2, 1.06, None),
                      ("local", 0, 1, None, None)]
     # a spec that names its lr keeps it; without --tuned every run is at the plugin's defaults
-    (named,) = network.uniform_runs("sparseloco:lr2", base, tuned, [], ["replay"], [])
+    (named,) = network.case_runs("sparseloco:lr2", base, tuned, [], ["replay"], [])
     assert named.outer_lr == 2.0
-    assert all(r.outer_lr is None for r in network.uniform_runs("diloco", base, {}, [2], ["replay"], []))
+    assert all(r.outer_lr is None for r in network.case_runs("diloco", base, {}, [2], ["replay"], []))
+    # the heterogeneous case: the same runs, without the local ceiling
+    hetero = network.case_runs("diloco,sparseloco:64", base, tuned, [2], ["replay"], [(2, 0)], local=False)
+    assert [(r.method, r.overlap_steps, r.fragments, r.outer_lr) for r in hetero] == [
+        ("diloco", 0, 1, 0.5), ("sparseloco", 0, 1, 1.06), ("diloco", 2, 1, 0.5), ("sparseloco", 2, 1, 1.06),
+        ("diloco", 0, 2, 0.5), ("sparseloco", 0, 2, 1.06)]
