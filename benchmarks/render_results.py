@@ -721,15 +721,24 @@ def default_lr_section(docs: Dict[str, Dict]) -> List[str]:
         "workers\".")
 
 
-def schedule_section(docs: Dict[str, Dict]) -> List[str]:
-    """Every schedule check (:data:`SCHEDULES`): the quality model's, then the second size's, each under its model's
-    name."""
+def sections_per_size(docs: Dict[str, Dict], files: Sequence[tuple], table) -> List[str]:
+    """One sub-section per (file, size infix) of ``files``, in order, under its model's name (:data:`SIZES`):
+    ``table(docs, name, size, label)`` where the file exists, else the command that makes it."""
     out: List[str] = []
-    for name, size in SCHEDULES:
+    for name, size in files:
         label = next(n for infix, n, _ in SIZES if infix == size)
-        out += [f"### {label}", ""] + (schedule_table(docs, name, size, label) if name in docs else missing([name]))
-        out += [""]
+        out += [f"### {label}", ""] + (table(docs, name, size, label) if name in docs else missing([name])) + [""]
     return out[:-1]
+
+
+def model_name(size: str, label: str, numel: Optional[int]) -> str:
+    """How a section names its model: "quality model" for the first size, else "<label> model (<n> parameters)"."""
+    return "quality model" if not size else f"{label} model" + (f" ({fmt_params(numel)} parameters)" if numel else "")
+
+
+def schedule_section(docs: Dict[str, Dict]) -> List[str]:
+    """Every schedule check (:data:`SCHEDULES`): the quality model's, then the second size's."""
+    return sections_per_size(docs, SCHEDULES, schedule_table)
 
 
 def schedule_table(docs: Dict[str, Dict], name: str, size: str, label: str) -> List[str]:
@@ -745,8 +754,7 @@ def schedule_table(docs: Dict[str, Dict], name: str, size: str, label: str) -> L
     inner = doc["config"]["inner"]
     const = docs.get(f"quality{size}_w{W}")
     swept = [k for k in ("ddp",) + KEYS if sweep_points(doc, W, k)]
-    model = ("The quality model" if not size else
-             f"The {label} model ({fmt_params(doc['config']['numel'])} parameters)")
+    model = "The " + model_name(size, label, doc["config"]["numel"] if size else None)
     outer = [k for k in KEYS if k in swept]
     how = (f"{fmt_and([NAMES[k] for k in outer])} swept again under the schedule on seed 0 (the constant-lr choice "
            "among its points), the seeds at the lowest point" if outer else
@@ -819,20 +827,14 @@ def schedule_sweep_cells(doc: Dict, W: int, const: Optional[Dict], keys: Sequenc
 
 
 def streaming_net_section(docs: Dict[str, Dict]) -> List[str]:
-    """Every overlap / fragments file (:data:`STREAMING_NETS`): the quality model's, then the second size's, each
-    under its model's name."""
-    out: List[str] = []
-    for name, size in STREAMING_NETS:
-        label = next(n for infix, n, _ in SIZES if infix == size)
-        out += [f"### {label}", ""] + (streaming_net_table(docs[name], name, size, label) if name in docs
-                                       else missing([name]))
-        out += [""]
-    return out[:-1]
+    """Every overlap / fragments file (:data:`STREAMING_NETS`): the quality model's, then the second size's."""
+    return sections_per_size(docs, STREAMING_NETS, streaming_net_table)
 
 
-def streaming_net_table(doc: Dict, name: str, size: str, label: str) -> List[str]:
+def streaming_net_table(docs: Dict[str, Dict], name: str, size: str, label: str) -> List[str]:
     """Overlap τ and fragments P on the shaped links: exposed outer time per H inner steps and held-out loss, every
     row beside its method's blocking row from the same launch."""
+    doc = docs[name]
     rows = [r for r in doc["rows"] if r["case"] == "uniform" and r["method"] in ("diloco", "sparseloco")]
     out = ["| method | τ | P | held-out loss | Δ vs blocking | exposed outer time per H steps | vs blocking | "
            "bytes sent / worker |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -854,8 +856,7 @@ def streaming_net_table(doc: Dict, name: str, size: str, label: str) -> List[str
                        + f" | {fmt_s(e, 3)} | "
                        + ("" if r is base or not (e and b) else f"{100 * e / b:.0f} %")
                        + f" | {fmt_bytes(r['bytes_sent_per_worker'])} |")
-    model = "the quality model" if not size else "the " + label + (
-        f" model ({fmt_params(rows[0]['numel'])} parameters)" if rows and rows[0].get("numel") else " model")
+    model = "the " + model_name(size, label, rows[0].get("numel") if rows else None)
     quality = f"quality{size}_w{rows[0]['workers']}" if rows else ""
     return ([f"W = {rows[0]['workers'] if rows else ''}, {model}, each worker on its own 100 Mbit/s link "
              "(per-worker network namespaces, tbf both directions), seed 0, at the outer settings the quality sweep "
